@@ -1,0 +1,80 @@
+"""Tiny random checkpoints written by the reference libraries themselves, and comparisons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter random in a realistic range (reference inits leave norms at 0 or 1,
+    which would hide a wrong norm offset or a missing gate)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        if name.endswith("A_log"):
+            values = torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            values = torch.empty(param.shape).uniform_(-4.0, 0.0, generator=gen)
+        elif "norm" in name:
+            values = 0.5 + 0.5 * torch.rand(param.shape, generator=gen)
+        elif "conv" in name:
+            values = 0.3 * torch.randn(param.shape, generator=gen)
+        else:
+            values = 0.05 * torch.randn(param.shape, generator=gen)
+        param.copy_(values)
+
+
+def qwen_text_config(num_layers=2, vocab=97, hidden=64, k_heads=2, v_heads=4, tie=True,
+                     layer_types=None):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=num_layers,
+        layer_types=layer_types or ["linear_attention"] * num_layers,
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=tie,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6)
+
+
+def write_qwen_checkpoint(path: Path, seed: int = 0, **config_kwargs):
+    """Qwen3_5ForCausalLM with random weights, saved by transformers; returns the model."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(qwen_text_config(**config_kwargs)).eval()
+    randomize_(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+FLA_SITE_ENV = "UNIMAX_FLA_SITE"
+
+
+def fla_site() -> str | None:
+    """Folder holding flash-linear-attention (+ triton) installed apart from the test process:
+    an importable fla makes transformers route its CPU reference through Triton."""
+    site = os.environ.get(FLA_SITE_ENV)
+    return site if site and Path(site, "fla").is_dir() else None
+
+
+def run_fla_script(args: list[str]) -> dict:
+    """Run tests/fla_reference.py in a child process that can import fla; return its JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([fla_site(), str(ROOT)]))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fla_reference.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"fla reference script failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

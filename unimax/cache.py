@@ -1,0 +1,128 @@
+"""The recurrent cache: fixed-size state, allocated once, updated in place.
+
+Each layer speaks transformers' linear-attention cache vocabulary (``conv_states``,
+``recurrent_states`` and three flag dicts, keyed by state index; a GDN layer has state 0 only).
+Storage is materialized at construction, never reallocated: every update is a ``copy_`` into it,
+so CUDA graphs captured over a cache stay valid for its whole life. Snapshots are caches too,
+so snapshot / restore / bridge are all one operation, ``copy_cache_``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STATE_TABLES = ("conv_states", "recurrent_states")
+FLAG_TABLES = ("has_previous_state", "is_conv_states_initialized",
+               "is_recurrent_states_initialized")
+
+
+@dataclass(frozen=True)
+class LayerStateSpec:
+    """Shapes of one GDN layer's state for batch 1: conv (D, W), recurrent (HV, K, V)."""
+
+    conv_shape: tuple[int, int]
+    recurrent_shape: tuple[int, int, int]
+
+
+class RecurrentLayerState:
+    def __init__(self, spec: LayerStateSpec, batch_size: int, conv_dtype: torch.dtype,
+                 device: torch.device):
+        self.conv_states = {0: torch.zeros(batch_size, *spec.conv_shape, dtype=conv_dtype,
+                                           device=device)}
+        # Recurrent state stays fp32 whatever the activations are, as fla and transformers keep it.
+        self.recurrent_states = {0: torch.zeros(batch_size, *spec.recurrent_shape,
+                                                dtype=torch.float32, device=device)}
+        self.is_conv_states_initialized = {0: True}
+        self.is_recurrent_states_initialized = {0: True}
+        self.has_previous_state = {0: False}
+
+    def reset(self) -> None:
+        for table in STATE_TABLES:
+            for tensor in getattr(self, table).values():
+                tensor.zero_()
+        self.has_previous_state[0] = False
+
+
+class RecurrentCache:
+    """All layers' state for one batch. ``seen_tokens`` counts tokens folded into it."""
+
+    def __init__(self, specs: list[LayerStateSpec], batch_size: int = 1,
+                 conv_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.specs = list(specs)
+        self.batch_size = int(batch_size)
+        self.conv_dtype = conv_dtype
+        self.device = torch.device(device)
+        self.layers = [RecurrentLayerState(s, batch_size, conv_dtype, self.device) for s in specs]
+        self.seen_tokens = 0
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.seen_tokens = 0
+
+    def empty_like(self) -> RecurrentCache:
+        return RecurrentCache(self.specs, self.batch_size, self.conv_dtype, self.device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def cache_payload_bytes(cache: RecurrentCache) -> int:
+    """Bytes of every conv and recurrent state tensor: what a bridge or a snapshot moves."""
+    total = 0
+    for layer in cache.layers:
+        for table in STATE_TABLES:
+            for tensor in getattr(layer, table).values():
+                if tensor is not None:
+                    total += tensor.numel() * tensor.element_size()
+    return int(total)
+
+
+@torch.inference_mode()
+def copy_cache_(dst: RecurrentCache, src: RecurrentCache) -> None:
+    """Copy src's state and flags into dst's existing storage; dst's addresses are kept."""
+    if len(dst.layers) != len(src.layers):
+        raise ValueError(f"cache topology mismatch: destination has {len(dst.layers)} layers, "
+                         f"source has {len(src.layers)}")
+    for index, (d_layer, s_layer) in enumerate(zip(dst.layers, src.layers, strict=True)):
+        for table in STATE_TABLES:
+            d_table, s_table = getattr(d_layer, table), getattr(s_layer, table)
+            for idx, s_tensor in s_table.items():
+                if s_tensor is None:
+                    continue
+                d_tensor = d_table.get(idx)
+                if d_tensor is None:
+                    raise RuntimeError(f"destination cache storage is not materialized: "
+                                       f"layer {index} {table}[{idx}]")
+                if d_tensor.shape != s_tensor.shape or d_tensor.dtype != s_tensor.dtype:
+                    raise RuntimeError(
+                        f"cache state mismatch for layer {index} {table}[{idx}]: "
+                        f"dst={tuple(d_tensor.shape)}/{d_tensor.dtype}, "
+                        f"src={tuple(s_tensor.shape)}/{s_tensor.dtype}")
+                d_tensor.copy_(s_tensor)
+        for table in FLAG_TABLES:
+            d_flags = getattr(d_layer, table)
+            d_flags.clear()
+            d_flags.update(getattr(s_layer, table))
+    dst.seen_tokens = int(src.seen_tokens)
+
+
+def snapshot_cache(cache: RecurrentCache, out: RecurrentCache | None = None) -> RecurrentCache:
+    """A copy of the cache's state. Pass ``out`` (e.g. from ``cache.empty_like()``) to reuse
+    preallocated buffers instead of allocating on every call."""
+    if out is None:
+        out = cache.empty_like()
+    copy_cache_(out, cache)
+    return out
+
+
+def restore_cache_(cache: RecurrentCache, snapshot: RecurrentCache) -> None:
+    """Put a snapshot back into the cache's own storage (addresses kept)."""
+    copy_cache_(cache, snapshot)

@@ -1,0 +1,124 @@
+"""Modules of a pure Gated DeltaNet LM: norms, the GDN token mixer, the SwiGLU MLP, a block.
+
+The mixer reads its input once through a merged projection (q, k, v, z, b, a rows side by side):
+one GEMV per token instead of six, which is what batch-1 decoding pays for. Checkpoint adapters
+(checkpoint.py) build the merged weights from either layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import RecurrentLayerState
+from .config import GDNConfig
+from .ops.conv import causal_conv1d, causal_conv1d_step
+from .ops.gated_delta import gated_delta_rule
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32, scaled by (offset + w): offset 0 for fla, 1 for Qwen3.5's zero-centred."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the mixer output, scaled by w and gated by act(z)."""
+
+    def __init__(self, dim: int, eps: float, activation: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.activation = F.silu if activation == "silu" else torch.sigmoid
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * self.activation(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNetMixer(nn.Module):
+    def __init__(self, config: GDNConfig):
+        super().__init__()
+        self.config = config
+        self.in_proj = nn.Linear(config.hidden_size, sum(config.in_proj_sizes), bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(config.conv_dim, config.conv_size))
+        self.A_log = nn.Parameter(torch.empty(config.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(config.num_v_heads))
+        self.norm = GatedRMSNorm(config.head_v_dim, config.norm_eps, config.gate_activation)
+        self.out_proj = nn.Linear(config.value_dim, config.hidden_size, bias=False)
+        self.backend = "auto"  # gated delta rule kernel: see ops.gated_delta.gated_delta_rule
+
+    def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
+        cfg = self.config
+        batch, seq_len, _ = x.shape
+        mixed, z, b, a = torch.split(
+            self.in_proj(x), [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads],
+            dim=-1)
+
+        if state is None:
+            conv_state = x.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
+            recurrent_state = None
+        else:
+            conv_state, recurrent_state = state.conv_states[0], state.recurrent_states[0]
+        conv = causal_conv1d_step if seq_len == 1 else causal_conv1d
+        mixed, new_conv_state = conv(mixed, self.conv_weight, conv_state)
+
+        q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = q.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim).contiguous()
+        k = k.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim).contiguous()
+        v = v.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim).contiguous()
+        beta = b.sigmoid()
+        if cfg.allow_neg_eigval:
+            beta = beta * 2.0
+        # g = -exp(A_log) * softplus(a + dt_bias): the per-head log-decay, computed in fp32.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+        o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,
+                                                  backend=self.backend)
+        if state is not None:
+            # copy_ into the cache's own storage: captured graphs keep pointing at it.
+            state.conv_states[0].copy_(new_conv_state)
+            state.recurrent_states[0].copy_(new_recurrent_state)
+            state.has_previous_state[0] = True
+
+        z = z.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)
+        o = self.norm(o, z).reshape(batch, seq_len, cfg.value_dim)
+        return self.out_proj(o)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up merged into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class GDNBlock(nn.Module):
+    def __init__(self, config: GDNConfig):
+        super().__init__()
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
+        self.mixer = GatedDeltaNetMixer(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), state)
+        return x + self.mlp(self.mlp_norm(x))

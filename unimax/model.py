@@ -1,0 +1,153 @@
+"""The causal LM: HF-style forward for prefill / verify, one-token greedy step, the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cache import LayerStateSpec, RecurrentCache
+from .config import GDNConfig
+from .layers import GDNBlock, RMSNorm
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # (B, T_kept, vocab)
+    past_key_values: RecurrentCache | None = None
+
+
+class GDNForCausalLM(nn.Module):
+    """A pure Gated DeltaNet LM. Call it like a transformers model:
+    ``model(input_ids=, past_key_values=, use_cache=, logits_to_keep=)``.
+
+    With a cache the forward continues from the cached state for any number of new tokens and
+    folds them into it; ``logits_to_keep=0`` returns every position's logits, k > 0 the last k.
+    """
+
+    def __init__(self, config: GDNConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GDNBlock(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # --- the seed's model API -------------------------------------------------------------
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def layer_state_specs(self) -> list[LayerStateSpec]:
+        cfg = self.config
+        spec = LayerStateSpec(conv_shape=(cfg.conv_dim, cfg.conv_size),
+                              recurrent_shape=(cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim))
+        return [spec] * cfg.num_hidden_layers
+
+    def make_recurrent_cache(self, batch_size: int = 1) -> RecurrentCache:
+        return RecurrentCache(self.layer_state_specs(), batch_size, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: RecurrentCache | None = None,
+                use_cache: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+        self.check_input_ids(input_ids)
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = self.make_recurrent_cache(input_ids.shape[0])
+        if cache is not None:
+            self.check_cache(cache, input_ids.shape[0])
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
+        return CausalLMOutput(self.forward_unchecked(input_ids, cache, logits_to_keep), cache)
+
+    def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
+                          logits_to_keep: int = 0) -> torch.Tensor:
+        """The forward with no validation and no host sync: for graph capture and hot loops
+        whose inputs are known good (tokens the model itself produced)."""
+        hidden = self.embed_tokens(input_ids)
+        for index, block in enumerate(self.layers):
+            hidden = block(hidden, None if cache is None else cache.layers[index])
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        return self.lm_head(self.norm(hidden))
+
+    @torch.inference_mode()
+    def greedy_step(self, token: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
+        """Feed one token per sequence (B, 1), return the argmax next token (B, 1)."""
+        if token.dim() != 2 or token.shape[1] != 1:
+            raise ValueError(f"greedy_step takes one token per sequence, shape (B, 1); "
+                             f"got shape {tuple(token.shape)}")
+        logits = self(input_ids=token, past_key_values=cache, use_cache=True,
+                      logits_to_keep=1).logits
+        return logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    # --- validation: clear errors instead of index errors from inside a kernel --------------
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, "
+                            f"got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must hold integer token ids (int64), got {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, tokens), "
+                             f"got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("empty prompt: input_ids has no tokens; give at least one token")
+        vocab = self.config.vocab_size
+        bad = (input_ids < 0) | (input_ids >= vocab)
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"token id {int(input_ids[row, col])} at position {col} of sequence "
+                             f"{row} is outside the vocabulary [0, {vocab}); check the tokenizer "
+                             "matches the model")
+
+    def check_cache(self, cache: RecurrentCache, batch_size: int) -> None:
+        if not isinstance(cache, RecurrentCache):
+            raise TypeError(f"past_key_values must be a RecurrentCache from "
+                            f"model.make_recurrent_cache(), got {type(cache).__name__}")
+        if cache.batch_size != batch_size:
+            raise ValueError(f"cache was made for batch size {cache.batch_size} but input_ids has "
+                             f"batch size {batch_size}; use model.make_recurrent_cache("
+                             f"batch_size={batch_size})")
+        if cache.specs != self.layer_state_specs():
+            raise ValueError("cache was made for a model of another shape; use this model's "
+                             "make_recurrent_cache()")
+        if cache.device != self.device:
+            raise ValueError(f"cache lives on {cache.device} but the model on {self.device}")
+
+    def set_backend(self, backend: str) -> None:
+        """Choose the gated delta rule kernel for every layer ('auto', 'fla', 'chunk',
+        'recurrent'); the tests and benchmarks compare them on the same weights."""
+        for block in self.layers:
+            block.mixer.backend = backend
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Deterministic random weights in realistic ranges, for tests and demos."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("A_log"):
+                values = torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                values = torch.empty(param.shape).uniform_(-4.0, 0.0, generator=gen)
+            elif name.endswith("norm.weight"):
+                base = 0.0 if self.config.norm_offset else 1.0
+                values = base + 0.1 * torch.randn(param.shape, generator=gen)
+            elif name.endswith("conv_weight"):
+                values = 0.3 * torch.randn(param.shape, generator=gen)
+            else:
+                values = std * torch.randn(param.shape, generator=gen)
+            param.copy_(values.to(param.dtype))

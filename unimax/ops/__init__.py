@@ -1,0 +1,1 @@
+"""Pure functions, state in -> state out: a torch reference beside every fast kernel."""

@@ -1,0 +1,158 @@
+"""Gated delta rule: pure functions, ``(q, k, v, g, beta, state) -> (o, final_state)``.
+
+Shapes: q, k (B, T, H, K); v (B, T, HV, V); g, beta (B, T, HV); state (B, HV, K, V), fp32.
+``g`` is the log-decay (<= 0) and ``beta`` the write strength, both already activated; q and k
+are raw and L2-normalized here, as fla's ``use_qk_l2norm_in_kernel=True`` does. Value heads are
+grouped over key heads: value head i reads key head ``i // (HV // H)`` (repeat_interleave).
+
+Per token, with q scaled by K**-0.5:
+    S <- S * exp(g);  S <- S + k (beta * (v - k^T S));  o = q^T S
+(Yang et al., "Gated Delta Networks", https://arxiv.org/abs/2412.06464.)
+
+Two torch references live here: the token loop (``recurrent_gated_delta_rule_ref``, also the
+one-token decode step) and the chunked WY form (``chunk_gated_delta_rule_ref``) used for prefill
+and verification. ``gated_delta_rule`` dispatches to flash-linear-attention's Triton kernels on
+CUDA when fla is importable; tests hold every path to the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6  # fla's l2norm and transformers' Qwen3.5 both use 1e-6 inside the sqrt
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _prepare(q, k, v, g, beta):
+    """fp32, l2-normalized, scaled, heads grouped and moved before time: (B, HV, T, .)."""
+    num_k_heads, num_v_heads = k.shape[2], v.shape[2]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads "
+                         f"({num_k_heads})")
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q * q.shape[-1] ** -0.5
+    if num_v_heads != num_k_heads:
+        group = num_v_heads // num_k_heads
+        q = q.repeat_interleave(group, dim=2)
+        k = k.repeat_interleave(group, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float() for x in (g, beta))
+    return q, k, v, g, beta
+
+
+def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    batch, _, num_v_heads, head_v_dim = v.shape
+    return v.new_zeros(batch, num_v_heads, q.shape[-1], head_v_dim, dtype=torch.float32)
+
+
+def recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=None):
+    """Token-by-token loop: the plain definition. Returns (o (B,T,HV,V) in v's dtype, state)."""
+    out_dtype = v.dtype
+    state = _zero_state(q, v) if initial_state is None else initial_state.float()
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        k_t = k[:, :, t]  # (B, HV, K)
+        memory = torch.einsum("bhk,bhkv->bhv", k_t, state)
+        delta = (v[:, :, t] - memory) * beta[:, :, t, None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    o = torch.stack(outputs, dim=1)  # (B, T, HV, V)
+    return o.to(out_dtype), state
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """Chunked WY form: within a chunk the T sequential rank-1 updates become one triangular
+    solve and a few matmuls; across chunks the state is carried. Same result as the loop."""
+    out_dtype = v.dtype
+    batch, seq_len = q.shape[:2]
+    state = _zero_state(q, v) if initial_state is None else initial_state.float()
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    pad = (-seq_len) % chunk_size
+    if pad:
+        # Padded steps have k = 0, beta = 0 and g = 0: they neither write nor decay the state.
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    num_heads, total = q.shape[1], q.shape[2]
+    num_chunks = total // chunk_size
+
+    def chunks(x):  # (B, H, T, D) -> (B, H, N, C, D)
+        return x.reshape(batch, num_heads, num_chunks, chunk_size, *x.shape[3:])
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = chunks(g), chunks(beta)
+    gamma = g.cumsum(-1)  # (B, H, N, C): log-decay from chunk start through position i
+    idx = torch.arange(chunk_size, device=q.device)
+    lower = idx[:, None] >= idx[None, :]
+    strictly_lower = idx[:, None] > idx[None, :]
+    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = diff.masked_fill(~lower, float("-inf")).exp()
+
+    k_beta = k * beta[..., None]
+    # (I + M) T = I with M[i, j] = beta_i k_i.k_j decay[i, j] for j < i: the WY inverse.
+    m = (k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strictly_lower, 0.0)
+    eye = torch.eye(chunk_size, device=q.device, dtype=q.dtype)
+    wy = torch.linalg.solve_triangular(m + eye, eye.expand_as(m), upper=False,
+                                       unitriangular=True)
+    u = wy @ (v * beta[..., None])  # values to write, before subtracting the carried state
+    w = wy @ (k_beta * gamma.exp()[..., None])  # how the carried state leaks into them
+    intra = (q @ k.transpose(-1, -2) * decay).masked_fill(~lower, 0.0)
+
+    outputs = []
+    for n in range(num_chunks):
+        v_new = u[:, :, n] - w[:, :, n] @ state
+        o = (q[:, :, n] * gamma[:, :, n, :, None].exp()) @ state + intra[:, :, n] @ v_new
+        outputs.append(o)
+        last = gamma[:, :, n, -1]
+        k_decayed = k[:, :, n] * (last[..., None] - gamma[:, :, n]).exp()[..., None]
+        state = state * last.exp()[..., None, None] + k_decayed.transpose(-1, -2) @ v_new
+    o = torch.cat(outputs, dim=2)[:, :, :seq_len]  # (B, H, T, V)
+    return o.transpose(1, 2).to(out_dtype), state
+
+
+@functools.cache
+def fla_ops():
+    """flash-linear-attention's kernels, or None. Imported lazily and only for CUDA work:
+    an importable fla also redirects transformers' CPU reference to Triton."""
+    try:
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except Exception:  # ImportError, or Triton failing to initialise on this machine
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+    """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs."""
+    chunk, fused_recurrent = fla_ops()
+    kernel = fused_recurrent if q.shape[1] <= 64 else chunk
+    o, state = kernel(q, k, v, g.float(), beta, initial_state=initial_state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o, state
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto"):
+    """Dispatch: 'fla' (CUDA + fla), 'chunk' or 'recurrent' (torch), or 'auto'."""
+    if backend == "auto":
+        if q.is_cuda and fla_ops() is not None:
+            backend = "fla"
+        else:
+            backend = "recurrent" if q.shape[1] == 1 else "chunk"
+    if backend == "fla":
+        return fla_gated_delta_rule(q, k, v, g, beta, initial_state)
+    if backend == "chunk":
+        return chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state)
+    if backend == "recurrent":
+        return recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state)
+    raise ValueError(f"unknown gated delta rule backend {backend!r}; "
+                     "use 'auto', 'fla', 'chunk' or 'recurrent'")
