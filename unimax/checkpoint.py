@@ -23,6 +23,7 @@ from .model import GDNForCausalLM
 
 SUPPORTED_MODEL_TYPES = ("gated_deltanet", "qwen3_5_text", "qwen3_5")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 FP32_PARAMS = ("A_log", "dt_bias")  # gate parameters stay fp32: exp(A_log) is sensitive
 
 
@@ -312,6 +313,10 @@ def load_tokenizer(path_or_id: str | os.PathLike):
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(path_or_id)
+    # Without a vocabulary file AutoTokenizer happily builds an empty tokenizer from config.json.
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"no usable tokenizer in {model_dir}: it needs one of "
+                              f"{', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as err:

@@ -1,0 +1,106 @@
+"""Tokenizers load through AutoTokenizer (fast and sentencepiece), and the CLI runs end to end."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import unimax
+from helpers import ROOT, write_qwen_checkpoint
+from unimax import CheckpointError
+
+CORPUS = ["the quick brown fox jumps over the lazy dog",
+          "recurrent models keep a fixed size state", "hello world, this is gated delta"] * 40
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_fast_tokenizer(path, vocab_size=90):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40])
+    tok.train_from_iterator(CORPUS, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def write_sentencepiece_tokenizer(path, vocab_size=60):
+    import sentencepiece as spm
+
+    path.mkdir(parents=True, exist_ok=True)
+    corpus = path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(path / "spm"),
+                                   vocab_size=vocab_size, model_type="bpe", bos_id=1, eos_id=2,
+                                   unk_id=0, pad_id=-1, minloglevel=2)
+    shutil.move(path / "spm.model", path / "tokenizer.model")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "chat_template": TEMPLATE}))
+
+
+def test_fast_tokenizer_with_chat_template(tmp_path):
+    write_fast_tokenizer(tmp_path)
+    tok = unimax.load_tokenizer(tmp_path)
+    assert tok.decode(tok("the lazy dog").input_ids) == "the lazy dog"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|user|>hi\n<|assistant|>"
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    write_sentencepiece_tokenizer(tmp_path)
+    tok = unimax.load_tokenizer(tmp_path)
+    assert len(tok) == 60
+    ids = tok("the quick brown fox").input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "the quick brown fox"
+
+
+def test_folder_without_tokenizer(tmp_path):
+    write_qwen_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no usable tokenizer"):
+        unimax.load_tokenizer(tmp_path)
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "unimax", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_cli_generate(tmp_path):
+    write_qwen_checkpoint(tmp_path, vocab=97)
+    write_fast_tokenizer(tmp_path, vocab_size=90)
+    proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "the quick brown",
+                   "--max-new-tokens", "12", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert "12 new tokens" in proc.stderr and "tok/s" in proc.stderr
+    model = unimax.load_model(tmp_path)
+    tok = unimax.load_tokenizer(tmp_path)
+    import torch
+
+    expected = unimax.exact_greedy_tokens(model, torch.tensor([tok("the quick brown").input_ids]),
+                                          12)
+    assert proc.stdout.strip() == tok.decode(expected[0].tolist(), skip_special_tokens=True).strip()
+    chat = run_cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--chat",
+                   "--max-new-tokens", "3")
+    assert chat.returncode == 0, chat.stderr
+
+
+def test_cli_bad_input(tmp_path):
+    proc = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "   ")
+    assert proc.returncode == 2 and "--prompt is empty" in proc.stderr

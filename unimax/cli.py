@@ -1,0 +1,88 @@
+"""``python -m unimax generate``: greedy continuation of a prompt with the exact model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .checkpoint import load_model, load_tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m unimax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="continue a prompt (greedy, exact model)")
+    gen.add_argument("--model", required=True, help="checkpoint folder or hub id")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--dtype", default="auto", help="bfloat16, float32, ... (default: auto)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    return parser
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; give some text to continue")
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat: this tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                            add_generation_prompt=True, return_dict=False)
+    else:
+        ids = tokenizer(args.prompt).input_ids
+    input_ids = torch.tensor([ids], device=model.device)
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+
+    cache = model.make_recurrent_cache()
+    _sync(model.device)
+    start = time.perf_counter()
+    logits = model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(model.device)
+    prefill_s = time.perf_counter() - start
+
+    generated = [int(token)]
+    printed = ""
+    start = time.perf_counter()
+    while len(generated) < args.max_new_tokens and generated[-1] != eos:
+        token = model.greedy_step(token, cache)
+        generated.append(int(token))  # a host sync per token: this CLI is the plain reference
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    decode_s = time.perf_counter() - start
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    sys.stdout.write(text[len(printed):] + "\n")
+    steps = len(generated) - 1
+    print(f"[{len(ids)} prompt tokens: prefill {len(ids) / prefill_s:.1f} tok/s; "
+          f"{len(generated)} new tokens: decode "
+          f"{(steps / decode_s) if steps else float('nan'):.1f} tok/s; {model.device}, "
+          f"{model.dtype}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
