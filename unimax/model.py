@@ -134,20 +134,35 @@ class GDNForCausalLM(nn.Module):
         for block in self.layers:
             block.mixer.backend = backend
 
+    @classmethod
+    def random(cls, config: GDNConfig, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> GDNForCausalLM:
+        """A model with deterministic random weights in realistic ranges, built directly on
+        ``device`` (tests, benchmarks, the tiny preset). The gate parameters stay fp32."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        for name, param in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                param.data = param.data.to(dtype)
+        model.init_random_weights(seed)
+        return model.eval()
+
     @torch.no_grad()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Deterministic random weights in realistic ranges, for tests and demos."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Deterministic random weights (per seed and device type) in realistic ranges."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         for name, param in self.named_parameters():
+            shape, dev = param.shape, param.device
             if name.endswith("A_log"):
-                values = torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log()
+                values = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log()
             elif name.endswith("dt_bias"):
-                values = torch.empty(param.shape).uniform_(-4.0, 0.0, generator=gen)
+                values = torch.empty(shape, device=dev).uniform_(-4.0, 0.0, generator=gen)
             elif name.endswith("norm.weight"):
                 base = 0.0 if self.config.norm_offset else 1.0
-                values = base + 0.1 * torch.randn(param.shape, generator=gen)
+                values = base + 0.1 * torch.randn(shape, device=dev, generator=gen)
             elif name.endswith("conv_weight"):
-                values = 0.3 * torch.randn(param.shape, generator=gen)
+                values = 0.3 * torch.randn(shape, device=dev, generator=gen)
             else:
-                values = std * torch.randn(param.shape, generator=gen)
+                values = std * torch.randn(shape, device=dev, generator=gen)
             param.copy_(values.to(param.dtype))

@@ -136,7 +136,9 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs."""
     chunk, fused_recurrent = fla_ops()
     kernel = fused_recurrent if q.shape[1] <= 64 else chunk
-    o, state = kernel(q, k, v, g.float(), beta, initial_state=initial_state,
+    # Keywords only: the two kernels' positional orders differ (fused_recurrent has gk, gv
+    # between g and beta).
+    o, state = kernel(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=initial_state,
                       output_final_state=True, use_qk_l2norm_in_kernel=True)
     return o, state
 
