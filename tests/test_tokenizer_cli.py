@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import unimax
-from helpers import ROOT, write_qwen_checkpoint
+from helpers import ROOT, rel_err, write_qwen_checkpoint
 from unimax import CheckpointError
 
 CORPUS = ["the quick brown fox jumps over the lazy dog",
@@ -89,8 +90,6 @@ def test_cli_generate(tmp_path):
     assert "12 new tokens" in proc.stderr and "tok/s" in proc.stderr
     model = unimax.load_model(tmp_path)
     tok = unimax.load_tokenizer(tmp_path)
-    import torch
-
     expected = unimax.exact_greedy_tokens(model, torch.tensor([tok("the quick brown").input_ids]),
                                           12)
     assert proc.stdout.strip() == tok.decode(expected[0].tolist(), skip_special_tokens=True).strip()
@@ -104,3 +103,26 @@ def test_cli_bad_input(tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "   ")
     assert proc.returncode == 2 and "--prompt is empty" in proc.stderr
+
+
+def test_builtin_tiny_random_is_a_real_qwen_checkpoint(tmp_path, monkeypatch):
+    """The built-in model is written in the Qwen3.5 layout: transformers itself loads it and
+    computes the same logits, and its tokenizer round-trips any text."""
+    from transformers import Qwen3_5ForCausalLM
+
+    monkeypatch.setenv("UNIMAX_CACHE", str(tmp_path))
+    model = unimax.load_model("tiny-random", device="cpu", dtype="float32")
+    path = next(tmp_path.iterdir())
+    reference = Qwen3_5ForCausalLM.from_pretrained(path).eval()
+    tok = unimax.load_tokenizer("tiny-random")
+    text = "Grüße, world! 1+1=2"
+    ids = tok(text).input_ids
+    assert tok.decode(ids) == text
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert rel_err(model(input_ids=x).logits,
+                       reference(input_ids=x, use_cache=False).logits) < 1e-4
+    assert model.config.eos_token_id == tok.eos_token_id
+    proc = run_cli("generate", "--model", "tiny-random", "--prompt", "Hello", "--chat",
+                   "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr

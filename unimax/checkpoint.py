@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from .config import GDNConfig
 from .model import GDNForCausalLM
+from .tiny import TINY_NAME, build_tiny_random
 
 SUPPORTED_MODEL_TYPES = ("gated_deltanet", "qwen3_5_text", "qwen3_5")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
@@ -34,8 +35,11 @@ class CheckpointError(ValueError):
 # --- locating files ------------------------------------------------------------------------
 
 def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub repo id, fetched (config, weights, tokenizer)."""
+    """A local folder as is; ``tiny-random`` the built-in tiny model (written on first use);
+    otherwise a hub repo id, fetched (config, weights, tokenizer)."""
     text = str(path_or_id)
+    if text == TINY_NAME:
+        return build_tiny_random()
     path = Path(text).expanduser()
     if path.is_dir():
         return path
