@@ -1,0 +1,376 @@
+"""UniMaxEngine: exact prefill, the O(1) bridge, fast decoding and verified-exact decoding.
+
+Modes:
+- fast: the exact first token, then the decode graph (BF16, or the FP8 state-safe tail);
+- verified: per block, the draft graph proposes k tokens, the exact model scores
+  [current, draft[:-1]] in one forward, the longest agreeing prefix is kept and the first
+  disagreement is replaced by the exact token; the exact cache stays authoritative and is copied
+  back into the draft after a rejection (after every block for the ``full`` draft).
+
+The verifier and the replay after a rejection are captured as graphs too (keyed by k and by the
+replay length), and the snapshot they restore from is a preallocated cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import cache_payload_bytes, copy_cache_
+from .graph import GraphRunner, MaxTurboGraphDecoder
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BridgeReport:
+    seconds: float
+    mib: float
+    seen_tokens: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    generated_tokens: int
+    drafted_tokens: int
+    accepted_draft_tokens: int
+    rejected_blocks: int
+    verifier_blocks: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        if self.drafted_tokens <= 0:
+            return 1.0
+        return self.accepted_draft_tokens / self.drafted_tokens
+
+
+@dataclass
+class Generation:
+    """What one ``generate`` call produced and what it cost."""
+
+    tokens: list[int] = field(default_factory=list)
+    stopped: str = "length"  # "length", "stop" (a stop id was emitted) or "cancelled"
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    bridge: BridgeReport | None = None
+    verify: VerifyReport | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class UniMaxEngine:
+    """Phase-specialized recurrent inference. ``exact_model`` always prefills and verifies;
+    ``decode_model`` is the same model (BF16 only) or a quantized view sharing its weights."""
+
+    def __init__(self, exact_model, decode_model, decode_graph: MaxTurboGraphDecoder,
+                 state_safe_draft: bool = True):
+        self.exact_model = exact_model.eval()
+        self.decode_model = decode_model.eval()
+        self.decode_graph = decode_graph
+        self.device = self.exact_model.get_input_embeddings().weight.device
+        if self.device != self.decode_graph.device:
+            raise ValueError("exact and decode engines must live on the same device")
+        # True when the draft writes the exact states (BF16, FP8 tail): no resync after a fully
+        # accepted block. False for the full-FP8 draft, whose states drift.
+        self.state_safe_draft = state_safe_draft
+        self.exact_cache = self.exact_model.make_recurrent_cache()
+        self.snapshot = self.exact_cache.empty_like()  # preallocated, reused every block
+        block = decode_graph.block_size
+        long = dict(dtype=torch.long, device=self.device)
+        self.current = torch.zeros(1, 1, **long)
+        self.verify_input = torch.zeros(1, block, **long)
+        self.verify_pred = torch.zeros(1, block, **long)
+        self.num_accepted = torch.zeros((), **long)
+        self.runner = GraphRunner(self.device, decode_graph.use_graphs)
+        self.last_bridge: BridgeReport | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.decode_graph.block_size
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        self.exact_cache.reset()
+        self.decode_graph.reset()
+        self.last_bridge = None
+
+    # --- the seed's API -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _bridge(self) -> BridgeReport:
+        """Copy the exact recurrent state into the decoder's cache (addresses kept)."""
+        _sync(self.device)
+        start = time.perf_counter()
+        copy_cache_(self.decode_graph.cache, self.exact_cache)
+        _sync(self.device)
+        report = BridgeReport(seconds=time.perf_counter() - start,
+                              mib=cache_payload_bytes(self.exact_cache) / 2**20,
+                              seen_tokens=int(self.exact_cache.seen_tokens))
+        self.last_bridge = report
+        return report
+
+    @torch.inference_mode()
+    def prefill_exact(self, input_ids: torch.Tensor, keep_state: bool = False):
+        """Exact prefill (from a fresh state, or on top of the kept one), argmax first token,
+        bridge. Returns (first_token (1, 1), output, BridgeReport)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"UNI MAX engines run batch size 1: input_ids must have shape "
+                             f"(1, T), got {tuple(input_ids.shape)}")
+        if not keep_state:
+            self.exact_cache.reset()
+        out = self.exact_model(input_ids=input_ids, past_key_values=self.exact_cache,
+                               use_cache=True, logits_to_keep=1)
+        first = torch.argmax(out.logits[:, -1, :], dim=-1, keepdim=True)
+        bridge = self._bridge()
+        self.decode_graph.static_token.copy_(first)
+        return first, out, bridge
+
+    @torch.inference_mode()
+    def decode_fast(self, first_token: torch.Tensor, recurrent_forwards: int) -> torch.Tensor:
+        return self.decode_graph.decode_forwards(first_token, int(recurrent_forwards))
+
+    @torch.inference_mode()
+    def generate_fast(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Exact first token, then graph tokens. (1, max_new_tokens)."""
+        n = _count(max_new_tokens)
+        if n == 0:
+            return torch.empty((input_ids.shape[0], 0), dtype=torch.long, device=input_ids.device)
+        first, _, _ = self.prefill_exact(input_ids)
+        if n == 1:
+            return first
+        return torch.cat([first, self.decode_graph.decode_tokens(first, n - 1)], dim=1)
+
+    @torch.inference_mode()
+    def decode_verified(self, first_token: torch.Tensor, recurrent_forwards: int, *,
+                        draft_block: int | None = None) -> tuple[torch.Tensor, VerifyReport]:
+        """Verify ``recurrent_forwards`` tokens after ``first_token``; ``prefill_exact`` must
+        have run just before, so both caches hold the same state."""
+        n = _count(recurrent_forwards)
+        if first_token.shape[0] != 1:
+            raise ValueError("verified decoding supports batch size 1 only")
+        if n == 0:
+            return (torch.empty((1, 0), dtype=torch.long, device=self.device),
+                    VerifyReport(0, 0, 0, 0, 0))
+        tokens: list[int] = []
+        counts = [0, 0, 0, 0]  # drafted, accepted, rejected blocks, verifier blocks
+        self.current.copy_(first_token)
+        for emitted in self._verified_blocks(n, _block_arg(draft_block, self.block_size),
+                                             counts):
+            tokens.extend(emitted)
+        out = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return out, VerifyReport(len(tokens), *counts)
+
+    @torch.inference_mode()
+    def generate_verified(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                          draft_block: int | None = None) -> tuple[torch.Tensor, VerifyReport]:
+        """Exact greedy tokens, drafted fast and checked exactly. (1, max_new_tokens)."""
+        n = _count(max_new_tokens)
+        if n == 0:
+            return (torch.empty((input_ids.shape[0], 0), dtype=torch.long,
+                                device=input_ids.device), VerifyReport(0, 0, 0, 0, 0))
+        if input_ids.shape[0] != 1:
+            raise ValueError("verified decoding supports batch size 1 only")
+        first, _, _ = self.prefill_exact(input_ids)
+        if n == 1:
+            return first, VerifyReport(1, 0, 0, 0, 0)
+        tail, report = self.decode_verified(first, n - 1, draft_block=draft_block)
+        full = torch.cat([first, tail], dim=1)
+        return full, VerifyReport(int(full.shape[1]), report.drafted_tokens,
+                                  report.accepted_draft_tokens, report.rejected_blocks,
+                                  report.verifier_blocks)
+
+    # --- verified blocks ------------------------------------------------------------------
+
+    def _verify(self, k: int) -> None:
+        """Graph body: snapshot the exact state, score [current, draft[:-1]] exactly, count the
+        agreeing prefix. Reads the draft from the decoder's static output buffer."""
+        copy_cache_(self.snapshot, self.exact_cache)
+        draft = self.decode_graph.out_tokens[:, :k]
+        self.verify_input[:, :1].copy_(self.current)
+        self.verify_input[:, 1:k].copy_(draft[:, :k - 1])
+        logits = self.exact_model.forward_unchecked(self.verify_input[:, :k], self.exact_cache,
+                                                    logits_to_keep=k)
+        self.verify_pred[:, :k].copy_(logits.argmax(dim=-1))
+        agree = self.verify_pred[0, :k].eq(draft[0]).long()
+        self.num_accepted.copy_(agree.cumprod(dim=0).sum())
+
+    def _replay(self, length: int) -> None:
+        """Graph body after a rejection: restore the snapshot, feed the ``length`` accepted
+        inputs exactly, and resync the draft's cache from the exact one."""
+        copy_cache_(self.exact_cache, self.snapshot)
+        self.exact_model.forward_unchecked(self.verify_input[:, :length], self.exact_cache,
+                                           logits_to_keep=1)
+        copy_cache_(self.decode_graph.cache, self.exact_cache)
+
+    def _verified_blocks(self, n: int, k_max: int, counts: list[int]):
+        """Yields the tokens each block emits (list of ints). One host sync per block."""
+        graph = self.decode_graph
+        exact_caches = [self.exact_cache, self.snapshot]
+        remaining = n
+        while remaining > 0:
+            k = min(k_max, remaining)
+            graph.static_token.copy_(self.current)
+            graph.run_block(k)
+            seen = self.exact_cache.seen_tokens
+            self.runner.run(("verify", k), lambda k=k: self._verify(k), writes=exact_caches,
+                            buffers=[self.verify_input, self.verify_pred, self.num_accepted])
+            self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
+            counts[0] += k
+            counts[3] += 1
+            m = int(self.num_accepted)  # the block's one host sync
+            draft = graph.out_tokens[0, :k].tolist()
+            if m == k:
+                emitted = draft
+                self.exact_cache.seen_tokens = seen + k
+                if not self.state_safe_draft:
+                    copy_cache_(graph.cache, self.exact_cache)
+            else:
+                emitted = draft[:m] + [int(self.verify_pred[0, m])]
+                self.runner.run(("replay", m + 1), lambda m=m: self._replay(m + 1),
+                                writes=exact_caches + [graph.cache])
+                self.exact_cache.seen_tokens = seen + m + 1
+                graph.cache.seen_tokens = self.exact_cache.seen_tokens
+                counts[2] += 1
+            counts[1] += m
+            self.current.fill_(emitted[-1])
+            remaining -= len(emitted)
+            yield emitted
+
+    # --- chat-facing generation: streaming, stop ids, state kept for the next turn ----------
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "fast",
+                 stop_ids: Iterable[int] = (), sampling: SamplingParams | None = None,
+                 keep_state: bool = False, draft_block: int | None = None,
+                 on_block: Callable[[list[int]], bool] | None = None) -> Generation:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (new tokens on top of the kept
+        state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
+        decided; returning False cancels after that block. Generation stops after a stop id.
+        Afterwards the exact cache holds the state after the input and every emitted token,
+        and nothing decoded past the stop, so a chat continues from it."""
+        if mode not in ("fast", "verified"):
+            raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
+        if mode == "fast" and not self.state_safe_draft:
+            raise ValueError("this engine's decoder is the full-FP8 draft, whose states drift: "
+                             "use it in verified mode, or build the engine with draft='tail'")
+        n = _count(max_new_tokens)
+        sampling = sampling or SamplingParams()
+        if mode == "verified" and not sampling.is_greedy:
+            raise ValueError("verified mode reproduces exact greedy decoding; set temperature "
+                             "to 0, or use fast mode to sample")
+        stops = set(int(s) for s in stop_ids)
+        result = Generation(prefill_tokens=int(input_ids.shape[1]))
+        if n == 0:
+            return result
+        _sync(self.device)
+        start = time.perf_counter()
+        state_before = self.exact_cache.seen_tokens if keep_state else 0
+        first, out, result.bridge = self.prefill_exact(input_ids, keep_state=keep_state)
+        if not sampling.is_greedy:  # the first token is sampled from the exact logits too
+            self.decode_graph.set_sampling(sampling)
+            first = self._sample_first(out.logits[:, -1])
+            self.decode_graph.static_token.copy_(first)
+        else:
+            self.decode_graph.set_sampling(None)
+        result.prefill_seconds = time.perf_counter() - start - result.bridge.seconds
+        start = time.perf_counter()
+        keep_going = self._emit(result, [int(first)], stops, n, on_block)
+        if keep_going and len(result.tokens) < n:
+            if mode == "fast":
+                self._fast_loop(result, stops, n, on_block)
+            else:
+                self._verified_loop(result, stops, n, draft_block, on_block)
+        self._finish(result, mode, state_before)
+        _sync(self.device)
+        result.decode_seconds = time.perf_counter() - start
+        return result
+
+    def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
+        from .sampling import sample_from_logits
+
+        graph = self.decode_graph
+        uniform = torch.rand(1, generator=graph.generator, device=self.device)
+        return sample_from_logits(logits, graph.temperature, graph.top_k, graph.top_p, uniform)
+
+    @staticmethod
+    def _emit(result: Generation, tokens: list[int], stops: set[int], n: int,
+              on_block) -> bool:
+        """Append a block's tokens up to a stop id or the length limit; False when done."""
+        tokens = tokens[: n - len(result.tokens)]
+        for i, token in enumerate(tokens):
+            if token in stops:
+                tokens = tokens[: i + 1]
+                result.stopped = "stop"
+                break
+        result.tokens.extend(tokens)
+        if on_block is not None and tokens and on_block(tokens) is False:
+            if result.stopped != "stop":
+                result.stopped = "cancelled"
+            return False
+        return result.stopped != "stop" and len(result.tokens) < n
+
+    def _fast_loop(self, result, stops, n, on_block) -> None:
+        graph = self.decode_graph
+        while len(result.tokens) < n:
+            k = min(self.block_size, n - len(result.tokens))
+            block = graph.run_block(k).tolist()[0]  # the block's one host sync
+            if not self._emit(result, block, stops, n, on_block):
+                return
+
+    def _verified_loop(self, result, stops, n, draft_block, on_block) -> None:
+        self.current.fill_(result.tokens[-1])
+        counts = [0, 0, 0, 0]
+        k_max = _block_arg(draft_block, self.block_size)
+        try:
+            for emitted in self._verified_blocks(n - len(result.tokens), k_max, counts):
+                if not self._emit(result, emitted, stops, n, on_block):
+                    break
+        finally:
+            result.verify = VerifyReport(len(result.tokens), *counts)
+
+    def _finish(self, result: Generation, mode: str, state_before: int) -> None:
+        """Leave the exact cache at input + every emitted token (the last one fed too).
+
+        Fast mode never touched the exact cache after the prefill: one exact chunked forward
+        over the reply brings it there (the same state a fresh prefill of prompt + reply
+        gives). Verified mode kept it exact block by block: restore the last block's snapshot
+        and feed that block's emitted tokens."""
+        if not result.tokens:
+            return
+        prompt_state = state_before + result.prefill_tokens
+        if mode == "fast":
+            # The exact cache still holds the prompt state; feed the whole reply.
+            fed = result.tokens
+        else:
+            # Roll back to the start of the last verified block (or the prompt state when no
+            # block ran) and feed what was emitted since.
+            ran_blocks = result.verify is not None and result.verify.verifier_blocks > 0
+            if ran_blocks:
+                copy_cache_(self.exact_cache, self.snapshot)
+            fed = result.tokens
+            if ran_blocks:
+                fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
+        ids = torch.tensor([fed], dtype=torch.long, device=self.device)
+        self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
+
+
+def _count(n) -> int:
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"number of new tokens must be >= 0, got {n}")
+    return n
+
+
+def _block_arg(draft_block: int | None, default: int) -> int:
+    if draft_block is None:
+        return default
+    if not isinstance(draft_block, int) or not 1 <= draft_block <= default:
+        raise ValueError(f"draft_block must be an integer in 1..{default} (the decoder's "
+                         f"block size), got {draft_block!r}")
+    return draft_block

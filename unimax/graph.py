@@ -1,0 +1,169 @@
+"""The graph decoder: its own cache and static buffers, k-step blocks captured as CUDA graphs.
+
+A block of k one-token steps runs as one graph replay: each step feeds the previous token, picks
+the next on the GPU (argmax, or sampling from a uniform drawn before the block) and writes it to
+a static buffer, so there is no host sync inside a block. On the CPU, and wherever graphs are off,
+the very same block function runs eagerly: same ops, same results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .cache import RecurrentCache, copy_cache_
+from .sampling import SamplingParams, sample_from_logits
+
+
+class GraphRunner:
+    """Runs a block function eagerly, or captures it once per key and replays the graph.
+
+    Capture needs warm-up runs (Triton autotuning, allocator growth), and those really execute:
+    every cache the function writes is saved before and restored after, so capturing leaves no
+    trace in the state. All graphs of one runner share one memory pool.
+    """
+
+    def __init__(self, device: torch.device, use_graphs: bool):
+        self.device = device
+        self.use_graphs = use_graphs
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    def run(self, key, fn: Callable[[], None], writes: list[RecurrentCache],
+            buffers: list[torch.Tensor] = ()) -> None:
+        if not self.use_graphs:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.capture(fn, writes, buffers)
+            self.graphs[key] = graph
+        graph.replay()
+
+    def capture(self, fn, writes, buffers) -> torch.cuda.CUDAGraph:
+        saved = [cache.empty_like() for cache in writes]
+        for copy, cache in zip(saved, writes, strict=True):
+            copy_cache_(copy, cache)
+        saved_buffers = [b.clone() for b in buffers]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        for copy, cache in zip(saved, writes, strict=True):
+            copy_cache_(cache, copy)
+        for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
+            buffer.copy_(saved_buffer)
+        return graph
+
+
+class MaxTurboGraphDecoder:
+    """Decodes with ``model`` (the exact model or a quantized view) from its own cache.
+
+    ``static_token`` holds the next token to feed; ``decode_tokens(first, n)`` feeds ``first``
+    and then each token it produces, and returns the n produced tokens (1, n). After it the
+    cache has absorbed ``first`` and the first n - 1 produced tokens; the last is pending in
+    ``static_token``. Batch size 1.
+    """
+
+    def __init__(self, model, block_size: int = 8, use_graphs: bool | None = None):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if not hasattr(model, "make_recurrent_cache"):
+            raise TypeError(f"{type(model).__name__} has no recurrent cache "
+                            "(make_recurrent_cache); UNI MAX decodes recurrent models only")
+        self.model = model.eval()
+        self.device = model.device
+        self.block_size = block_size
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA model; use use_graphs=False on the CPU")
+        self.cache = model.make_recurrent_cache(1)
+        long = dict(dtype=torch.long, device=self.device)
+        self.static_token = torch.zeros(1, 1, **long)
+        self.out_tokens = torch.zeros(1, block_size, **long)
+        self.temperature = torch.ones(1, device=self.device)
+        self.top_k = torch.zeros(1, **long)
+        self.top_p = torch.ones(1, device=self.device)
+        self.uniforms = torch.zeros(block_size, device=self.device)
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator(device=self.device)
+        self.runner = GraphRunner(self.device, use_graphs)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.runner.use_graphs
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.static_token.zero_()
+
+    def set_sampling(self, params: SamplingParams | None) -> None:
+        """Greedy (None or temperature 0) or sampled; a seed restarts the random stream."""
+        params = params or SamplingParams()
+        self.sampling = params
+        if not params.is_greedy:
+            self.temperature.fill_(params.temperature)
+            self.top_k.fill_(params.top_k)
+            self.top_p.fill_(params.top_p)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    # --- one block -----------------------------------------------------------------------
+
+    def _block(self, n: int, sampled: bool) -> None:
+        token = self.static_token
+        for i in range(n):
+            logits = self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
+            if sampled:
+                token = sample_from_logits(logits, self.temperature, self.top_k, self.top_p,
+                                           self.uniforms[i:i + 1])
+            else:
+                token = logits.argmax(dim=-1, keepdim=True)
+            self.out_tokens[:, i:i + 1].copy_(token)
+        self.static_token.copy_(token)
+
+    @torch.inference_mode()
+    def run_block(self, n: int) -> torch.Tensor:
+        """Feed ``static_token`` and n - 1 produced tokens; returns a view of the n produced
+        tokens (valid until the next block). No host sync."""
+        if not 1 <= n <= self.block_size:
+            raise ValueError(f"a block has 1..{self.block_size} steps, got {n}")
+        sampled = not self.sampling.is_greedy
+        if sampled:
+            self.uniforms[:n].copy_(torch.rand(n, generator=self.generator, device=self.device))
+        seen = self.cache.seen_tokens
+        self.runner.run((n, sampled), lambda: self._block(n, sampled), writes=[self.cache],
+                        buffers=[self.static_token, self.out_tokens])
+        self.cache.seen_tokens = seen + n  # Python-side bookkeeping is not part of a graph
+        return self.out_tokens[:, :n]
+
+    @torch.inference_mode()
+    def decode_tokens(self, first_token: torch.Tensor, n: int) -> torch.Tensor:
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"number of tokens to decode must be >= 0, got {n}")
+        if first_token.shape != (1, 1):
+            raise ValueError(f"the graph decoder runs batch size 1: first_token must have shape "
+                             f"(1, 1), got {tuple(first_token.shape)}")
+        self.static_token.copy_(first_token)
+        pieces = []
+        while n > 0:
+            k = min(self.block_size, n)
+            pieces.append(self.run_block(k).clone())
+            n -= k
+        if not pieces:
+            return torch.empty(1, 0, dtype=torch.long, device=self.device)
+        return torch.cat(pieces, dim=1)
+
+    def decode_forwards(self, first_token: torch.Tensor, n: int) -> torch.Tensor:
+        """The seed's name for n graph forwards after ``first_token``: the n tokens they chose."""
+        return self.decode_tokens(first_token, n)
