@@ -18,12 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unimax import GDNConfig, GDNForCausalLM  # noqa: E402
-from unimax.ops.gated_delta import fla_ops  # noqa: E402
+from shapes import GDN_1_3B as SHAPE_1_3B  # noqa: E402
 
-SHAPE_1_3B = GDNConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=21, num_k_heads=6,
-                       num_v_heads=6, head_k_dim=256, head_v_dim=512, intermediate_size=5632,
-                       norm_offset=0.0, source_layout="fla")
+from unimax import GDNForCausalLM  # noqa: E402
+from unimax.ops.gated_delta import fla_ops  # noqa: E402
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -54,7 +54,8 @@ class Generation:
     stopped: str = "length"  # "length", "stop" (a stop id was emitted) or "cancelled"
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # first token emitted -> last token emitted
+    finish_seconds: float = 0.0  # bringing the exact state up to the reply (see _finish)
     bridge: BridgeReport | None = None
     verify: VerifyReport | None = None
 
@@ -286,9 +287,12 @@ class UniMaxEngine:
                 self._fast_loop(result, stops, n, on_block)
             else:
                 self._verified_loop(result, stops, n, draft_block, on_block)
-        self._finish(result, mode, state_before)
         _sync(self.device)
         result.decode_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        self._finish(result, mode, state_before)
+        _sync(self.device)
+        result.finish_seconds = time.perf_counter() - start
         return result
 
     def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
@@ -358,6 +362,7 @@ class UniMaxEngine:
                 fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
+        self.exact_cache.seen_tokens += len(fed)
 
 
 def _count(n) -> int:

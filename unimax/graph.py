@@ -71,7 +71,8 @@ class MaxTurboGraphDecoder:
     ``static_token``. Batch size 1.
     """
 
-    def __init__(self, model, block_size: int = 8, use_graphs: bool | None = None):
+    def __init__(self, model, block_size: int = 8, use_graphs: bool | None = None,
+                 compile: bool = False):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not hasattr(model, "make_recurrent_cache"):
@@ -95,6 +96,10 @@ class MaxTurboGraphDecoder:
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
         self.runner = GraphRunner(self.device, use_graphs)
+        # torch.compile (inductor) fuses the step's many small elementwise kernels; the graphs
+        # are still captured here, around the compiled step.
+        self._step = torch.compile(self._step_eager, dynamic=False) if compile else \
+            self._step_eager
 
     @property
     def use_graphs(self) -> bool:
@@ -119,10 +124,13 @@ class MaxTurboGraphDecoder:
 
     # --- one block -----------------------------------------------------------------------
 
+    def _step_eager(self, token: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
+
     def _block(self, n: int, sampled: bool) -> None:
         token = self.static_token
         for i in range(n):
-            logits = self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
+            logits = self._step(token)
             if sampled:
                 token = sample_from_logits(logits, self.temperature, self.top_k, self.top_p,
                                            self.uniforms[i:i + 1])

@@ -68,19 +68,21 @@ class GDNForCausalLM(nn.Module):
             self.check_cache(cache, input_ids.shape[0])
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
-        return CausalLMOutput(self.forward_unchecked(input_ids, cache, logits_to_keep), cache)
+        logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        return CausalLMOutput(logits, cache)
 
     def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
                           logits_to_keep: int = 0) -> torch.Tensor:
-        """The forward with no validation and no host sync: for graph capture and hot loops
-        whose inputs are known good (tokens the model itself produced)."""
+        """The forward with no validation, no host sync and no Python-side bookkeeping (the
+        caller keeps ``cache.seen_tokens``): for graph capture, compilation and hot loops whose
+        inputs are known good (tokens the model itself produced)."""
         hidden = self.embed_tokens(input_ids)
         for index, block in enumerate(self.layers):
             hidden = block(hidden, None if cache is None else cache.layers[index])
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        if cache is not None:
-            cache.seen_tokens += input_ids.shape[1]
         return self.lm_head(self.norm(hidden))
 
     @torch.inference_mode()

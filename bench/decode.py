@@ -1,0 +1,236 @@
+"""Decode benchmark (GPU): every engine mode on two real shapes with random weights, batch 1,
+512-token prompt, 256 new tokens, greedy; the baselines; the FP8 GEMV micro-benchmark.
+
+usage: python bench/decode.py [--shapes gdn-1.3b gdn24-0.8b] [--new 256] [--compile]
+       [--json FILE]
+Prints a table last. The floor is weight bytes per token over the copy bandwidth measured in the
+same run; "of floor" = floor time / measured time per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES, decode_weight_bytes  # noqa: E402
+
+import unimax  # noqa: E402
+from unimax import GDNForCausalLM, build_engine  # noqa: E402
+from unimax.fp8 import FP8Linear  # noqa: E402
+
+MODES = [  # name, decode, draft, engine mode
+    ("bf16", "bf16", "tail", "fast"),
+    ("fp8-tail", "fp8", "tail", "fast"),
+    ("verified-tail", "fp8", "tail", "verified"),
+    ("verified-full", "fp8", "full", "verified"),
+]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times[2:])
+
+
+def time_graph(fn, repeats: int = 20) -> float:
+    """Median seconds per call of ``fn`` captured 20x in one CUDA graph (no launch gaps)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 20)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def fp8_gemv_rows(model) -> list[dict]:
+    """BF16 vs FP8 GEMV at M=1 on the tail's matrices: fp8_act (_scaled_mm with per-token
+    activation scaling, the kept mode) and weight_only (dequantize, BF16 matmul)."""
+    rows = []
+    last = model.layers[-1].mlp
+    for name, linear in (("lm_head", model.lm_head), ("mlp.gate_up", last.gate_up_proj),
+                         ("mlp.down", last.down_proj)):
+        x = torch.randn(1, linear.in_features, device="cuda", dtype=torch.bfloat16)
+        row = {"matrix": name, "shape": list(linear.weight.shape),
+               "bf16_us": time_graph(lambda linear=linear, x=x: linear(x)) * 1e6}
+        for mode in ("fp8_act", "weight_only"):
+            fp8 = FP8Linear(linear, mode=mode)
+            row[f"{mode}_us"] = time_graph(lambda fp8=fp8, x=x: fp8(x)) * 1e6
+            row[f"{mode}_rel_err"] = float((fp8(x).float() - linear(x).float()).norm()
+                                           / linear(x).float().norm())
+        row["speedup_fp8_act"] = row["bf16_us"] / row["fp8_act_us"]
+        rows.append(row)
+    return rows
+
+
+@torch.inference_mode()
+def kernels_per_step(engine) -> dict:
+    """Kernels and GPU-busy time of one eager decode step of the engine's decode model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = engine.decode_graph
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    decoder._step_eager(token)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder._step_eager(token)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_us = sum(getattr(e, "device_time", None) or e.cuda_time for e in events)
+    return {"kernels": len(events), "gpu_busy_ms": busy_us / 1e3}
+
+
+@torch.inference_mode()
+def run_mode(model, name, decode, draft, mode, ids, new, compile_step, reference) -> dict:
+    engine = build_engine(model, decode=decode, draft=draft, block_size=8)
+    if compile_step:
+        engine.decode_graph._step = torch.compile(engine.decode_graph._step_eager, dynamic=False)
+    start = time.perf_counter()
+    engine.generate(ids, 3 * 8 + 3, mode=mode)  # captures the block graphs (8 and 3)
+    engine.generate(ids, new, mode=mode)  # and every replay length a verified run meets
+    warmup_s = time.perf_counter() - start
+    runs = [engine.generate(ids, new, mode=mode) for _ in range(2)]
+    result = min(runs, key=lambda r: r.decode_seconds)
+    steps = len(result.tokens) - 1
+    row = {"mode": name + ("+compile" if compile_step else ""),
+           "ttft_ms": (result.prefill_seconds + result.bridge.seconds) * 1e3,
+           "prefill_tok_s": result.prefill_tokens / result.prefill_seconds,
+           "decode_tok_s": steps / result.decode_seconds,
+           "ms_per_token": result.decode_seconds / steps * 1e3,
+           "bridge_ms": result.bridge.seconds * 1e3, "bridge_mib": result.bridge.mib,
+           "finish_ms": result.finish_seconds * 1e3, "warmup_capture_s": warmup_s,
+           "tokens_equal_exact": result.tokens == reference[: len(result.tokens)]}
+    if result.verify is not None:
+        row.update(acceptance=result.verify.acceptance_rate,
+                   rejected_blocks=result.verify.rejected_blocks,
+                   verifier_blocks=result.verify.verifier_blocks)
+    if mode == "fast":
+        row.update(kernels_per_step(engine))
+    row["weight_bytes"] = decode_weight_bytes(engine.decode_model)
+    return row
+
+
+@torch.inference_mode()
+def eager_baseline(model, ids, n=32) -> dict:
+    torch.cuda.synchronize()
+    unimax.exact_greedy_tokens(model, ids, 4)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    unimax.exact_greedy_tokens(model, ids, n)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    return {"mode": "eager loop (ours)", "decode_tok_s": n / total, "ms_per_token": total / n * 1e3,
+            "weight_bytes": decode_weight_bytes(model)}
+
+
+def fla_generate_baseline(config, ids, n=64) -> dict:
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    fla_config = GatedDeltaNetConfig(
+        hidden_size=config.hidden_size, num_heads=config.num_k_heads, head_dim=config.head_k_dim,
+        expand_v=config.head_v_dim / config.head_k_dim, num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size, intermediate_size=config.intermediate_size)
+    model = GatedDeltaNetForCausalLM(fla_config).to("cuda", torch.bfloat16).eval()
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    del model
+    return {"mode": "fla generate", "decode_tok_s": n / total, "ms_per_token": total / n * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="also time compiled steps")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_GBps": bandwidth / 1e9, "shapes": {}}
+    for shape in args.shapes:
+        config = SHAPES[shape]
+        model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (1, 512), device="cuda", generator=gen)
+        reference = unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
+        rows = []
+        for name, decode, draft, mode in MODES:
+            rows.append(run_mode(model, name, decode, draft, mode, ids, args.new, False,
+                                 reference))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.compile:
+            for name, decode, draft, mode in MODES[:2]:
+                try:
+                    rows.append(run_mode(model, name, decode, draft, mode, ids, args.new, True,
+                                         reference))
+                except Exception as err:  # record, keep benchmarking
+                    rows.append({"mode": name + "+compile", "error": repr(err)[:300]})
+                print(json.dumps(rows[-1]), flush=True)
+        rows.append(eager_baseline(model, ids))
+        if shape == "gdn-1.3b":
+            try:
+                rows.append(fla_generate_baseline(config, ids))
+            except Exception as err:
+                rows.append({"mode": "fla generate", "error": repr(err)[:300]})
+        for row in rows:
+            if "ms_per_token" in row and "weight_bytes" in row:
+                row["of_floor"] = row["weight_bytes"] / bandwidth / (row["ms_per_token"] / 1e3)
+        report["shapes"][shape] = {"rows": rows, "fp8_gemv": fp8_gemv_rows(model)}
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for shape, data in report["shapes"].items():
+        print(f"\n{shape}")
+        print(f"{'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'floor%':>7}{'ttft ms':>9}{'bridge ms':>10}"
+              f"{'MiB':>6}{'accept':>7}{'kern':>6}{'busy ms':>8}{'exact':>6}")
+        for r in data["rows"]:
+            if "error" in r:
+                print(f"{r['mode']:<22} error: {r['error'][:90]}")
+                continue
+            print(f"{r['mode']:<22}{r['decode_tok_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+                  f"{100 * r.get('of_floor', 0):>7.1f}{r.get('ttft_ms', 0):>9.1f}"
+                  f"{r.get('bridge_ms', 0):>10.3f}{r.get('bridge_mib', 0):>6.1f}"
+                  f"{r.get('acceptance', float('nan')):>7.2f}{r.get('kernels', 0):>6}"
+                  f"{r.get('gpu_busy_ms', 0):>8.2f}{str(r.get('tokens_equal_exact', '')):>6}")
+        for g in data["fp8_gemv"]:
+            print(f"  GEMV {g['matrix']} {g['shape']}: bf16 {g['bf16_us']:.1f} us, fp8_act "
+                  f"{g['fp8_act_us']:.1f} us (x{g['speedup_fp8_act']:.2f}), weight_only "
+                  f"{g['weight_only_us']:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

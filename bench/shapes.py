@@ -1,0 +1,35 @@
+"""The real model shapes the benchmarks run with random weights."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unimax import GDNConfig  # noqa: E402
+
+# flash-linear-attention GDN 1.3B: 21 layers, hidden 2048, 6 heads x 256, expand_v 2.
+GDN_1_3B = GDNConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=21, num_k_heads=6,
+                     num_v_heads=6, head_k_dim=256, head_v_dim=512, intermediate_size=5632,
+                     norm_offset=0.0, source_layout="fla")
+# 24 pure-GDN layers with Qwen3.5-0.8B's sizes (tied 248k vocabulary).
+GDN24_0_8B = GDNConfig(vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
+                       num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128,
+                       intermediate_size=3584, norm_offset=1.0, tie_word_embeddings=True,
+                       source_layout="qwen3_5")
+SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B}
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes one batch-1 decode step must read: every weight once, the embedding as the (tied or
+    not) LM head; the input embedding row itself is negligible."""
+    seen, total = set(), 0
+    for name, module in model.named_modules():
+        for pname, tensor in list(module.named_parameters(recurse=False)) + list(
+                module.named_buffers(recurse=False)):
+            if name == "embed_tokens" and not model.config.tie_word_embeddings:
+                continue
+            if pname == "weight_scale_row" or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
