@@ -23,7 +23,8 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
-from unimax.fp8 import FP8Linear  # noqa: E402
+from unimax.fp8 import FP8Linear, shallow_view  # noqa: E402
+from unimax.reference import first_divergence  # noqa: E402
 
 MODES = [  # name, decode, draft, engine mode
     ("bf16", "bf16", "tail", "fast"),
@@ -110,7 +111,13 @@ def kernels_per_step(engine) -> dict:
 def run_mode(model, name, decode, draft, mode, ids, new, compile_step, reference) -> dict:
     engine = build_engine(model, decode=decode, draft=draft, block_size=8)
     if compile_step:
-        engine.decode_graph._step = torch.compile(engine.decode_graph._step_eager, dynamic=False)
+        # Compile a pure-torch step (fla's kernels inside dynamo are not worth the risk): the
+        # decoder gets its own view so the exact model keeps fla for prefill and verification.
+        decoder = engine.decode_graph
+        if decoder.model is model:
+            decoder.model = shallow_view(model)
+        decoder.model.set_backend("torch")
+        decoder._step = torch.compile(decoder._step_eager, dynamic=False)
     start = time.perf_counter()
     engine.generate(ids, 3 * 8 + 3, mode=mode)  # captures the block graphs (8 and 3)
     engine.generate(ids, new, mode=mode)  # and every replay length a verified run meets
@@ -126,6 +133,8 @@ def run_mode(model, name, decode, draft, mode, ids, new, compile_step, reference
            "bridge_ms": result.bridge.seconds * 1e3, "bridge_mib": result.bridge.mib,
            "finish_ms": result.finish_seconds * 1e3, "warmup_capture_s": warmup_s,
            "tokens_equal_exact": result.tokens == reference[: len(result.tokens)]}
+    if not row["tokens_equal_exact"]:
+        row["divergence"] = first_divergence(model, ids, result.tokens, reference)
     if result.verify is not None:
         row.update(acceptance=result.verify.acceptance_rate,
                    rejected_blocks=result.verify.rejected_blocks,

@@ -48,6 +48,14 @@ class FP8Linear(nn.Module):
             raise ValueError("FP8Linear supports bias-free linears only (every GDN linear is)")
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % 16:
+            raise ValueError(f"FP8Linear needs in_features divisible by 16, got "
+                             f"{self.in_features}")
+        # _scaled_mm wants both matrix dims divisible by 16: pad the output rows with zeros
+        # (e.g. a merged q/k/v/z/b/a projection) and slice them off after the matmul.
+        pad = (-self.out_features) % 16
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
         q, scale = quantize_rows(weight)
         self.register_buffer("weight", q)
         self.register_buffer("weight_scale", scale)
@@ -76,6 +84,8 @@ class FP8Linear(nn.Module):
             q, scale = quantize_rows(x2)
             y = (q.float() * scale[:, None]) @ self.dequantized_weight(torch.float32).t()
             y = y.to(x.dtype)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
         return y.reshape(*shape[:-1], self.out_features)
 
     def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:

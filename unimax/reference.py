@@ -21,3 +21,26 @@ def exact_greedy_tokens(model, input_ids: torch.Tensor, max_new_tokens: int) -> 
         token = model.greedy_step(token, cache)
         pieces.append(token)
     return torch.cat(pieces, dim=1)
+
+
+@torch.inference_mode()
+def first_divergence(model, input_ids: torch.Tensor, tokens: list[int],
+                     reference: list[int]) -> dict | None:
+    """Where ``tokens`` first leaves the greedy ``reference`` (both continuations of
+    ``input_ids``), and how close the reference's choice was there: the step-by-step logit
+    gap between the two tokens, absolute and over the logits' standard deviation. A BF16 block
+    forward and a one-token step round differently, so at a near-tie they can pick different
+    tokens; a large gap would mean a bug."""
+    pairs = zip(tokens, reference, strict=False)
+    index = next((i for i, (got, want) in enumerate(pairs) if got != want), None)
+    if index is None:
+        return None
+    got, want = tokens[index], reference[index]
+    cache = model.make_recurrent_cache()
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[0, -1]
+    for token in reference[:index]:
+        logits = model(input_ids=torch.tensor([[token]], device=input_ids.device),
+                       past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    gap = float(logits[want].float() - logits[got].float())
+    return {"index": index, "gap": gap, "gap_over_std": gap / float(logits.float().std())}

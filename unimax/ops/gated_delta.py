@@ -144,12 +144,12 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None):
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto"):
-    """Dispatch: 'fla' (CUDA + fla), 'chunk' or 'recurrent' (torch), or 'auto'."""
+    """Dispatch: 'fla' (CUDA + fla), 'chunk' or 'recurrent' (torch), 'torch' (chunk for
+    several tokens, recurrent for one), or 'auto' (fla where it can run, else 'torch')."""
     if backend == "auto":
-        if q.is_cuda and fla_ops() is not None:
-            backend = "fla"
-        else:
-            backend = "recurrent" if q.shape[1] == 1 else "chunk"
+        backend = "fla" if q.is_cuda and fla_ops() is not None else "torch"
+    if backend == "torch":
+        backend = "recurrent" if q.shape[1] == 1 else "chunk"
     if backend == "fla":
         return fla_gated_delta_rule(q, k, v, g, beta, initial_state)
     if backend == "chunk":
@@ -157,4 +157,4 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto"
     if backend == "recurrent":
         return recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state)
     raise ValueError(f"unknown gated delta rule backend {backend!r}; "
-                     "use 'auto', 'fla', 'chunk' or 'recurrent'")
+                     "use 'auto', 'fla', 'torch', 'chunk' or 'recurrent'")
