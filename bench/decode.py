@@ -178,45 +178,71 @@ def fla_generate_baseline(config, ids, n=64) -> dict:
     return {"mode": "fla generate", "decode_tok_s": n / total, "ms_per_token": total / n * 1e3}
 
 
+@torch.inference_mode()
+def bridge_row(model, repeats: int = 50) -> dict:
+    """The bridge alone: median of synchronized copies of the exact state into the decoder."""
+    engine = build_engine(model, decode="bf16")
+    engine.prefill_exact(torch.zeros(1, 16, dtype=torch.long, device="cuda"))
+    times = [engine._bridge().seconds for _ in range(repeats)]
+    return {"mode": "bridge alone", "bridge_ms": statistics.median(times) * 1e3,
+            "bridge_mib": engine.last_bridge.mib}
+
+
+PARTS = ("modes", "compile", "baselines", "gemv", "bridge")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="also time compiled steps")
+    parser.add_argument("--parts", nargs="+", default=["modes", "baselines", "gemv", "bridge"],
+                        choices=PARTS, help="what to run (compile: bf16 and fp8-tail steps "
+                        "compiled by inductor, minutes of compile time)")
+    parser.add_argument("--compile-shapes", nargs="+", default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    print(json.dumps({"copy_GBps": bandwidth / 1e9}), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_GBps": bandwidth / 1e9, "shapes": {}}
+
+    def emit(rows, row):
+        if "ms_per_token" in row and "weight_bytes" in row:
+            row["of_floor"] = row["weight_bytes"] / bandwidth / (row["ms_per_token"] / 1e3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     for shape in args.shapes:
         config = SHAPES[shape]
         model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
         gen = torch.Generator(device="cuda").manual_seed(0)
         ids = torch.randint(0, config.vocab_size, (1, 512), device="cuda", generator=gen)
         reference = unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
-        rows = []
-        for name, decode, draft, mode in MODES:
-            rows.append(run_mode(model, name, decode, draft, mode, ids, args.new, False,
-                                 reference))
-            print(json.dumps(rows[-1]), flush=True)
-        if args.compile:
+        rows: list[dict] = []
+        data = report["shapes"][shape] = {"rows": rows, "fp8_gemv": []}
+        if "gemv" in args.parts:
+            data["fp8_gemv"] = fp8_gemv_rows(model)
+            print(json.dumps(data["fp8_gemv"]), flush=True)
+        if "bridge" in args.parts:
+            emit(rows, bridge_row(model))
+        if "baselines" in args.parts:
+            emit(rows, eager_baseline(model, ids))
+            if shape == "gdn-1.3b":
+                try:
+                    emit(rows, fla_generate_baseline(config, ids))
+                except Exception as err:
+                    emit(rows, {"mode": "fla generate", "error": repr(err)[:300]})
+        if "modes" in args.parts:
+            for name, decode, draft, mode in MODES:
+                emit(rows, run_mode(model, name, decode, draft, mode, ids, args.new, False,
+                                    reference))
+        if "compile" in args.parts and shape in (args.compile_shapes or args.shapes):
             for name, decode, draft, mode in MODES[:2]:
                 try:
-                    rows.append(run_mode(model, name, decode, draft, mode, ids, args.new, True,
-                                         reference))
+                    emit(rows, run_mode(model, name, decode, draft, mode, ids, args.new, True,
+                                        reference))
                 except Exception as err:  # record, keep benchmarking
-                    rows.append({"mode": name + "+compile", "error": repr(err)[:300]})
-                print(json.dumps(rows[-1]), flush=True)
-        rows.append(eager_baseline(model, ids))
-        if shape == "gdn-1.3b":
-            try:
-                rows.append(fla_generate_baseline(config, ids))
-            except Exception as err:
-                rows.append({"mode": "fla generate", "error": repr(err)[:300]})
-        for row in rows:
-            if "ms_per_token" in row and "weight_bytes" in row:
-                row["of_floor"] = row["weight_bytes"] / bandwidth / (row["ms_per_token"] / 1e3)
-        report["shapes"][shape] = {"rows": rows, "fp8_gemv": fp8_gemv_rows(model)}
+                    emit(rows, {"mode": name + "+compile", "error": repr(err)[:300]})
         del model
         torch.cuda.empty_cache()
     if args.json:

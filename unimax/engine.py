@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import cache_payload_bytes, copy_cache_
+from .cache import CacheCopier, cache_payload_bytes
 from .graph import GraphRunner, MaxTurboGraphDecoder
 from .sampling import SamplingParams
 
@@ -90,6 +90,10 @@ class UniMaxEngine:
         self.num_accepted = torch.zeros((), **long)
         self.runner = GraphRunner(self.device, decode_graph.use_graphs)
         self.last_bridge: BridgeReport | None = None
+        # Fixed cache pairs, validated once; each copy is then one fused launch.
+        self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
+        self.take_snapshot = CacheCopier(self.snapshot, self.exact_cache)
+        self.restore_snapshot = CacheCopier(self.exact_cache, self.snapshot)
 
     @property
     def block_size(self) -> int:
@@ -108,7 +112,7 @@ class UniMaxEngine:
         """Copy the exact recurrent state into the decoder's cache (addresses kept)."""
         _sync(self.device)
         start = time.perf_counter()
-        copy_cache_(self.decode_graph.cache, self.exact_cache)
+        self.bridge_copy()
         _sync(self.device)
         report = BridgeReport(seconds=time.perf_counter() - start,
                               mib=cache_payload_bytes(self.exact_cache) / 2**20,
@@ -191,7 +195,7 @@ class UniMaxEngine:
     def _verify(self, k: int) -> None:
         """Graph body: snapshot the exact state, score [current, draft[:-1]] exactly, count the
         agreeing prefix. Reads the draft from the decoder's static output buffer."""
-        copy_cache_(self.snapshot, self.exact_cache)
+        self.take_snapshot()
         draft = self.decode_graph.out_tokens[:, :k]
         self.verify_input[:, :1].copy_(self.current)
         self.verify_input[:, 1:k].copy_(draft[:, :k - 1])
@@ -204,10 +208,10 @@ class UniMaxEngine:
     def _replay(self, length: int) -> None:
         """Graph body after a rejection: restore the snapshot, feed the ``length`` accepted
         inputs exactly, and resync the draft's cache from the exact one."""
-        copy_cache_(self.exact_cache, self.snapshot)
+        self.restore_snapshot()
         self.exact_model.forward_unchecked(self.verify_input[:, :length], self.exact_cache,
                                            logits_to_keep=1)
-        copy_cache_(self.decode_graph.cache, self.exact_cache)
+        self.bridge_copy()
 
     def _verified_blocks(self, n: int, k_max: int, counts: list[int]):
         """Yields the tokens each block emits (list of ints). One host sync per block."""
@@ -230,7 +234,7 @@ class UniMaxEngine:
                 emitted = draft
                 self.exact_cache.seen_tokens = seen + k
                 if not self.state_safe_draft:
-                    copy_cache_(graph.cache, self.exact_cache)
+                    self.bridge_copy()
             else:
                 emitted = draft[:m] + [int(self.verify_pred[0, m])]
                 self.runner.run(("replay", m + 1), lambda m=m: self._replay(m + 1),
@@ -356,7 +360,7 @@ class UniMaxEngine:
             # block ran) and feed what was emitted since.
             ran_blocks = result.verify is not None and result.verify.verifier_blocks > 0
             if ran_blocks:
-                copy_cache_(self.exact_cache, self.snapshot)
+                self.restore_snapshot()
             fed = result.tokens
             if ran_blocks:
                 fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
