@@ -23,7 +23,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
-from unimax.fp8 import FP8Linear, shallow_view  # noqa: E402
+from unimax.fp8 import FP8Linear  # noqa: E402
 from unimax.reference import first_divergence  # noqa: E402
 
 MODES = [  # name, decode, draft, engine mode
@@ -109,15 +109,8 @@ def kernels_per_step(engine) -> dict:
 
 @torch.inference_mode()
 def run_mode(model, name, decode, draft, mode, ids, new, compile_step, reference) -> dict:
-    engine = build_engine(model, decode=decode, draft=draft, block_size=8)
-    if compile_step:
-        # Compile a pure-torch step (fla's kernels inside dynamo are not worth the risk): the
-        # decoder gets its own view so the exact model keeps fla for prefill and verification.
-        decoder = engine.decode_graph
-        if decoder.model is model:
-            decoder.model = shallow_view(model)
-        decoder.model.set_backend("torch")
-        decoder._step = torch.compile(decoder._step_eager, dynamic=False)
+    engine = build_engine(model, decode=decode, draft=draft, block_size=8,
+                          compile_step=compile_step)
     start = time.perf_counter()
     engine.generate(ids, 3 * 8 + 3, mode=mode)  # captures the block graphs (8 and 3)
     engine.generate(ids, new, mode=mode)  # and every replay length a verified run meets
