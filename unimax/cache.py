@@ -114,6 +114,12 @@ def copy_cache_(dst: RecurrentCache, src: RecurrentCache) -> None:
     dst.seen_tokens = int(src.seen_tokens)
 
 
+def state_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
+    """Every state tensor of the cache in a fixed order (layer, conv then recurrent)."""
+    return [t for layer in cache.layers for table in STATE_TABLES
+            for t in getattr(layer, table).values()]
+
+
 class CacheCopier:
     """A validated ``copy_cache_(dst, src)`` for a fixed pair of caches: the shapes are checked
     once, then every call is one fused ``_foreach_copy_`` over all state tensors (a handful of
@@ -122,10 +128,8 @@ class CacheCopier:
     def __init__(self, dst: RecurrentCache, src: RecurrentCache):
         copy_cache_(dst, src)  # validates topology, shapes and dtypes once
         self.dst, self.src = dst, src
-        self.dst_tensors = [t for layer in dst.layers for table in STATE_TABLES
-                            for t in getattr(layer, table).values()]
-        self.src_tensors = [t for layer in src.layers for table in STATE_TABLES
-                            for t in getattr(layer, table).values()]
+        self.dst_tensors = state_tensors(dst)
+        self.src_tensors = state_tensors(src)
 
     @torch.inference_mode()
     def __call__(self) -> None:

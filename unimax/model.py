@@ -144,6 +144,8 @@ class GDNForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.to_empty(device=device)
+        if config.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
+            model.lm_head.weight = model.embed_tokens.weight
         for name, param in model.named_parameters():
             if not name.endswith(("A_log", "dt_bias")):
                 param.data = param.data.to(dtype)

@@ -16,7 +16,7 @@ from .config import GDNConfig
 from .model import GDNForCausalLM
 
 TINY_NAME = "tiny-random"
-TINY_VERSION = 1  # bump when the recipe changes, so cached folders are rebuilt
+TINY_VERSION = 3  # bump when the recipe changes, so cached folders are rebuilt
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -81,9 +81,17 @@ def build_tiny_random(path: Path | None = None, seed: int = 0) -> Path:
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(tmp)
     model = GDNForCausalLM.random(TINY_CONFIG, seed=seed)
     with torch.no_grad():
-        model.embed_tokens.weight.mul_(5.0)  # tied head: larger logits, less uniform output
+        # Tied head: favour letters and the space, so the noise it prints is visible text.
+        from transformers import AutoTokenizer
+
+        vocab = AutoTokenizer.from_pretrained(tmp).get_vocab()
+        visible = [vocab[c] for c in "abcdefghijklmnopqrstuvwxyz" + "\u0120" if c in vocab]
+        scale = torch.full((TINY_CONFIG.vocab_size, 1), 0.05)
+        scale[visible] = 10.0
+        model.embed_tokens.weight.mul_(scale)
     tensors = _qwen_tensors(model)
     tensors.pop("lm_head.weight", None)
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -101,7 +109,6 @@ def build_tiny_random(path: Path | None = None, seed: int = 0) -> Path:
         "unimax_note": "tiny random model built locally by unimax.tiny; its text is noise",
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(tmp)
     if not (path / "config.json").is_file():
         if path.exists():
             import shutil

@@ -1,0 +1,336 @@
+"""The engine service: one long-lived thread owns the model and the GPU and serves chat requests
+from a queue, streaming events back. Knows nothing about Gradio.
+
+Each request carries a cancel flag the thread checks after every decoded block. A failing request
+ends with an error event; the thread goes on with the next one, and since every request starts
+from a kept state (StateStore), no failure can corrupt another conversation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .build import build_engine
+from .checkpoint import load_model, load_tokenizer
+from .presets import MODES, Preset
+from .sampling import SamplingParams
+from .states import StateStore
+
+log = logging.getLogger("unimax.service")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p),
+                              None if self.seed is None else int(self.seed))
+
+
+@dataclass
+class ServiceEvent:
+    kind: str  # queued, started, delta, stats, done, error
+    text: str = ""
+    data: dict = field(default_factory=dict)
+
+
+class RequestHandle:
+    """What the caller holds: iterate for events; ``cancel()`` stops it within one block."""
+
+    def __init__(self, request_id: int, conversation_id: str, messages: list[dict], mode: str,
+                 settings: GenerationSettings):
+        self.id = request_id
+        self.conversation_id = conversation_id
+        self.messages = messages
+        self.mode = mode
+        self.settings = settings
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+        self.queue: queue.Queue[ServiceEvent] = queue.Queue()
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, kind: str, text: str = "", **data) -> None:
+        self.queue.put(ServiceEvent(kind, text, data))
+        if kind in ("done", "error"):
+            self.finished.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[ServiceEvent]:
+        """Events until done or error. ``timeout`` bounds the wait for each event."""
+        while True:
+            event = self.queue.get(timeout=timeout)
+            yield event
+            if event.kind in ("done", "error"):
+                return
+
+
+class RequestError(ValueError):
+    """A request the user can fix (empty message, too long, unknown mode...)."""
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def add(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta
+
+
+class EngineService:
+    def __init__(self, preset: Preset, model=None, tokenizer=None):
+        self.preset = preset
+        device = None if preset.device == "auto" else preset.device
+        self.model = model if model is not None else load_model(preset.model, device=device,
+                                                                dtype=preset.dtype)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(preset.model)
+        self.device = self.model.device
+        self.engines: dict[str, object] = {}
+        self.store = StateStore(preset.state_memory_mib * 2**20,
+                                preset.host_state_memory_mib * 2**20)
+        self.stop_ids = self._stop_ids()
+        self.requests: queue.Queue[RequestHandle | None] = queue.Queue()
+        self.pending: list[RequestHandle] = []
+        self.pending_lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.stats_lock = threading.Lock()
+        self.latest_stats: dict = {"mode": preset.mode}
+        self.thread = threading.Thread(target=self._loop, name="unimax-engine", daemon=True)
+        self.busy = threading.Event()
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> EngineService:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self.pending_lock:
+            for handle in self.pending:
+                handle.cancel()
+        self.requests.put(None)
+        self.thread.join(timeout)
+
+    def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
+        """Build every mode's engine and capture its graphs now, not on the first message."""
+        for mode in modes:
+            handle = self.submit(f"warm-up-{mode}", [{"role": "user", "content": "Hi"}], mode,
+                                 GenerationSettings(max_new_tokens=2 * self.preset.block_size))
+            for event in handle.events():
+                if event.kind == "error":
+                    raise RuntimeError(f"warm-up of mode {mode} failed: {event.text}")
+            self.store.forget(f"warm-up-{mode}")
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(self, conversation_id: str, messages: list[dict], mode: str | None = None,
+               settings: GenerationSettings | None = None) -> RequestHandle:
+        mode = mode or self.preset.mode
+        handle = RequestHandle(next(self.ids), str(conversation_id), list(messages), mode,
+                               settings or self.default_settings())
+        with self.pending_lock:
+            self.pending.append(handle)
+            position = len(self.pending) - 1 + (1 if self.busy.is_set() else 0)
+        handle.emit("queued", position=position)
+        self.requests.put(handle)
+        return handle
+
+    def default_settings(self) -> GenerationSettings:
+        g = self.preset.generation
+        return GenerationSettings(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed)
+
+    def queue_position(self, handle: RequestHandle) -> int:
+        """Requests ahead of this one (0: it runs next or is running)."""
+        with self.pending_lock:
+            if handle not in self.pending:
+                return 0
+            return self.pending.index(handle) + (1 if self.busy.is_set() else 0)
+
+    def stats_snapshot(self) -> dict:
+        with self.stats_lock:
+            return dict(self.latest_stats)
+
+    def forget(self, conversation_id: str) -> None:
+        self.store.forget(conversation_id)
+
+    # --- the engine thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            handle = self.requests.get()
+            if handle is None:
+                return
+            with self.pending_lock:
+                if handle in self.pending:
+                    self.pending.remove(handle)
+                self.busy.set()
+                for waiting in self.pending:
+                    waiting.emit("queued", position=self.pending.index(waiting) + 1)
+            try:
+                if handle.cancelled.is_set():
+                    handle.emit("done", stopped="cancelled")
+                else:
+                    self._serve(handle)
+            except RequestError as err:
+                handle.emit("error", str(err))
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                handle.emit("error", "the GPU ran out of memory during this reply; try fewer "
+                                     "new tokens, a shorter conversation or a smaller model. "
+                                     "Other conversations are unaffected.")
+            except Exception as err:  # the thread must outlive any one request
+                log.exception("request %s failed", handle.id)
+                handle.emit("error", f"internal error: {type(err).__name__}: {err}")
+            finally:
+                self.busy.clear()
+
+    def _engine(self, mode: str):
+        if mode not in MODES:
+            raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        if mode not in self.engines:
+            p = self.preset
+            decode, draft = {"bf16": ("bf16", "tail"), "fp8": ("fp8", "tail"),
+                             "verified": ("fp8", p.draft)}[mode]
+            self.engines[mode] = build_engine(self.model, decode=decode, draft=draft,
+                                              block_size=p.block_size,
+                                              compile_step=p.compile_step)
+        return self.engines[mode]
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids for a conversation ending with a user message."""
+        if not messages or messages[-1].get("role") != "user":
+            raise RequestError("the conversation must end with a user message")
+        content = messages[-1].get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise RequestError("empty message: type something to send")
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+        else:  # a base model: a plain transcript it can continue
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+            ids = tok(text + "Assistant:").input_ids
+        return [int(i) for i in ids]
+
+    def _stop_ids(self) -> list[int]:
+        tok, ids = self.tokenizer, set()
+        if tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        eos = self.model.config.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        vocab = tok.get_vocab()
+        ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
+        return sorted(i for i in ids if 0 <= i < self.model.config.vocab_size)
+
+    @torch.inference_mode()
+    def _serve(self, handle: RequestHandle) -> None:
+        engine = self._engine(handle.mode)
+        started = time.perf_counter()
+        prompt = self.render(handle.messages)
+        settings = handle.settings
+        room = self.preset.max_context - len(prompt)
+        if room < 1:
+            raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
+                               f"context setting of {self.preset.max_context}; clear the chat, "
+                               "shorten the message, or raise max_context in the preset")
+        max_new = min(int(settings.max_new_tokens), room)
+        sampling = settings.sampling()
+        mode = "verified" if handle.mode == "verified" else "fast"
+        if mode == "verified" and not sampling.is_greedy:
+            raise RequestError("verified mode reproduces exact greedy decoding: set "
+                               "temperature to 0, or pick bf16 / fp8 to sample")
+
+        ckpt = self.store.best_prefix(handle.conversation_id, prompt)
+        if ckpt is not None:
+            self.store.restore(ckpt, engine.exact_cache)
+            new_tokens = prompt[len(ckpt.tokens):]
+        else:
+            new_tokens = prompt
+        handle.emit("started", prefill_tokens=len(new_tokens), reused_tokens=len(prompt) -
+                    len(new_tokens))
+        detok = IncrementalDetokenizer(self.tokenizer)
+        curve: list[list[float]] = []
+        timing = {"first": None, "last": None}
+
+        def on_block(tokens: list[int]) -> bool:
+            now = time.perf_counter()
+            if timing["first"] is None:
+                timing["first"] = now
+            elif timing["last"] is not None:
+                rate = len(tokens) / max(now - timing["last"], 1e-9)
+                curve.append([len(detok.tokens) + len(tokens), round(rate, 2)])
+            timing["last"] = now
+            delta = detok.add(tokens)
+            if delta:
+                handle.emit("delta", delta)
+            self._publish(handle, engine, None, len(new_tokens), len(prompt), detok, curve,
+                          started, timing)
+            return not handle.cancelled.is_set()
+
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
+        result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
+                                 sampling=sampling, keep_state=ckpt is not None,
+                                 on_block=on_block)
+        self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
+        stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
+                              started, timing)
+        handle.emit("done", stopped=result.stopped, stats=stats, text=detok.text)
+
+    def _publish(self, handle, engine, result, prefilled, prompt_len, detok, curve, started,
+                 timing) -> dict:
+        bridge = engine.last_bridge
+        stats = {
+            "mode": handle.mode, "conversation_id": handle.conversation_id,
+            "prefilled_tokens": prefilled, "reused_tokens": prompt_len - prefilled,
+            "generated_tokens": len(detok.tokens),
+            "bridge_mib": round(bridge.mib, 3) if bridge else None,
+            "bridge_ms": round(bridge.seconds * 1e3, 3) if bridge else None,
+            "ttft_ms": round((timing["first"] - started) * 1e3, 2) if timing["first"] else None,
+            "decode_curve": list(curve), "device": str(self.device),
+        }
+        if timing["first"] and timing["last"] and len(detok.tokens) > 1:
+            stats["decode_tok_s"] = round((len(detok.tokens) - 1) /
+                                          max(timing["last"] - timing["first"], 1e-9), 2)
+        if result is not None:
+            stats["prefill_tok_s"] = round(result.prefill_tokens /
+                                           max(result.prefill_seconds, 1e-9), 1)
+            if len(result.tokens) > 1:
+                stats["decode_tok_s"] = round((len(result.tokens) - 1) /
+                                              max(result.decode_seconds, 1e-9), 2)
+            stats["stopped"] = result.stopped
+            if result.verify is not None:
+                stats.update({k: v for k, v in asdict(result.verify).items()})
+                stats["acceptance_rate"] = round(result.verify.acceptance_rate, 4)
+        stats.setdefault("acceptance_rate", None)
+        stats.setdefault("prefill_tok_s", None)
+        stats.setdefault("decode_tok_s", None)
+        stats["kept_states"] = self.store.usage()
+        with self.stats_lock:
+            self.latest_stats = stats
+        handle.emit("stats", stats=stats)
+        return stats

@@ -1,0 +1,107 @@
+"""Kept conversation states: the recurrent model's advantage is that a whole conversation's
+context is a fixed few megabytes, so every finished turn is kept and the next turn prefills only
+its new tokens. Regenerate and edit fall back to the longest kept prefix of the new prompt.
+
+States live on the GPU up to a byte budget; the least recently used move to host memory, and past
+the host budget the least recently used are dropped (that costs only a longer prefill later).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import RecurrentCache, state_tensors
+
+
+@dataclass
+class Checkpoint:
+    tokens: tuple[int, ...]  # the exact token history this state has absorbed
+    tensors: list[torch.Tensor]
+    last_used: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.tensors[0].is_cuda
+
+
+class StateStore:
+    """Checkpoints per conversation id. Thread-safe; the engine thread does the copies."""
+
+    def __init__(self, gpu_budget_bytes: int, host_budget_bytes: int):
+        self.gpu_budget = gpu_budget_bytes
+        self.host_budget = host_budget_bytes
+        self.conversations: dict[str, list[Checkpoint]] = {}
+        self.clock = itertools.count(1)
+        self.lock = threading.Lock()
+
+    def best_prefix(self, conversation_id: str, tokens: list[int]) -> Checkpoint | None:
+        """The kept state with the longest history that is a strict prefix of ``tokens`` (at
+        least one new token must remain: its logits give the first reply token)."""
+        with self.lock:
+            best = None
+            for ckpt in self.conversations.get(conversation_id, []):
+                n = len(ckpt.tokens)
+                if n < len(tokens) and tuple(tokens[:n]) == ckpt.tokens and \
+                        (best is None or n > len(best.tokens)):
+                    best = ckpt
+            if best is not None:
+                best.last_used = next(self.clock)
+            return best
+
+    @torch.inference_mode()
+    def save(self, conversation_id: str, tokens: list[int], cache: RecurrentCache) -> None:
+        tensors = [t.clone() for t in state_tensors(cache)]
+        ckpt = Checkpoint(tuple(tokens), tensors, last_used=next(self.clock))
+        with self.lock:
+            kept = [c for c in self.conversations.get(conversation_id, [])
+                    if c.tokens != ckpt.tokens]
+            self.conversations[conversation_id] = kept + [ckpt]
+            self._enforce_budgets()
+
+    @torch.inference_mode()
+    def restore(self, ckpt: Checkpoint, cache: RecurrentCache) -> None:
+        for dst, src in zip(state_tensors(cache), ckpt.tensors, strict=True):
+            dst.copy_(src, non_blocking=True)
+        for layer in cache.layers:
+            layer.has_previous_state[0] = True
+        cache.seen_tokens = len(ckpt.tokens)
+
+    def forget(self, conversation_id: str) -> None:
+        with self.lock:
+            self.conversations.pop(conversation_id, None)
+
+    def usage(self) -> dict:
+        with self.lock:
+            all_ckpts = [c for cs in self.conversations.values() for c in cs]
+            return {"conversations": len(self.conversations), "states": len(all_ckpts),
+                    "gpu_mib": sum(c.nbytes for c in all_ckpts if c.on_gpu) / 2**20,
+                    "host_mib": sum(c.nbytes for c in all_ckpts if not c.on_gpu) / 2**20}
+
+    def _enforce_budgets(self) -> None:
+        ckpts = sorted((c for cs in self.conversations.values() for c in cs),
+                       key=lambda c: c.last_used)
+        gpu = sum(c.nbytes for c in ckpts if c.on_gpu)
+        for ckpt in ckpts:  # oldest first
+            if gpu <= self.gpu_budget:
+                break
+            if ckpt.on_gpu:
+                ckpt.tensors = [t.to("cpu", non_blocking=False) for t in ckpt.tensors]
+                gpu -= ckpt.nbytes
+        host = sum(c.nbytes for c in ckpts if not c.on_gpu)
+        for ckpt in ckpts:
+            if host <= self.host_budget:
+                break
+            if not ckpt.on_gpu:
+                for cid, cs in self.conversations.items():
+                    if ckpt in cs:
+                        cs.remove(ckpt)
+                        self.conversations[cid] = cs
+                host -= ckpt.nbytes
