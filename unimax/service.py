@@ -299,7 +299,7 @@ class EngineService:
         self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
-        handle.emit("done", stopped=result.stopped, stats=stats, text=detok.text)
+        handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text)
 
     def _publish(self, handle, engine, result, prefilled, prompt_len, detok, curve, started,
                  timing) -> dict:

@@ -1,0 +1,74 @@
+"""UNI MAX chat app: python app.py [--preset FILE] [--model PATH_OR_ID] [--mode M] [--host H]
+[--port P]. Loads the model once, captures the decode graphs, then serves the Gradio page."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from unimax.presets import MODES, PresetError, load_preset
+
+DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "tiny-random.yaml"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default=str(DEFAULT_PRESET), help="preset YAML file")
+    parser.add_argument("--model", help="override the preset's model (folder or hub id)")
+    parser.add_argument("--mode", choices=MODES, help="override the preset's default mode")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="capture graphs on first use instead of at start-up")
+    return parser.parse_args(argv)
+
+
+def step(text: str) -> float:
+    print(f"[unimax] {text}", flush=True)
+    return time.perf_counter()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        preset = load_preset(args.preset)
+        overrides = {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
+        preset = dataclasses.replace(preset, **overrides)
+    except PresetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("[unimax] no CUDA GPU here: running on the CPU (FP8 is emulated, graphs are off; "
+              "fine for a smoke run, slow for real models)", flush=True)
+    from ui import build_demo
+    from ui.page import CSS
+    from unimax.service import EngineService
+
+    start = step(f"loading {preset.model} (preset {preset.name})…")
+    try:
+        service = EngineService(preset)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"error: could not load the model: {err}", file=sys.stderr)
+        return 2
+    cfg = service.model.config
+    step(f"loaded {cfg.num_hidden_layers} GDN layers, hidden {cfg.hidden_size}, vocab "
+         f"{cfg.vocab_size} on {service.device} in {time.perf_counter() - start:.1f} s")
+    service.start()
+    if not args.no_warm_up:
+        start = step("warming up every mode (capturing CUDA graphs where there is a GPU)…")
+        service.warm_up()
+        step(f"ready in {time.perf_counter() - start:.1f} s")
+    demo = build_demo(service, preset)
+    demo.queue(default_concurrency_limit=None)
+    step(f"serving on http://{args.host}:{args.port}")
+    demo.launch(server_name=args.host, server_port=args.port, show_error=True, css=CSS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

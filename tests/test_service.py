@@ -1,0 +1,182 @@
+"""The engine service: streaming, cancellation, failures, kept conversation states, presets."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import unimax
+from unimax.presets import GenerationDefaults, Preset, PresetError, load_preset, preset_from_dict
+from unimax.service import EngineService, GenerationSettings
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = EngineService(Preset(model="tiny-random", block_size=4,
+                               generation=GenerationDefaults(max_new_tokens=24))).start()
+    yield svc
+    svc.stop()
+
+
+def run(service, conversation, messages, mode="bf16", **settings):
+    handle = service.submit(conversation, messages, mode, GenerationSettings(**settings))
+    return list(handle.events(timeout=120))
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def test_streaming_order_and_text(service):
+    events = run(service, "order", [user("Hello")], max_new_tokens=20)
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "queued" and kinds[1] == "started" and kinds[-1] == "done"
+    assert "delta" in kinds and kinds.index("delta") < kinds.index("done")
+    text = "".join(e.text for e in events if e.kind == "delta")
+    assert text == events[-1].data["reply"] and text
+    stats = events[-1].data["stats"]
+    for key in ("mode", "bridge_mib", "bridge_ms", "acceptance_rate", "decode_tok_s",
+                "prefill_tok_s", "ttft_ms", "prefilled_tokens"):
+        assert key in stats
+    assert stats["generated_tokens"] == 20
+
+
+def test_cancel_stops_within_one_block(service):
+    seen = threading.Event()
+    handle = service.submit("cancel", [user("Tell me everything")], "bf16",
+                            GenerationSettings(max_new_tokens=1500))
+    events = []
+    for event in handle.events(timeout=120):
+        events.append(event)
+        if event.kind == "delta" and not seen.is_set():
+            seen.set()
+            handle.cancel()
+    done = events[-1]
+    assert done.kind == "done" and done.data["stopped"] == "cancelled"
+    # the block in flight when the flag was set may finish, nothing after it
+    assert done.data["stats"]["generated_tokens"] <= 1 + 2 * service.preset.block_size
+
+
+def test_error_in_one_request_does_not_stop_the_next(service, monkeypatch):
+    original = service._engine
+
+    def broken(mode):
+        if mode == "fp8":
+            raise RuntimeError("simulated failure")
+        return original(mode)
+
+    monkeypatch.setattr(service, "_engine", broken)
+    failed = run(service, "err", [user("Hi")], mode="fp8")
+    assert failed[-1].kind == "error" and "simulated failure" in failed[-1].text
+    ok = run(service, "err", [user("Hi")], mode="bf16")
+    assert ok[-1].kind == "done"
+
+
+def test_bad_requests_get_clear_errors(service):
+    assert "empty message" in run(service, "bad", [user("   ")])[-1].text
+    assert "unknown mode 'turbo'" in run(service, "bad", [user("x")], mode="turbo")[-1].text
+    huge = run(service, "bad", [user("w" * 5000)])[-1]
+    assert huge.kind == "error" and "over this model's context setting of 4096" in huge.text
+    sampled = run(service, "bad", [user("x")], mode="verified", temperature=0.8)[-1]
+    assert "set temperature to 0" in sampled.text
+
+
+def reference_reply(service, messages, n):
+    ids = torch.tensor([service.render(messages)])
+    tokens = unimax.exact_greedy_tokens(service.model, ids, n)[0].tolist()
+    stop = [i for i, t in enumerate(tokens) if t in service.stop_ids]
+    return tokens[: stop[0] + 1] if stop else tokens
+
+
+def reply_tokens(service, events):
+    return service.tokenizer(events[-1].data["reply"], add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
+def test_state_reuse_prefills_only_new_tokens(service, mode):
+    conversation = f"reuse-{mode}"
+    first = [user("What is a recurrent state?")]
+    turn1 = run(service, conversation, first, mode=mode, max_new_tokens=12)
+    reply = turn1[-1].data["reply"]
+    second = first + [{"role": "assistant", "content": reply}, user("And then?")]
+    turn2 = run(service, conversation, second, mode=mode, max_new_tokens=12)
+    started = next(e for e in turn2 if e.kind == "started").data
+    full = len(service.render(second))
+    assert started["reused_tokens"] > 0
+    assert started["prefill_tokens"] == full - started["reused_tokens"] < full
+    # the same tokens as a fresh full prefill of the whole conversation
+    if mode != "fp8":  # fp8 decoding differs from the exact model by design
+        expected = reference_reply(service, second, 12)
+        assert service.tokenizer.decode(expected, skip_special_tokens=True) == \
+            turn2[-1].data["reply"]
+
+
+def test_conversations_are_kept_apart(service):
+    a1 = run(service, "conv-a", [user("alpha alpha")], max_new_tokens=8)
+    run(service, "conv-b", [user("a different opening")], max_new_tokens=8)
+    follow = [user("alpha alpha"), {"role": "assistant", "content": a1[-1].data["reply"]},
+              user("more")]
+    again = run(service, "conv-a", follow, max_new_tokens=8)
+    assert next(e for e in again if e.kind == "started").data["reused_tokens"] > 0
+    expected = reference_reply(service, follow, 8)
+    assert service.tokenizer.decode(expected, skip_special_tokens=True) == \
+        again[-1].data["reply"]
+
+
+def test_regenerate_goes_back_to_the_earlier_state(service):
+    first = [user("one")]
+    t1 = run(service, "regen", first, max_new_tokens=6)
+    second = first + [{"role": "assistant", "content": t1[-1].data["reply"]}, user("two")]
+    a = run(service, "regen", second, max_new_tokens=6)
+    b = run(service, "regen", second, max_new_tokens=6)  # regenerate: same prompt again
+    assert a[-1].data["reply"] == b[-1].data["reply"]
+    started = next(e for e in b if e.kind == "started").data
+    assert 0 < started["prefill_tokens"] < len(service.render(second))
+
+
+def test_queue_positions(service):
+    handles = [service.submit(f"q{i}", [user("hi")], "bf16", GenerationSettings(max_new_tokens=
+                                                                               300))
+               for i in range(3)]
+    first_events = [next(h.events(timeout=60)) for h in handles]
+    assert [e.kind for e in first_events] == ["queued"] * 3
+    assert first_events[2].data["position"] >= 1
+    for h in handles:
+        list(h.events(timeout=120))
+
+
+def test_state_budget_moves_to_host_then_drops():
+    from unimax.states import StateStore
+
+    model = unimax.load_model("tiny-random")
+    cache = model.make_recurrent_cache()
+    size = sum(t.numel() * t.element_size() for t in unimax.cache.state_tensors(cache))
+    store = StateStore(gpu_budget_bytes=0, host_budget_bytes=2 * size)
+    for i in range(4):
+        store.save(f"c{i}", [1, 2, i], cache)
+        time.sleep(0.001)
+    usage = store.usage()
+    assert usage["states"] == 2  # the two least recently used were dropped
+    assert store.best_prefix("c0", [1, 2, 0, 5]) is None
+    assert store.best_prefix("c3", [1, 2, 3, 5]) is not None
+
+
+def test_presets_validate(tmp_path):
+    assert load_preset("presets/tiny-random.yaml").model == "tiny-random"
+    with pytest.raises(PresetError, match="unknown preset key 'modle'"):
+        preset_from_dict({"modle": "x"})
+    with pytest.raises(PresetError, match="'mode' has the value 'turbo'; allowed: bf16, fp8"):
+        preset_from_dict({"mode": "turbo"})
+    with pytest.raises(PresetError, match="'generation.temperature' has the value -1"):
+        preset_from_dict({"generation": {"temperature": -1}})
+    with pytest.raises(PresetError, match="unknown preset key 'generation.topk'"):
+        preset_from_dict({"generation": {"topk": 3}})
+    with pytest.raises(PresetError, match="does not exist"):
+        load_preset(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(PresetError, match="not valid YAML"):
+        load_preset(bad)
+    for preset in sorted(__import__("pathlib").Path("presets").glob("*.yaml")):
+        load_preset(preset)  # every shipped preset is valid

@@ -1,0 +1,331 @@
+"""The Gradio page: chat with modes and settings, live panels, A/B comparison, and the stable API
+endpoints /chat and /stats. It talks to the EngineService only; panels read stats snapshots and
+never touch the GPU."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+
+import gradio as gr
+
+from unimax.presets import MODES, Preset
+from unimax.service import EngineService, GenerationSettings
+
+from .panels import ab_summary, curve_frame, first_divergence, highlighted, panel_markdown
+
+MODE_CHOICES = [("BF16 only", "bf16"), ("FP8 speed", "fp8"), ("Verified exact", "verified")]
+CSS = """
+#panels table { font-size: 0.9em; }
+mark.ab-diverge { background: #ffd54f; }
+pre.ab-text { white-space: pre-wrap; word-break: break-word; min-height: 3em; }
+"""
+
+
+class Sessions:
+    """Per browser session: the request in flight (so Stop and a closed tab can cancel it) and
+    the latest stats (what this page's panels show)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.handles: dict[str, object] = {}
+        self.stats: dict[str, dict] = {}
+
+    def start(self, session: str, handle) -> None:
+        with self.lock:
+            self.handles[session] = handle
+
+    def cancel(self, session: str) -> None:
+        with self.lock:
+            handle = self.handles.pop(session, None)
+        if handle is not None:
+            handle.cancel()
+
+    def set_stats(self, session: str, stats: dict) -> None:
+        with self.lock:
+            self.stats[session] = stats
+
+    def get_stats(self, session: str) -> dict:
+        with self.lock:
+            return dict(self.stats.get(session, {}))
+
+    def close(self, session: str) -> None:
+        self.cancel(session)
+        with self.lock:
+            self.stats.pop(session, None)
+
+
+def settings_from(temperature, top_p, top_k, max_new_tokens, seed) -> GenerationSettings:
+    seed = None if seed in (None, "") else int(seed)
+    return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                              top_p=float(top_p), top_k=int(top_k), seed=seed)
+
+
+def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
+    sessions = Sessions()
+    g = preset.generation
+    info = (f"**UNI MAX** · model `{preset.model}` on `{service.device}` · preset "
+            f"`{preset.name}` · block {preset.block_size} · verified draft `{preset.draft}`")
+
+    def stream(session, conversation_id, messages, mode, settings) -> Iterator[tuple]:
+        """Yields (kind, text, data) from one request; cancels it if the consumer goes away."""
+        handle = service.submit(conversation_id, messages, mode, settings)
+        sessions.start(session, handle)
+        try:
+            for event in handle.events():
+                if event.kind == "stats":
+                    sessions.set_stats(session, event.data["stats"])
+                yield event.kind, event.text, event.data
+        finally:
+            handle.cancel()  # Stop, a closed tab, or an error in the page: free the GPU
+
+    # --- chat ------------------------------------------------------------------------------
+
+    def send(message, history, conversation_id, mode, system, temperature, top_p, top_k,
+             max_new, seed, request: gr.Request):
+        history = list(history or [])
+        if not message or not message.strip():
+            yield history, message, "⚠️ Empty message: type something to send."
+            return
+        history.append({"role": "user", "content": message})
+        yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
+                         max_new, seed, request, clear_box=True)
+
+    def reply(history, conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
+              request, clear_box=False):
+        box = "" if clear_box else gr.update()
+        try:
+            settings = settings_from(temperature, top_p, top_k, max_new, seed)
+        except (TypeError, ValueError) as err:
+            yield history, box, f"⚠️ Bad setting: {err}"
+            return
+        messages = ([{"role": "system", "content": system}] if system and system.strip()
+                    else []) + [{"role": m["role"], "content": _text(m["content"])}
+                                for m in history]
+        history = history + [{"role": "assistant", "content": ""}]
+        status = "Sending…"
+        yield history, box, status
+        for kind, text, data in stream(request.session_hash, conversation_id, messages, mode,
+                                       settings):
+            if kind == "queued" and data.get("position"):
+                status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
+            elif kind == "started":
+                status = f"Generating ({mode}) · prefilling {data['prefill_tokens']} new " \
+                         f"tokens, reusing {data['reused_tokens']} from the kept state…"
+            elif kind == "delta":
+                history[-1] = {"role": "assistant", "content": history[-1]["content"] + text}
+            elif kind == "error":
+                history = history[:-1]
+                status = f"⚠️ {text}"
+            elif kind == "done":
+                status = f"Done ({data.get('stopped')})."
+            else:
+                continue
+            yield history, box, status
+
+    def regenerate(history, conversation_id, mode, system, temperature, top_p, top_k, max_new,
+                   seed, request: gr.Request):
+        history = list(history or [])
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        if not history:
+            yield history, gr.update(), "Nothing to regenerate yet."
+            return
+        yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
+                         max_new, seed, request)
+
+    def edited(history, conversation_id, mode, system, temperature, top_p, top_k, max_new,
+               seed, edit: gr.EditData, request: gr.Request):
+        history = list(history or [])[: edit.index + 1]
+        history[-1] = {"role": "user", "content": edit.value}
+        yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
+                         max_new, seed, request)
+
+    def clear(conversation_id, request: gr.Request):
+        sessions.cancel(request.session_hash)
+        service.forget(conversation_id)
+        return [], str(uuid.uuid4()), "Cleared."
+
+    def export(history, system, mode):
+        data = {"system": system, "mode": mode, "messages": history,
+                "model": preset.model, "stats": None}
+        path = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="unimax-chat-",
+                                           delete=False)
+        json.dump(data, path, indent=1)
+        path.close()
+        return path.name
+
+    def stop(request: gr.Request):
+        sessions.cancel(request.session_hash)
+        return "Stopped."
+
+    def panels(request: gr.Request):
+        stats = sessions.get_stats(request.session_hash)
+        return panel_markdown(stats), curve_frame(stats)
+
+    # --- A/B -------------------------------------------------------------------------------
+
+    def run_ab(prompt, mode_a, mode_b, temperature, top_p, top_k, max_new, seed,
+               request: gr.Request):
+        empty = ("", "", "", "", "")
+        if not prompt or not prompt.strip():
+            yield ("⚠️ Empty prompt: type something to compare.", *empty[1:])
+            return
+        try:
+            settings = settings_from(temperature, top_p, top_k, max_new, seed)
+        except (TypeError, ValueError) as err:
+            yield (f"⚠️ Bad setting: {err}", *empty[1:])
+            return
+        if settings.seed is None:  # both sides must draw the same random numbers
+            settings = GenerationSettings(settings.max_new_tokens, settings.temperature,
+                                          settings.top_p, settings.top_k, 0)
+        texts, stats = {"a": "", "b": ""}, {"a": {}, "b": {}}
+        messages = [{"role": "user", "content": prompt}]
+        for side, mode in (("a", mode_a), ("b", mode_b)):
+            conversation = f"ab-{uuid.uuid4()}"
+            for kind, text, data in stream(request.session_hash, conversation, messages, mode,
+                                           settings):
+                if kind == "delta":
+                    texts[side] += text
+                elif kind == "stats":
+                    stats[side] = data["stats"]
+                elif kind == "error":
+                    yield (f"⚠️ {mode}: {text}", highlighted(texts["a"], None),
+                           highlighted(texts["b"], None), panel_markdown(stats["a"]),
+                           panel_markdown(stats["b"]))
+                    return
+                yield (f"Running {mode} ({side.upper()})…", highlighted(texts["a"], None),
+                       highlighted(texts["b"], None), panel_markdown(stats["a"]),
+                       panel_markdown(stats["b"]))
+            service.forget(conversation)
+        start = first_divergence(texts["a"], texts["b"])
+        yield (ab_summary(mode_a, texts["a"], stats["a"], mode_b, texts["b"], stats["b"]),
+               highlighted(texts["a"], start), highlighted(texts["b"], start),
+               panel_markdown(stats["a"]), panel_markdown(stats["b"]))
+
+    # --- layout ----------------------------------------------------------------------------
+
+    with gr.Blocks(title="UNI MAX") as demo:
+        gr.Markdown(info, elem_id="header")
+        conversation_id = gr.State(lambda: str(uuid.uuid4()))
+        with gr.Row():
+            with gr.Column(scale=2):
+                mode = gr.Radio(MODE_CHOICES, value=preset.mode, label="Mode", elem_id="mode")
+                system = gr.Textbox(preset.system_prompt, label="System prompt", lines=2)
+                with gr.Accordion("Generation", open=False):
+                    temperature = gr.Slider(0, 2, value=g.temperature, step=0.05,
+                                            label="Temperature (0 = greedy)")
+                    top_p = gr.Slider(0.05, 1, value=g.top_p, step=0.05, label="Top-p")
+                    top_k = gr.Slider(0, 200, value=g.top_k, step=1, label="Top-k (0 = off)")
+                    max_new = gr.Slider(1, min(4096, preset.max_context),
+                                        value=min(g.max_new_tokens, preset.max_context), step=1,
+                                        label="Max new tokens")
+                    seed = gr.Number(g.seed, label="Seed (empty = random)", precision=0)
+            with gr.Column(scale=5):
+                with gr.Tab("Chat"):
+                    chatbot = gr.Chatbot(height=420, label="Chat", editable="user",
+                                         elem_id="chatbot")
+                    message = gr.Textbox(placeholder="Message (Enter to send)", show_label=False,
+                                         elem_id="message")
+                    with gr.Row():
+                        send_btn = gr.Button("Send", variant="primary", elem_id="send")
+                        stop_btn = gr.Button("Stop", elem_id="stop")
+                        regen_btn = gr.Button("Regenerate", elem_id="regenerate")
+                        clear_btn = gr.Button("Clear", elem_id="clear")
+                        export_btn = gr.Button("Export JSON", elem_id="export")
+                    status = gr.Markdown("", elem_id="status")
+                    export_file = gr.File(label="Exported conversation", visible=True,
+                                          elem_id="export-file")
+                with gr.Tab("A/B", elem_id="ab-tab"):
+                    ab_prompt = gr.Textbox(label="Prompt", elem_id="ab-prompt")
+                    with gr.Row():
+                        mode_a = gr.Dropdown(MODE_CHOICES, value="bf16", label="Mode A")
+                        mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B")
+                        ab_btn = gr.Button("Compare", variant="primary", elem_id="ab-run")
+                    ab_status = gr.Markdown("", elem_id="ab-status")
+                    with gr.Row():
+                        with gr.Column():
+                            gr.Markdown("**A**")
+                            ab_text_a = gr.HTML(elem_id="ab-a")
+                            ab_stats_a = gr.Markdown(elem_id="ab-stats-a")
+                        with gr.Column():
+                            gr.Markdown("**B**")
+                            ab_text_b = gr.HTML(elem_id="ab-b")
+                            ab_stats_b = gr.Markdown(elem_id="ab-stats-b")
+            with gr.Column(scale=3, elem_id="panels"):
+                gr.Markdown("### Live panels")
+                panel = gr.Markdown(panel_markdown(None), elem_id="panel")
+                plot = gr.LinePlot(curve_frame(None), x="tokens", y="tok_s", height=200,
+                                   title="decode tok/s over the reply", elem_id="plot")
+
+        gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed]
+        chat_outputs = [chatbot, message, status]
+        events = [
+            send_btn.click(send, [message, chatbot, *gen_inputs], chat_outputs,
+                           concurrency_limit=None),
+            message.submit(send, [message, chatbot, *gen_inputs], chat_outputs,
+                           concurrency_limit=None),
+            regen_btn.click(regenerate, [chatbot, *gen_inputs], chat_outputs,
+                            concurrency_limit=None),
+            chatbot.edit(edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None),
+        ]
+        stop_btn.click(stop, None, status, cancels=events, queue=False)
+        clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], cancels=events)
+        export_btn.click(export, [chatbot, system, mode], export_file)
+        ab_btn.click(run_ab, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
+                              seed],
+                     [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
+                     concurrency_limit=None)
+        timer = gr.Timer(0.5)
+        timer.tick(panels, None, [panel, plot], queue=False, show_progress="hidden")
+        def closed(request: gr.Request):  # the tab went away: cancel its request
+            sessions.close(request.session_hash)
+
+        demo.unload(closed)
+
+        # --- stable script endpoints ---------------------------------------------------------
+
+        def chat(message: str, mode: str) -> Iterator[str]:
+            """Stream the assistant's reply to a one-turn conversation. mode: bf16, fp8 or
+            verified."""
+            if mode not in MODES:
+                raise gr.Error(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+            if not isinstance(message, str) or not message.strip():
+                raise gr.Error("empty message: send some text")
+            conversation = f"api-{uuid.uuid4()}"
+            text = ""
+            try:
+                for kind, delta, data in stream(f"api-{conversation}", conversation,
+                                                [{"role": "user", "content": message}], mode,
+                                                service.default_settings()):
+                    if kind == "delta":
+                        text += delta
+                        yield text
+                    elif kind == "error":
+                        raise gr.Error(delta)
+                yield text
+            finally:
+                service.forget(conversation)
+
+        def stats() -> dict:
+            """The latest reply's stats: mode, bridge_mib, bridge_ms, acceptance_rate,
+            decode_tok_s, prefill_tok_s, ttft_ms, prefilled_tokens, ..."""
+            return service.stats_snapshot()
+
+        gr.api(chat, api_name="chat", concurrency_limit=None)
+        gr.api(stats, api_name="stats", queue=False)
+    return demo
+
+
+def _text(content) -> str:
+    """Chatbot message content as plain text (Gradio may hand back structured content)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_text(part) for part in content)
+    if isinstance(content, dict):
+        return str(content.get("text") or content.get("content") or "")
+    return str(content)
