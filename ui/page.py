@@ -52,6 +52,12 @@ class Sessions:
         with self.lock:
             return dict(self.stats.get(session, {}))
 
+    def collect_final(self, session: str, handle) -> None:
+        if handle.finished.wait(30):
+            for event in list(handle.queue.queue):
+                if event.kind == "stats":
+                    self.set_stats(session, event.data["stats"])
+
     def close(self, session: str) -> None:
         self.cancel(session)
         with self.lock:
@@ -80,7 +86,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     sessions.set_stats(session, event.data["stats"])
                 yield event.kind, event.text, event.data
         finally:
-            handle.cancel()  # Stop, a closed tab, or an error in the page: free the GPU
+            if not handle.finished.is_set():
+                handle.cancel()  # Stop, a closed tab, or an error in the page: free the GPU
+                # The engine ends it within one block; its final stats still reach the panels
+                # (collected off this generator, which Gradio is closing).
+                threading.Thread(target=sessions.collect_final, args=(session, handle),
+                                 daemon=True).start()
 
     # --- chat ------------------------------------------------------------------------------
 
@@ -298,7 +309,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             conversation = f"api-{uuid.uuid4()}"
             text = ""
             try:
-                for kind, delta, data in stream(f"api-{conversation}", conversation,
+                for kind, delta, _ in stream(f"api-{conversation}", conversation,
                                                 [{"role": "user", "content": message}], mode,
                                                 service.default_settings()):
                     if kind == "delta":

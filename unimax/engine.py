@@ -271,6 +271,7 @@ class UniMaxEngine:
                              "to 0, or use fast mode to sample")
         stops = set(int(s) for s in stop_ids)
         result = Generation(prefill_tokens=int(input_ids.shape[1]))
+        self.current_generation = result  # readable from on_block: prefill stats come early
         if n == 0:
             return result
         _sync(self.device)

@@ -316,9 +316,10 @@ class EngineService:
         if timing["first"] and timing["last"] and len(detok.tokens) > 1:
             stats["decode_tok_s"] = round((len(detok.tokens) - 1) /
                                           max(timing["last"] - timing["first"], 1e-9), 2)
+        current = result or getattr(engine, "current_generation", None)
+        if current is not None and current.prefill_seconds > 0:
+            stats["prefill_tok_s"] = round(current.prefill_tokens / current.prefill_seconds, 1)
         if result is not None:
-            stats["prefill_tok_s"] = round(result.prefill_tokens /
-                                           max(result.prefill_seconds, 1e-9), 1)
             if len(result.tokens) > 1:
                 stats["decode_tok_s"] = round((len(result.tokens) - 1) /
                                               max(result.decode_seconds, 1e-9), 2)

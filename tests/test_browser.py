@@ -1,0 +1,99 @@
+"""A real browser (Debian's headless Chromium driven by Playwright) against the real app: send a
+message and watch it stream and the panels fill, Stop mid-reply, run an A/B comparison.
+Set UNIMAX_SCREENSHOTS=docs to refresh the README's screenshots in docs/."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from app_server import running_app
+
+from helpers import ROOT
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason="needs Debian's chromium (apt-get install chromium)")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    preset = tmp_path_factory.mktemp("preset") / "long.yaml"
+    preset.write_text((ROOT / "presets" / "tiny-random.yaml").read_text()
+                      .replace("max_new_tokens: 64", "max_new_tokens: 1500"))
+    with running_app("--preset", str(preset)) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 950})
+        page.goto(url)
+        page.wait_for_selector("#message textarea", timeout=60_000)
+        yield page
+        browser.close()
+
+
+def shots_dir(tmp_path) -> Path:
+    if os.environ.get("UNIMAX_SCREENSHOTS") == "docs":
+        (ROOT / "docs").mkdir(exist_ok=True)
+        return ROOT / "docs"
+    return tmp_path
+
+
+def bot_text(page) -> str:
+    bots = page.locator("#chatbot [data-testid='bot']")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def wait_for(predicate, timeout=30.0, step=0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def send(page, text):
+    page.fill("#message textarea", text)
+    page.click("#send")
+
+
+def test_chat_streams_panels_fill_and_stop_works(page, tmp_path):
+    send(page, "Hello UNI MAX")
+    first = wait_for(lambda: len(bot_text(page)) > 0 and len(bot_text(page)))
+    grown = wait_for(lambda: len(bot_text(page)) > first + 5 and len(bot_text(page)))
+    assert grown > first  # the reply streams in
+    wait_for(lambda: "tokens prefilled this turn" in page.inner_text("#panel")
+             and "tok/s" in page.inner_text("#panel"))
+    page.click("#stop")
+    wait_for(lambda: "Stopped" in page.inner_text("#status") or "cancelled" in
+             page.inner_text("#status"))
+    time.sleep(0.5)
+    length = len(bot_text(page))
+    time.sleep(1.5)
+    assert len(bot_text(page)) == length  # nothing more arrives after Stop
+    assert 0 < length < 1500  # stopped mid-reply, and the partial reply stays on the page
+    assert page.locator("text=Error").count() == 0
+    panel = wait_for(lambda: "tok/s" in page.inner_text("#panel").split("prefill")[1]
+                     .split("\n")[0] and page.inner_text("#panel"))
+    assert "bridge size" in panel and "MiB" in panel  # final stats shown after the Stop
+    page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
+
+
+def test_ab_comparison(page, tmp_path):
+    page.get_by_role("tab", name="A/B").click()
+    page.fill("#ab-prompt textarea", "Compare me")
+    page.click("#ab-run")
+    summary = wait_for(lambda: ("identical" in page.inner_text("#ab-status") or "diverge" in
+                                page.inner_text("#ab-status")) and page.inner_text("#ab-status"),
+                       timeout=120)
+    assert "speed of" in summary or "Speed ratio" in summary
+    assert page.inner_text("#ab-a").strip() and page.inner_text("#ab-b").strip()
+    assert "decode" in page.inner_text("#ab-stats-a") and "decode" in \
+        page.inner_text("#ab-stats-b")
+    time.sleep(1)  # let the panel timer catch up before the picture
+    page.screenshot(path=str(shots_dir(tmp_path) / "ab.png"))
