@@ -33,6 +33,15 @@ class Sessions:
         self.lock = threading.Lock()
         self.handles: dict[str, object] = {}
         self.stats: dict[str, dict] = {}
+        self.epochs: dict[str, int] = {}  # bumped by Clear: older replies stop writing
+
+    def epoch(self, session: str) -> int:
+        with self.lock:
+            return self.epochs.get(session, 0)
+
+    def bump(self, session: str) -> None:
+        with self.lock:
+            self.epochs[session] = self.epochs.get(session, 0) + 1
 
     def start(self, session: str, handle) -> None:
         with self.lock:
@@ -119,8 +128,11 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         history = history + [{"role": "assistant", "content": ""}]
         status = "Sending…"
         yield history, box, status
+        epoch = sessions.epoch(request.session_hash)
         for kind, text, data in stream(request.session_hash, conversation_id, messages, mode,
                                        settings):
+            if sessions.epoch(request.session_hash) != epoch:
+                return  # the chat was cleared meanwhile: leave the page as Clear left it
             if kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
             elif kind == "started":
@@ -132,7 +144,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 history = history[:-1]
                 status = f"⚠️ {text}"
             elif kind == "done":
-                status = f"Done ({data.get('stopped')})."
+                stopped = data.get("stopped")
+                status = "Stopped." if stopped == "cancelled" else f"Done ({stopped})."
             else:
                 continue
             yield history, box, status
@@ -156,6 +169,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                          max_new, seed, request)
 
     def clear(conversation_id, request: gr.Request):
+        sessions.bump(request.session_hash)
         sessions.cancel(request.session_hash)
         service.forget(conversation_id)
         return [], str(uuid.uuid4()), "Cleared."
@@ -274,17 +288,17 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed]
         chat_outputs = [chatbot, message, status]
-        events = [
-            send_btn.click(send, [message, chatbot, *gen_inputs], chat_outputs,
-                           concurrency_limit=None),
-            message.submit(send, [message, chatbot, *gen_inputs], chat_outputs,
-                           concurrency_limit=None),
-            regen_btn.click(regenerate, [chatbot, *gen_inputs], chat_outputs,
-                            concurrency_limit=None),
-            chatbot.edit(edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None),
-        ]
-        stop_btn.click(stop, None, status, cancels=events, queue=False)
-        clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], cancels=events)
+        # Stop and Clear cancel through the service (the reply ends within one block and its
+        # generator finishes normally), not through Gradio's cancels=, which can leave the
+        # outputs showing an error.
+        send_btn.click(send, [message, chatbot, *gen_inputs], chat_outputs,
+                       concurrency_limit=None)
+        message.submit(send, [message, chatbot, *gen_inputs], chat_outputs,
+                       concurrency_limit=None)
+        regen_btn.click(regenerate, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None)
+        chatbot.edit(edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None)
+        stop_btn.click(stop, None, status, queue=False)
+        clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], queue=False)
         export_btn.click(export, [chatbot, system, mode], export_file)
         ab_btn.click(run_ab, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
                               seed],
