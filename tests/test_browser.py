@@ -97,3 +97,23 @@ def test_ab_comparison(page, tmp_path):
         page.inner_text("#ab-stats-b")
     time.sleep(1)  # let the panel timer catch up before the picture
     page.screenshot(path=str(shots_dir(tmp_path) / "ab.png"))
+
+
+def test_closing_the_tab_cancels_the_reply(page):
+    """A tab that goes away mid-reply stops the GPU work (the service reports 'cancelled')."""
+    from gradio_client import Client
+
+    url = page.url
+    context = page.context.browser.new_context()
+    other = context.new_page()
+    other.goto(url)
+    other.wait_for_selector("#message textarea", timeout=60_000)
+    other.fill("#message textarea", "A long answer please")
+    other.click("#send")
+    wait_for(lambda: len(other.locator("#chatbot [data-testid='bot']").last.inner_text()) > 0
+             if other.locator("#chatbot [data-testid='bot']").count() else False)
+    context.close()
+    client = Client(url, verbose=False)
+    stats = wait_for(lambda: (s := client.predict(api_name="/stats")).get("stopped") and s,
+                     timeout=30)
+    assert stats["stopped"] == "cancelled" and stats["generated_tokens"] < 1500

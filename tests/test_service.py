@@ -180,3 +180,16 @@ def test_presets_validate(tmp_path):
         load_preset(bad)
     for preset in sorted(__import__("pathlib").Path("presets").glob("*.yaml")):
         load_preset(preset)  # every shipped preset is valid
+
+
+def test_out_of_memory_is_reported_and_service_goes_on(service, monkeypatch):
+    engine = service._engine("bf16")
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "generate", oom)
+    failed = run(service, "oom", [user("Hi")])
+    assert failed[-1].kind == "error" and "ran out of memory" in failed[-1].text
+    monkeypatch.undo()
+    assert run(service, "oom", [user("Hi")])[-1].kind == "done"
