@@ -126,3 +126,22 @@ def test_builtin_tiny_random_is_a_real_qwen_checkpoint(tmp_path, monkeypatch):
     proc = run_cli("generate", "--model", "tiny-random", "--prompt", "Hello", "--chat",
                    "--max-new-tokens", "8")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "tiny"])
+def test_incremental_detokenizer_matches_full_decode(tmp_path, kind):
+    from unimax.detokenize import IncrementalDetokenizer
+
+    if kind == "sentencepiece":
+        write_sentencepiece_tokenizer(tmp_path)
+        tok = unimax.load_tokenizer(tmp_path)
+        text = "the quick brown fox jumps over the lazy dog hello world"
+    else:
+        tok = unimax.load_tokenizer("tiny-random")
+        text = "Grüße aus Köln, 東京 and emoji 🙂 too"
+    ids = tok(text, add_special_tokens=False).input_ids
+    for step in (1, 3, 8):
+        detok = IncrementalDetokenizer(tok)
+        pieces = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
+        assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in p for p in pieces)

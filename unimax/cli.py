@@ -9,6 +9,7 @@ import time
 import torch
 
 from .checkpoint import load_model, load_tokenizer
+from .detokenize import IncrementalDetokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,19 +59,16 @@ def generate(args: argparse.Namespace) -> int:
     prefill_s = time.perf_counter() - start
 
     generated = [int(token)]
-    printed = ""
+    detok = IncrementalDetokenizer(tokenizer)
+    sys.stdout.write(detok.add(generated))
     start = time.perf_counter()
     while len(generated) < args.max_new_tokens and generated[-1] != eos:
         token = model.greedy_step(token, cache)
         generated.append(int(token))  # a host sync per token: this CLI is the plain reference
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
+        sys.stdout.write(detok.add(generated[-1:]))
+        sys.stdout.flush()
     decode_s = time.perf_counter() - start
-    text = tokenizer.decode(generated, skip_special_tokens=True)
-    sys.stdout.write(text[len(printed):] + "\n")
+    sys.stdout.write("\n")
     steps = len(generated) - 1
     print(f"[{len(ids)} prompt tokens: prefill {len(ids) / prefill_s:.1f} tok/s; "
           f"{len(generated)} new tokens: decode "

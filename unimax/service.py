@@ -20,6 +20,7 @@ import torch
 
 from .build import build_engine
 from .checkpoint import load_model, load_tokenizer
+from .detokenize import IncrementalDetokenizer
 from .presets import MODES, Preset
 from .sampling import SamplingParams
 from .states import StateStore
@@ -82,24 +83,6 @@ class RequestHandle:
 
 class RequestError(ValueError):
     """A request the user can fix (empty message, too long, unknown mode...)."""
-
-
-class IncrementalDetokenizer:
-    """Text deltas for a growing token list, holding back an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.text = ""
-
-    def add(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
-        return delta
 
 
 class EngineService:
@@ -330,7 +313,8 @@ class EngineService:
         stats.setdefault("acceptance_rate", None)
         stats.setdefault("prefill_tok_s", None)
         stats.setdefault("decode_tok_s", None)
-        stats["kept_states"] = self.store.usage()
+        if result is not None:
+            stats["kept_states"] = self.store.usage()
         with self.stats_lock:
             self.latest_stats = stats
         handle.emit("stats", stats=stats)
