@@ -52,6 +52,7 @@ def test_verified_on_gpu(model, draft):
     for length, block in ((30, 8), (200, 3)):
         x = prompt(length, seed=length)
         graphs = build_engine(model, decode="fp8", draft=draft, block_size=8)
+        graphs.capture_graphs()  # every graph up front, as the app does at start-up
         eager = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
         got, report = graphs.generate_verified(x, 64, draft_block=block)
         assert torch.equal(got, eager.generate_verified(x, 64, draft_block=block)[0])

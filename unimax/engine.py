@@ -190,6 +190,23 @@ class UniMaxEngine:
                                   report.accepted_draft_tokens, report.rejected_blocks,
                                   report.verifier_blocks)
 
+    @torch.inference_mode()
+    def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
+        """Capture every graph a reply can meet (decode blocks of each size; for verified
+        mode the verifier of each block size and the replay of each length) at start-up. The
+        caches are left as they were. A no-op without graphs."""
+        graph = self.decode_graph
+        graph.capture_blocks(sampled=sampled)
+        if not verified:
+            return
+        caches = [self.exact_cache, self.snapshot]
+        buffers = [self.verify_input, self.verify_pred, self.num_accepted]
+        for k in range(1, self.block_size + 1):
+            self.runner.prepare(("verify", k), lambda k=k: self._verify(k), writes=caches,
+                                buffers=buffers)
+            self.runner.prepare(("replay", k), lambda k=k: self._replay(k),
+                                writes=caches + [graph.cache], buffers=buffers)
+
     # --- verified blocks ------------------------------------------------------------------
 
     def _verify(self, k: int) -> None:

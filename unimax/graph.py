@@ -35,11 +35,14 @@ class GraphRunner:
         if not self.use_graphs:
             fn()
             return
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self.capture(fn, writes, buffers)
-            self.graphs[key] = graph
-        graph.replay()
+        self.prepare(key, fn, writes, buffers)
+        self.graphs[key].replay()
+
+    def prepare(self, key, fn: Callable[[], None], writes: list[RecurrentCache],
+                buffers: list[torch.Tensor] = ()) -> None:
+        """Capture now (if graphs are on and this key has none yet), leaving no trace."""
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self.capture(fn, writes, buffers)
 
     def capture(self, fn, writes, buffers) -> torch.cuda.CUDAGraph:
         saved = [cache.empty_like() for cache in writes]
@@ -138,6 +141,14 @@ class MaxTurboGraphDecoder:
                 token = logits.argmax(dim=-1, keepdim=True)
             self.out_tokens[:, i:i + 1].copy_(token)
         self.static_token.copy_(token)
+
+    @torch.inference_mode()
+    def capture_blocks(self, sampled: bool = False) -> None:
+        """Capture the block graphs of every size 1..block_size now (start-up), not at first
+        use in the middle of a reply."""
+        for n in range(1, self.block_size + 1):
+            self.runner.prepare((n, sampled), lambda n=n: self._block(n, sampled),
+                                writes=[self.cache], buffers=[self.static_token, self.out_tokens])
 
     @torch.inference_mode()
     def run_block(self, n: int) -> torch.Tensor:

@@ -81,6 +81,14 @@ class RequestHandle:
                 return
 
 
+@dataclass
+class _Task:
+    """Work other than a reply that must run on the engine thread (graph capture)."""
+
+    fn: object
+    done: threading.Event
+
+
 class RequestError(ValueError):
     """A request the user can fix (empty message, too long, unknown mode...)."""
 
@@ -120,7 +128,9 @@ class EngineService:
         self.thread.join(timeout)
 
     def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
-        """Build every mode's engine and capture its graphs now, not on the first message."""
+        """Build every mode's engine and capture its graphs now, not on the first message:
+        one short reply per mode (kernels autotuned, block graphs captured), then every other
+        graph a reply can meet."""
         for mode in modes:
             handle = self.submit(f"warm-up-{mode}", [{"role": "user", "content": "Hi"}], mode,
                                  GenerationSettings(max_new_tokens=2 * self.preset.block_size))
@@ -128,6 +138,10 @@ class EngineService:
                 if event.kind == "error":
                     raise RuntimeError(f"warm-up of mode {mode} failed: {event.text}")
             self.store.forget(f"warm-up-{mode}")
+            done = threading.Event()
+            self.requests.put(_Task(lambda mode=mode: self._engine(mode).capture_graphs(
+                verified=mode == "verified"), done))
+            done.wait()
 
     # --- requests ------------------------------------------------------------------------
 
@@ -168,6 +182,14 @@ class EngineService:
             handle = self.requests.get()
             if handle is None:
                 return
+            if isinstance(handle, _Task):
+                try:
+                    handle.fn()
+                except Exception:  # capture can wait for first use; serving goes on
+                    log.exception("graph capture at start-up failed")
+                finally:
+                    handle.done.set()
+                continue
             with self.pending_lock:
                 if handle in self.pending:
                     self.pending.remove(handle)
