@@ -54,10 +54,15 @@ def test_unknown_model_type(checkpoint, tmp_path):
         unimax.load_model(path)
 
 
-def test_hybrid_layer_types_refused(checkpoint, tmp_path):
+def test_layer_types_checked(checkpoint, tmp_path):
     path = copy_checkpoint(checkpoint, tmp_path / "m", lambda c: c.update(
         layer_types=["linear_attention", "full_attention"]))
-    with pytest.raises(CheckpointError, match="1 full-attention layers .*layer 1.*not supported"):
+    with pytest.raises(CheckpointError, match="tensor model.layers.1.self_attn.q_proj.weight is "
+                                              "missing"):
+        unimax.load_model(path)
+    path = copy_checkpoint(checkpoint, tmp_path / "n", lambda c: c.update(
+        layer_types=["linear_attention", "sliding_attention"]))
+    with pytest.raises(CheckpointError, match="unknown layer type 'sliding_attention'"):
         unimax.load_model(path)
 
 

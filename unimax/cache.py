@@ -26,6 +26,33 @@ class LayerStateSpec:
     recurrent_shape: tuple[int, int, int]
 
 
+@dataclass(frozen=True)
+class AttentionStateSpec:
+    """One attention layer's KV buffer for batch 1: (KV heads, max_length, head dim) each."""
+
+    kv_shape: tuple[int, int, int]
+
+
+class AttentionLayerState:
+    """A static KV buffer written in place at the cache's device-side position. Entries at or
+    past the position are never read (masked), so rolling back is setting the position.
+    Two caches may share the buffers (exact and decode engines: the bridge stays O(1))."""
+
+    def __init__(self, spec: AttentionStateSpec, batch_size: int, dtype: torch.dtype,
+                 device: torch.device, position: torch.Tensor):
+        self.key_cache = torch.zeros(batch_size, *spec.kv_shape, dtype=dtype, device=device)
+        self.value_cache = torch.zeros_like(self.key_cache)
+        self.position = position  # the owning cache's (device scalar): tokens already stored
+        self.has_previous_state = {0: False}
+
+    @property
+    def max_length(self) -> int:
+        return self.key_cache.shape[2]
+
+    def reset(self) -> None:
+        self.has_previous_state[0] = False  # the position reset makes old entries invisible
+
+
 class RecurrentLayerState:
     def __init__(self, spec: LayerStateSpec, batch_size: int, conv_dtype: torch.dtype,
                  device: torch.device):
@@ -56,16 +83,36 @@ class RecurrentCache:
         self.batch_size = int(batch_size)
         self.conv_dtype = conv_dtype
         self.device = torch.device(device)
-        self.layers = [RecurrentLayerState(s, batch_size, conv_dtype, self.device) for s in specs]
+        # Tokens stored so far, on the device: attention layers read it inside captured graphs.
+        self.position = torch.zeros((), dtype=torch.long, device=self.device)
+        self.layers = [
+            AttentionLayerState(s, batch_size, conv_dtype, self.device, self.position)
+            if isinstance(s, AttentionStateSpec)
+            else RecurrentLayerState(s, batch_size, conv_dtype, self.device) for s in specs]
         self.seen_tokens = 0
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.position.zero_()
         self.seen_tokens = 0
 
-    def empty_like(self) -> RecurrentCache:
-        return RecurrentCache(self.specs, self.batch_size, self.conv_dtype, self.device)
+    def empty_like(self, share_kv: bool = False) -> RecurrentCache:
+        """A new cache of the same shape; ``share_kv`` makes its attention layers use this
+        cache's KV buffers (snapshots, the decode engine's cache)."""
+        other = RecurrentCache(self.specs, self.batch_size, self.conv_dtype, self.device)
+        if share_kv:
+            other.share_kv_with(self)
+        return other
+
+    def share_kv_with(self, other: RecurrentCache) -> None:
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if isinstance(mine, AttentionLayerState):
+                mine.key_cache, mine.value_cache = theirs.key_cache, theirs.value_cache
+
+    @property
+    def has_attention(self) -> bool:
+        return any(isinstance(layer, AttentionLayerState) for layer in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -79,7 +126,7 @@ def cache_payload_bytes(cache: RecurrentCache) -> int:
     total = 0
     for layer in cache.layers:
         for table in STATE_TABLES:
-            for tensor in getattr(layer, table).values():
+            for tensor in getattr(layer, table, {}).values():
                 if tensor is not None:
                     total += tensor.numel() * tensor.element_size()
     return int(total)
@@ -92,8 +139,10 @@ def copy_cache_(dst: RecurrentCache, src: RecurrentCache) -> None:
         raise ValueError(f"cache topology mismatch: destination has {len(dst.layers)} layers, "
                          f"source has {len(src.layers)}")
     for index, (d_layer, s_layer) in enumerate(zip(dst.layers, src.layers, strict=True)):
+        if isinstance(d_layer, AttentionLayerState):
+            _copy_kv_(d_layer, s_layer, index)
         for table in STATE_TABLES:
-            d_table, s_table = getattr(d_layer, table), getattr(s_layer, table)
+            d_table, s_table = getattr(d_layer, table, {}), getattr(s_layer, table, {})
             for idx, s_tensor in s_table.items():
                 if s_tensor is None:
                     continue
@@ -108,16 +157,33 @@ def copy_cache_(dst: RecurrentCache, src: RecurrentCache) -> None:
                         f"src={tuple(s_tensor.shape)}/{s_tensor.dtype}")
                 d_tensor.copy_(s_tensor)
         for table in FLAG_TABLES:
-            d_flags = getattr(d_layer, table)
-            d_flags.clear()
-            d_flags.update(getattr(s_layer, table))
+            if hasattr(d_layer, table):
+                d_flags = getattr(d_layer, table)
+                d_flags.clear()
+                d_flags.update(getattr(s_layer, table))
+    dst.position.copy_(src.position)
     dst.seen_tokens = int(src.seen_tokens)
 
 
+def _copy_kv_(dst: AttentionLayerState, src, index: int) -> None:
+    """KV is shared between the engines (nothing to copy); a separate buffer gets a copy."""
+    if not isinstance(src, AttentionLayerState) or dst.key_cache.shape != src.key_cache.shape:
+        raise RuntimeError(f"cache state mismatch for layer {index}: attention KV buffers differ")
+    if dst.key_cache.data_ptr() != src.key_cache.data_ptr():
+        dst.key_cache.copy_(src.key_cache)
+        dst.value_cache.copy_(src.value_cache)
+
+
 def state_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
-    """Every state tensor of the cache in a fixed order (layer, conv then recurrent)."""
+    """The fixed-size state in a fixed order (layer, conv then recurrent; then the position):
+    what a bridge moves. Attention KV is not in it (see ``kv_tensors``)."""
     return [t for layer in cache.layers for table in STATE_TABLES
-            for t in getattr(layer, table).values()]
+            for t in getattr(layer, table, {}).values()] + [cache.position]
+
+
+def kv_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers if isinstance(layer, AttentionLayerState)
+            for t in (layer.key_cache, layer.value_cache)]
 
 
 class CacheCopier:
@@ -127,6 +193,10 @@ class CacheCopier:
 
     def __init__(self, dst: RecurrentCache, src: RecurrentCache):
         copy_cache_(dst, src)  # validates topology, shapes and dtypes once
+        for d, s in zip(kv_tensors(dst), kv_tensors(src), strict=True):
+            if d.data_ptr() != s.data_ptr():
+                raise ValueError("CacheCopier needs the two caches to share their attention KV "
+                                 "buffers (cache.empty_like(share_kv=True)); use copy_cache_")
         self.dst, self.src = dst, src
         self.dst_tensors = state_tensors(dst)
         self.src_tensors = state_tensors(src)
@@ -136,7 +206,8 @@ class CacheCopier:
         torch._foreach_copy_(self.dst_tensors, self.src_tensors)
         for d_layer, s_layer in zip(self.dst.layers, self.src.layers, strict=True):
             for table in FLAG_TABLES:
-                getattr(d_layer, table).update(getattr(s_layer, table))
+                if hasattr(d_layer, table):
+                    getattr(d_layer, table).update(getattr(s_layer, table))
         self.dst.seen_tokens = int(self.src.seen_tokens)
 
 

@@ -11,6 +11,7 @@ Both become one GDNForCausalLM whose mixer reads a merged [q, k, v, z, b, a] pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -158,14 +159,29 @@ def qwen3_5_config(raw: dict, tie: bool) -> GDNConfig:
     if layer_types is None:
         raise CheckpointError("config.json lacks layer_types; UNI MAX needs them to know the "
                               "layers are all linear_attention")
-    attention = [i for i, kind in enumerate(layer_types) if kind != "linear_attention"]
-    if attention:
-        raise CheckpointError(
-            f"this Qwen3.5 model has {len(attention)} full-attention layers (e.g. layer "
-            f"{attention[0]}); hybrid models are not supported yet, only all-linear_attention "
-            "layer_types")
     if len(layer_types) != layers:
         raise CheckpointError(f"config.json: {len(layer_types)} layer_types for {layers} layers")
+    unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise CheckpointError(f"config.json: unknown layer type {unknown[0]!r}; supported: "
+                              "linear_attention, full_attention")
+    hybrid = "full_attention" in layer_types
+    attention = {}
+    if hybrid:
+        if raw.get("attention_bias", False):
+            raise CheckpointError("config.json: attention_bias=true is not supported")
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise CheckpointError(f"config.json: rope_type {rope['rope_type']!r} is not "
+                                  "supported (only default)")
+        heads = _require(raw, "num_attention_heads", where)
+        attention = dict(
+            layer_types=tuple(layer_types), num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            attn_head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 raw.get("partial_rotary_factor", 1.0))))
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported")
     return GDNConfig(
@@ -179,7 +195,8 @@ def qwen3_5_config(raw: dict, tie: bool) -> GDNConfig:
         conv_size=raw.get("linear_conv_kernel_dim", 4), norm_eps=raw.get("rms_norm_eps", 1e-6),
         norm_offset=1.0, tie_word_embeddings=tie,
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
-        max_position_embeddings=raw.get("max_position_embeddings"), source_layout="qwen3_5")
+        max_position_embeddings=raw.get("max_position_embeddings"), source_layout="qwen3_5",
+        **attention)
 
 
 def parse_config(raw: dict) -> tuple[GDNConfig, str]:
@@ -226,6 +243,21 @@ def _layer_sources(cfg: GDNConfig, prefix: str, i: int) -> dict[str, list[tuple[
             **_mlp_sources(cfg, src + "mlp.", ours),
         }
     src = f"{prefix}layers.{i}."
+    if cfg.is_attention(i):
+        attn = src + "self_attn."
+        heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
+        return {
+            ours + "mixer_norm.weight": [(src + "input_layernorm.weight", (hidden,))],
+            ours + "mixer.in_proj.weight": [
+                (attn + "q_proj.weight", (2 * heads * dim, hidden)),
+                (attn + "k_proj.weight", (kv * dim, hidden)),
+                (attn + "v_proj.weight", (kv * dim, hidden))],
+            ours + "mixer.q_norm.weight": [(attn + "q_norm.weight", (dim,))],
+            ours + "mixer.k_norm.weight": [(attn + "k_norm.weight", (dim,))],
+            ours + "mixer.o_proj.weight": [(attn + "o_proj.weight", (hidden, heads * dim))],
+            ours + "mlp_norm.weight": [(src + "post_attention_layernorm.weight", (hidden,))],
+            **_mlp_sources(cfg, src + "mlp.", ours),
+        }
     attn = src + "linear_attn."
     return {
         ours + "mixer_norm.weight": [(src + "input_layernorm.weight", (hidden,))],
@@ -285,12 +317,16 @@ def _parse_device(device: torch.device | str | None) -> torch.device:
 
 
 def load_model(path_or_id: str | os.PathLike, device: torch.device | str | None = None,
-               dtype: torch.dtype | str | None = None) -> GDNForCausalLM:
-    """Build a GDNForCausalLM from a checkpoint folder or hub id, in eval mode."""
+               dtype: torch.dtype | str | None = None,
+               max_context: int | None = None) -> GDNForCausalLM:
+    """Build a GDNForCausalLM from a checkpoint folder or hub id, in eval mode.
+    ``max_context`` sizes the attention layers' KV buffers of hybrid models (default 4096)."""
     device = _parse_device(device)
     dtype = _parse_dtype(dtype, device)
     model_dir = resolve_model_dir(path_or_id)
     cfg, prefix = parse_config(read_config_json(model_dir))
+    if max_context is not None:
+        cfg = dataclasses.replace(cfg, max_context=int(max_context))
     reader = WeightReader(model_dir, device)
     state = {}
     for name, pieces in weight_sources(cfg, prefix).items():

@@ -26,6 +26,14 @@ class GDNConfig:
     eos_token_id: int | list[int] | None = None
     max_position_embeddings: int | None = None
     source_layout: str = "unknown"  # "fla" or "qwen3_5": where the weights came from
+    # Hybrid models (Qwen3.5): which layers are gated attention instead of GDN, and their shape.
+    layer_types: tuple[str, ...] | None = None  # None: every layer "linear_attention"
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    attn_head_dim: int = 0
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    max_context: int = 4096  # length of each attention layer's static KV buffer
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_k_heads",
@@ -37,9 +45,28 @@ class GDNConfig:
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"config num_v_heads ({self.num_v_heads}) must be a multiple of "
                              f"num_k_heads ({self.num_k_heads})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"config has {len(self.layer_types)} layer_types for "
+                                 f"{self.num_hidden_layers} layers")
+            unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+            if unknown:
+                raise ValueError(f"unknown layer type {sorted(unknown)[0]!r}; supported: "
+                                 "linear_attention, full_attention")
+            if self.has_attention and min(self.num_attention_heads, self.num_key_value_heads,
+                                          self.attn_head_dim) < 1:
+                raise ValueError("attention layers need num_attention_heads, "
+                                 "num_key_value_heads and attn_head_dim >= 1")
         if self.gate_activation not in ("silu", "sigmoid"):
             raise ValueError(f"config gate_activation must be 'silu' or 'sigmoid', "
                              f"got {self.gate_activation!r}")
+
+    def is_attention(self, index: int) -> bool:
+        return self.layer_types is not None and self.layer_types[index] == "full_attention"
+
+    @property
+    def has_attention(self) -> bool:
+        return self.layer_types is not None and "full_attention" in self.layer_types
 
     @property
     def key_dim(self) -> int:

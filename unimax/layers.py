@@ -112,10 +112,18 @@ class SwiGLUMLP(nn.Module):
 
 
 class GDNBlock(nn.Module):
-    def __init__(self, config: GDNConfig):
+    """norm -> token mixer -> residual, norm -> MLP -> residual. The mixer is a GDN layer, or in
+    hybrid models gated attention (unimax.attention)."""
+
+    def __init__(self, config: GDNConfig, attention: bool = False):
         super().__init__()
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
-        self.mixer = GatedDeltaNetMixer(config)
+        if attention:
+            from .attention import GatedAttention  # imports this module: import here
+
+            self.mixer = GatedAttention(config)
+        else:
+            self.mixer = GatedDeltaNetMixer(config)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 

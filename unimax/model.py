@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .cache import LayerStateSpec, RecurrentCache
+from .cache import AttentionStateSpec, LayerStateSpec, RecurrentCache
 from .config import GDNConfig
 from .layers import GDNBlock, RMSNorm
 
@@ -30,7 +30,8 @@ class GDNForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GDNBlock(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(GDNBlock(config, config.is_attention(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -49,11 +50,12 @@ class GDNForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def layer_state_specs(self) -> list[LayerStateSpec]:
+    def layer_state_specs(self) -> list[LayerStateSpec | AttentionStateSpec]:
         cfg = self.config
         spec = LayerStateSpec(conv_shape=(cfg.conv_dim, cfg.conv_size),
                               recurrent_shape=(cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim))
-        return [spec] * cfg.num_hidden_layers
+        kv = AttentionStateSpec((cfg.num_key_value_heads, cfg.max_context, cfg.attn_head_dim))
+        return [kv if cfg.is_attention(i) else spec for i in range(cfg.num_hidden_layers)]
 
     def make_recurrent_cache(self, batch_size: int = 1) -> RecurrentCache:
         return RecurrentCache(self.layer_state_specs(), batch_size, self.dtype, self.device)
@@ -66,6 +68,7 @@ class GDNForCausalLM(nn.Module):
             cache = self.make_recurrent_cache(input_ids.shape[0])
         if cache is not None:
             self.check_cache(cache, input_ids.shape[0])
+            self.check_room(cache, input_ids.shape[1])
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
         logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
@@ -81,6 +84,8 @@ class GDNForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for index, block in enumerate(self.layers):
             hidden = block(hidden, None if cache is None else cache.layers[index])
+        if cache is not None:
+            cache.position.add_(input_ids.shape[1])  # on the device: graph-safe
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(self.norm(hidden))
@@ -130,11 +135,19 @@ class GDNForCausalLM(nn.Module):
         if cache.device != self.device:
             raise ValueError(f"cache lives on {cache.device} but the model on {self.device}")
 
+    def check_room(self, cache: RecurrentCache, new_tokens: int) -> None:
+        """Attention layers hold at most config.max_context tokens: refuse before overflowing."""
+        if cache.has_attention and cache.seen_tokens + new_tokens > self.config.max_context:
+            raise ValueError(f"the conversation would reach {cache.seen_tokens + new_tokens} "
+                             f"tokens, over this model's context of {self.config.max_context} "
+                             "(max_context): start a new conversation or raise max_context")
+
     def set_backend(self, backend: str) -> None:
         """Choose the gated delta rule kernel for every layer ('auto', 'fla', 'chunk',
         'recurrent'); the tests and benchmarks compare them on the same weights."""
         for block in self.layers:
-            block.mixer.backend = backend
+            if hasattr(block.mixer, "backend"):
+                block.mixer.backend = backend
 
     @classmethod
     def random(cls, config: GDNConfig, device: torch.device | str = "cpu",
@@ -162,7 +175,7 @@ class GDNForCausalLM(nn.Module):
                 values = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log()
             elif name.endswith("dt_bias"):
                 values = torch.empty(shape, device=dev).uniform_(-4.0, 0.0, generator=gen)
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "q_norm.weight", "k_norm.weight")):
                 base = 0.0 if self.config.norm_offset else 1.0
                 values = base + 0.1 * torch.randn(shape, device=dev, generator=gen)
             elif name.endswith("conv_weight"):

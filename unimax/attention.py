@@ -1,0 +1,88 @@
+"""Qwen3.5's gated attention layer over a static KV buffer (the hybrid models' 1-in-4 layers).
+
+q_proj carries a per-head output gate ([q_h, gate_h] side by side for each head), q and k get a
+per-head RMSNorm (scaled by 1 + w), partial rotary embedding, grouped KV heads, and the output
+is multiplied by sigmoid(gate) before o_proj. Port of transformers' ``Qwen3_5Attention``
+(models/qwen3_5/modeling_qwen3_5.py); for text the multimodal rotary sections all see the same
+positions, which is plain RoPE on the first ``rotary_dim`` channels.
+
+With a cache, new keys/values are written at the cache's device-side position and every query
+attends over the whole buffer under a mask (key index <= query position): fixed shapes and no
+host sync, so the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import AttentionLayerState
+from .config import GDNConfig
+from .layers import RMSNorm
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: GDNConfig):
+        super().__init__()
+        self.config = config
+        heads, kv_heads, dim = (config.num_attention_heads, config.num_key_value_heads,
+                                config.attn_head_dim)
+        self.sizes = (heads * dim * 2, kv_heads * dim, kv_heads * dim)
+        self.in_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=False)
+        self.q_norm = RMSNorm(dim, config.norm_eps, config.norm_offset)
+        self.k_norm = RMSNorm(dim, config.norm_eps, config.norm_offset)
+        self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=False)
+        self.rotary_dim = int(dim * config.partial_rotary_factor)
+
+    def rope(self, q, k, positions):
+        """Rotate the first rotary_dim channels of q, k (B, H, T, D) by their positions (T,).
+        The frequencies are computed here, not kept in a buffer: models are built on the meta
+        device and a non-persistent buffer would never be loaded."""
+        exponent = torch.arange(0, self.rotary_dim, 2, device=q.device,
+                                dtype=torch.float32) / self.rotary_dim
+        inv_freq = 1.0 / self.config.rope_theta ** exponent
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        r = self.rotary_dim
+
+        def apply(x):
+            rot, rest = x[..., :r], x[..., r:]
+            return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+        return apply(q), apply(k)
+
+    def forward(self, x: torch.Tensor, state: AttentionLayerState | None) -> torch.Tensor:
+        cfg = self.config
+        batch, seq_len, _ = x.shape
+        heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
+        qg, k, v = torch.split(self.in_proj(x), self.sizes, dim=-1)
+        qg = qg.view(batch, seq_len, heads, 2 * dim)
+        q, gate = qg[..., :dim], qg[..., dim:].reshape(batch, seq_len, heads * dim)
+        q = self.q_norm(q).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(k.view(batch, seq_len, kv_heads, dim)).transpose(1, 2)
+        v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
+        offsets = torch.arange(seq_len, device=x.device)
+        positions = offsets if state is None else state.position + offsets
+        q, k = self.rope(q, k, positions)
+        scale = dim ** -0.5
+        if state is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=heads != kv_heads)
+        else:
+            state.key_cache.index_copy_(2, positions, k.to(state.key_cache.dtype))
+            state.value_cache.index_copy_(2, positions, v.to(state.value_cache.dtype))
+            state.has_previous_state[0] = True
+            keys = torch.arange(state.max_length, device=x.device)
+            mask = keys[None, :] <= positions[:, None]  # (T, L): written and not in the future
+            out = F.scaled_dot_product_attention(q, state.key_cache.to(q.dtype),
+                                                 state.value_cache.to(q.dtype), attn_mask=mask,
+                                                 scale=scale, enable_gqa=heads != kv_heads)
+        out = out.transpose(1, 2).reshape(batch, seq_len, heads * dim)
+        return self.o_proj(out * torch.sigmoid(gate))
