@@ -3,9 +3,9 @@ transformers' own Qwen3_5ForCausalLM, and the static KV cache."""
 
 import pytest
 import torch
-from helpers import rel_err, write_qwen_checkpoint
 
 import unimax
+from helpers import rel_err, write_qwen_checkpoint
 
 HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -81,3 +81,84 @@ def test_context_limit_is_a_clear_error(checkpoint):
         with pytest.raises(ValueError, match="would reach 33 tokens, over this model's context "
                                              "of 32"):
             model(input_ids=ids(3), past_key_values=cache)
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(checkpoint):
+    return unimax.load_model(checkpoint[0], dtype="float32", max_context=256)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+def test_verified_on_hybrid_rolls_kv_back(hybrid_model, block):
+    from test_engine import erring_engine
+
+    x = ids(25, seed=block)
+    expected = unimax.exact_greedy_tokens(hybrid_model, x, 30)
+    engine = erring_engine(hybrid_model, block_size=8, period=3)
+    assert engine.decode_graph.cache.layers[3].key_cache is engine.exact_cache.layers[3].key_cache
+    got, report = engine.generate_verified(x, 30, draft_block=block)
+    assert torch.equal(got, expected) and report.rejected_blocks > 0
+    # the bridge moves the fixed-size state only, however long the prompt
+    _, _, short = engine.prefill_exact(ids(5))
+    _, _, long = engine.prefill_exact(ids(200))
+    assert short.mib == long.mib
+
+
+@pytest.mark.parametrize("decode,draft", [("bf16", "tail"), ("fp8", "tail"), ("fp8", "full")])
+def test_engines_on_hybrid(hybrid_model, decode, draft):
+    x = ids(40, seed=7)
+    expected = unimax.exact_greedy_tokens(hybrid_model, x, 20)
+    engine = unimax.build_engine(hybrid_model, decode=decode, draft=draft, block_size=4)
+    assert torch.equal(engine.generate_verified(x, 20)[0], expected)
+    if decode == "bf16":
+        assert torch.equal(engine.generate_fast(x, 20), expected)
+
+
+@pytest.mark.parametrize("mode", ["fast", "verified"])
+def test_hybrid_stop_and_next_turn(hybrid_model, mode):
+    x = ids(15, seed=8)
+    reference = unimax.exact_greedy_tokens(hybrid_model, x, 30)[0].tolist()
+    engine = unimax.build_engine(hybrid_model, decode="bf16", block_size=8)
+    first = engine.generate(x, 30, mode=mode, stop_ids=[reference[10]])
+    assert first.tokens == reference[: reference.index(reference[10]) + 1]
+    turn2 = ids(6, seed=9)
+    second = engine.generate(turn2, 10, mode=mode, keep_state=True)
+    history = torch.cat([x, torch.tensor([first.tokens]), turn2], dim=1)
+    assert second.tokens == unimax.exact_greedy_tokens(hybrid_model, history, 10)[0].tolist()
+    with pytest.raises(ValueError, match="over this model's context of 256"):
+        engine.generate(ids(10), 250, mode=mode, keep_state=True)
+
+
+def test_service_keeps_hybrid_conversations(tmp_path):
+    from unimax.presets import Preset
+    from unimax.service import EngineService, GenerationSettings
+
+    write_qwen_checkpoint(tmp_path, seed=6, num_layers=4, layer_types=HYBRID, vocab=259)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=512)
+    tokenizer = unimax.load_tokenizer("tiny-random")
+    # Favour letters (as tiny-random does): a reply of random bytes would not survive the
+    # text round trip, and the kept state is only reused for an exact token-prefix match.
+    vocab = tokenizer.get_vocab()
+    scale = torch.full((259, 1), 0.05)
+    scale[[vocab[c] for c in "abcdefghijklmnopqrstuvwxyz\u0120"]] = 10.0
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(scale)
+    service = EngineService(Preset(model=str(tmp_path), max_context=512), model=model,
+                            tokenizer=tokenizer).start()
+    try:
+        first = [{"role": "user", "content": "hello"}]
+        settings = GenerationSettings(max_new_tokens=8)
+        t1 = list(service.submit("h", first, "verified", settings).events(timeout=60))
+        second = first + [{"role": "assistant", "content": t1[-1].data["reply"]},
+                          {"role": "user", "content": "again"}]
+        for conversation in ("h", "fresh"):  # with the kept state, and from scratch
+            events = list(service.submit(conversation, second, "bf16", settings)
+                          .events(timeout=60))
+            started = next(e for e in events if e.kind == "started").data
+            assert (started["reused_tokens"] > 0) == (conversation == "h")
+            if conversation == "h":
+                kept = events[-1].data["reply"]
+            else:
+                assert events[-1].data["reply"] == kept
+    finally:
+        service.stop()

@@ -81,7 +81,11 @@ class UniMaxEngine:
         # accepted block. False for the full-FP8 draft, whose states drift.
         self.state_safe_draft = state_safe_draft
         self.exact_cache = self.exact_model.make_recurrent_cache()
-        self.snapshot = self.exact_cache.empty_like()  # preallocated, reused every block
+        # Hybrid models: both engines run the same attention weights, so the KV the exact
+        # prefill writes is what the decoder needs: share the buffers, bridge only the
+        # fixed-size state (and the position). Rejections roll KV back by position alone.
+        decode_graph.cache.share_kv_with(self.exact_cache)
+        self.snapshot = self.exact_cache.empty_like(share_kv=True)  # preallocated, reused
         block = decode_graph.block_size
         long = dict(dtype=torch.long, device=self.device)
         self.current = torch.zeros(1, 1, **long)
@@ -287,6 +291,14 @@ class UniMaxEngine:
             raise ValueError("verified mode reproduces exact greedy decoding; set temperature "
                              "to 0, or use fast mode to sample")
         stops = set(int(s) for s in stop_ids)
+        if self.exact_cache.has_attention:  # the KV buffers hold max_context tokens
+            total = (self.exact_cache.seen_tokens if keep_state else 0) + \
+                int(input_ids.shape[1]) + n
+            limit = self.exact_model.config.max_context
+            if total > limit:
+                raise ValueError(f"prompt and reply would reach {total} tokens, over this "
+                                 f"model's context of {limit} (max_context): fewer new tokens, "
+                                 "a new conversation, or a larger max_context")
         result = Generation(prefill_tokens=int(input_ids.shape[1]))
         self.current_generation = result  # readable from on_block: prefill stats come early
         if n == 0:

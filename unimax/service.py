@@ -97,8 +97,8 @@ class EngineService:
     def __init__(self, preset: Preset, model=None, tokenizer=None):
         self.preset = preset
         device = None if preset.device == "auto" else preset.device
-        self.model = model if model is not None else load_model(preset.model, device=device,
-                                                                dtype=preset.dtype)
+        self.model = model if model is not None else load_model(
+            preset.model, device=device, dtype=preset.dtype, max_context=preset.max_context)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(preset.model)
         self.device = self.model.device
         self.engines: dict[str, object] = {}

@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import RecurrentCache, state_tensors
+from .cache import RecurrentCache, kv_tensors, state_tensors
 
 
 @dataclass
 class Checkpoint:
     tokens: tuple[int, ...]  # the exact token history this state has absorbed
-    tensors: list[torch.Tensor]
+    tensors: list[torch.Tensor]  # the fixed-size state, then (hybrid models) KV[:len] per layer
     last_used: int = 0
+    num_state: int = -1  # how many of ``tensors`` are the fixed-size state
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,8 +59,11 @@ class StateStore:
 
     @torch.inference_mode()
     def save(self, conversation_id: str, tokens: list[int], cache: RecurrentCache) -> None:
-        tensors = [t.clone() for t in state_tensors(cache)]
-        ckpt = Checkpoint(tuple(tokens), tensors, last_used=next(self.clock))
+        state = [t.clone() for t in state_tensors(cache)]
+        # Hybrid models: the attention KV written so far grows with the conversation.
+        kv = [t[:, :, :len(tokens)].clone() for t in kv_tensors(cache)]
+        ckpt = Checkpoint(tuple(tokens), state + kv, last_used=next(self.clock),
+                          num_state=len(state))
         with self.lock:
             kept = [c for c in self.conversations.get(conversation_id, [])
                     if c.tokens != ckpt.tokens]
@@ -68,8 +72,11 @@ class StateStore:
 
     @torch.inference_mode()
     def restore(self, ckpt: Checkpoint, cache: RecurrentCache) -> None:
-        for dst, src in zip(state_tensors(cache), ckpt.tensors, strict=True):
+        n = ckpt.num_state
+        for dst, src in zip(state_tensors(cache), ckpt.tensors[:n], strict=True):
             dst.copy_(src, non_blocking=True)
+        for dst, src in zip(kv_tensors(cache), ckpt.tensors[n:], strict=True):
+            dst[:, :, :src.shape[2]].copy_(src, non_blocking=True)
         for layer in cache.layers:
             layer.has_previous_state[0] = True
         cache.seen_tokens = len(ckpt.tokens)
