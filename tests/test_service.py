@@ -193,3 +193,17 @@ def test_out_of_memory_is_reported_and_service_goes_on(service, monkeypatch):
     assert failed[-1].kind == "error" and "ran out of memory" in failed[-1].text
     monkeypatch.undo()
     assert run(service, "oom", [user("Hi")])[-1].kind == "done"
+
+
+def test_thinking_switch_reaches_the_chat_template(service):
+    tok = unimax.load_tokenizer("tiny-random")
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and enable_thinking %}<think>"
+                         "{% elif enable_thinking is defined %}<nothink>{% endif %}")
+    svc = EngineService(Preset(model="tiny-random", enable_thinking=True), model=service.model,
+                        tokenizer=tok)
+    msgs = [user("hi")]
+    assert tok.decode(svc.render(msgs)) == "hi<think>"
+    assert tok.decode(svc.render(msgs, thinking=False)) == "hi<nothink>"
+    svc.preset = Preset(model="tiny-random")
+    assert tok.decode(svc.render(msgs)) == "hi"

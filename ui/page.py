@@ -73,10 +73,12 @@ class Sessions:
             self.stats.pop(session, None)
 
 
-def settings_from(temperature, top_p, top_k, max_new_tokens, seed) -> GenerationSettings:
+def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
+                  thinking=None) -> GenerationSettings:
     seed = None if seed in (None, "") else int(seed)
     return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                              top_p=float(top_p), top_k=int(top_k), seed=seed)
+                              top_p=float(top_p), top_k=int(top_k), seed=seed,
+                              thinking=None if thinking is None else bool(thinking))
 
 
 def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
@@ -105,20 +107,20 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     # --- chat ------------------------------------------------------------------------------
 
     def send(message, history, conversation_id, mode, system, temperature, top_p, top_k,
-             max_new, seed, request: gr.Request):
+             max_new, seed, thinking, request: gr.Request):
         history = list(history or [])
         if not message or not message.strip():
             yield history, message, "⚠️ Empty message: type something to send."
             return
         history.append({"role": "user", "content": message})
         yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
-                         max_new, seed, request, clear_box=True)
+                         max_new, seed, thinking, request, clear_box=True)
 
     def reply(history, conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-              request, clear_box=False):
+              thinking, request, clear_box=False):
         box = "" if clear_box else gr.update()
         try:
-            settings = settings_from(temperature, top_p, top_k, max_new, seed)
+            settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking)
         except (TypeError, ValueError) as err:
             yield history, box, f"⚠️ Bad setting: {err}"
             return
@@ -151,7 +153,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             yield history, box, status
 
     def regenerate(history, conversation_id, mode, system, temperature, top_p, top_k, max_new,
-                   seed, request: gr.Request):
+                   seed, thinking, request: gr.Request):
         history = list(history or [])
         while history and history[-1]["role"] == "assistant":
             history.pop()
@@ -159,14 +161,14 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             yield history, gr.update(), "Nothing to regenerate yet."
             return
         yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
-                         max_new, seed, request)
+                         max_new, seed, thinking, request)
 
     def edited(history, conversation_id, mode, system, temperature, top_p, top_k, max_new,
-               seed, edit: gr.EditData, request: gr.Request):
+               seed, thinking, edit: gr.EditData, request: gr.Request):
         history = list(history or [])[: edit.index + 1]
         history[-1] = {"role": "user", "content": edit.value}
         yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
-                         max_new, seed, request)
+                         max_new, seed, thinking, request)
 
     def clear(conversation_id, request: gr.Request):
         sessions.bump(request.session_hash)
@@ -193,20 +195,20 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
     # --- A/B -------------------------------------------------------------------------------
 
-    def run_ab(prompt, mode_a, mode_b, temperature, top_p, top_k, max_new, seed,
+    def run_ab(prompt, mode_a, mode_b, temperature, top_p, top_k, max_new, seed, thinking,
                request: gr.Request):
         empty = ("", "", "", "", "")
         if not prompt or not prompt.strip():
             yield ("⚠️ Empty prompt: type something to compare.", *empty[1:])
             return
         try:
-            settings = settings_from(temperature, top_p, top_k, max_new, seed)
+            settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking)
         except (TypeError, ValueError) as err:
             yield (f"⚠️ Bad setting: {err}", *empty[1:])
             return
         if settings.seed is None:  # both sides must draw the same random numbers
             settings = GenerationSettings(settings.max_new_tokens, settings.temperature,
-                                          settings.top_p, settings.top_k, 0)
+                                          settings.top_p, settings.top_k, 0, settings.thinking)
         texts, stats = {"a": "", "b": ""}, {"a": {}, "b": {}}
         messages = [{"role": "user", "content": prompt}]
         for side, mode in (("a", mode_a), ("b", mode_b)):
@@ -249,6 +251,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                                         value=min(g.max_new_tokens, preset.max_context), step=1,
                                         label="Max new tokens")
                     seed = gr.Number(g.seed, label="Seed (empty = random)", precision=0)
+                    thinking = gr.Checkbox(bool(preset.enable_thinking),
+                                           label="Thinking (chat templates with the switch)")
             with gr.Column(scale=5):
                 with gr.Tab("Chat"):
                     chatbot = gr.Chatbot(height=420, label="Chat", editable="user",
@@ -286,7 +290,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 plot = gr.LinePlot(curve_frame(None), x="tokens", y="tok_s", height=200,
                                    title="decode tok/s over the reply", elem_id="plot")
 
-        gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed]
+        gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
+                      thinking]
         chat_outputs = [chatbot, message, status]
         # Stop and Clear cancel through the service (the reply ends within one block and its
         # generator finishes normally), not through Gradio's cancels=, which can leave the
@@ -301,7 +306,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], queue=False)
         export_btn.click(export, [chatbot, system, mode], export_file)
         ab_btn.click(run_ab, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
-                              seed],
+                              seed, thinking],
                      [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
                      concurrency_limit=None)
         timer = gr.Timer(0.5)

@@ -48,6 +48,7 @@ class Preset:
     state_memory_mib: int = 1024  # kept conversation states on the GPU; beyond it, host memory
     host_state_memory_mib: int = 8192  # beyond this, the oldest kept states are dropped
     system_prompt: str = ""
+    enable_thinking: bool | None = None  # chat templates with a thinking switch (Qwen3.5)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     name: str = "custom"
 
@@ -69,6 +70,8 @@ class Preset:
             _check(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
         _check(isinstance(self.system_prompt, str), "system_prompt", self.system_prompt,
                "a string")
+        _check(self.enable_thinking in (None, True, False), "enable_thinking",
+               self.enable_thinking, "true, false or null (the template's default)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -36,6 +36,7 @@ class GenerationSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    thinking: bool | None = None  # the chat template's thinking switch; None: the preset's
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p),
@@ -159,7 +160,8 @@ class EngineService:
 
     def default_settings(self) -> GenerationSettings:
         g = self.preset.generation
-        return GenerationSettings(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed)
+        return GenerationSettings(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed,
+                                  self.preset.enable_thinking)
 
     def queue_position(self, handle: RequestHandle) -> int:
         """Requests ahead of this one (0: it runs next or is running)."""
@@ -226,7 +228,7 @@ class EngineService:
                                               compile_step=p.compile_step)
         return self.engines[mode]
 
-    def render(self, messages: list[dict]) -> list[int]:
+    def render(self, messages: list[dict], thinking: bool | None = None) -> list[int]:
         """Prompt token ids for a conversation ending with a user message."""
         if not messages or messages[-1].get("role") != "user":
             raise RequestError("the conversation must end with a user message")
@@ -235,8 +237,10 @@ class EngineService:
             raise RequestError("empty message: type something to send")
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
+            thinking = self.preset.enable_thinking if thinking is None else thinking
+            extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+                                          return_dict=False, **extra)
         else:  # a base model: a plain transcript it can continue
             text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
             ids = tok(text + "Assistant:").input_ids
@@ -256,8 +260,8 @@ class EngineService:
     def _serve(self, handle: RequestHandle) -> None:
         engine = self._engine(handle.mode)
         started = time.perf_counter()
-        prompt = self.render(handle.messages)
         settings = handle.settings
+        prompt = self.render(handle.messages, settings.thinking)
         room = self.preset.max_context - len(prompt)
         if room < 1:
             raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
