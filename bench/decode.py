@@ -184,6 +184,33 @@ def bridge_row(model, repeats: int = 50) -> dict:
 PARTS = ("modes", "compile", "baselines", "gemv", "bridge")
 
 
+def transformers_generate_baseline(config, ids, n=64) -> dict:
+    """transformers' own Qwen3.5 (with fla's kernels when installed) on the hybrid shape: the
+    DESIGN.md anchor (13.7 tok/s on the H200)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_config = Qwen3_5TextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        layer_types=list(config.layer_types), linear_num_key_heads=config.num_k_heads,
+        linear_num_value_heads=config.num_v_heads, linear_key_head_dim=config.head_k_dim,
+        linear_value_head_dim=config.head_v_dim, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.attn_head_dim,
+        tie_word_embeddings=True)
+    model = Qwen3_5ForCausalLM(hf_config).to("cuda", torch.bfloat16).eval()
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    del model
+    return {"mode": "transformers generate", "decode_tok_s": n / total,
+            "ms_per_token": total / n * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -220,11 +247,14 @@ def main() -> None:
             emit(rows, bridge_row(model))
         if "baselines" in args.parts:
             emit(rows, eager_baseline(model, ids))
-            if shape == "gdn-1.3b":
+            baseline = {"gdn-1.3b": ("fla generate", fla_generate_baseline),
+                        "qwen3.5-0.8b": ("transformers generate",
+                                         transformers_generate_baseline)}.get(shape)
+            if baseline is not None:
                 try:
-                    emit(rows, fla_generate_baseline(config, ids))
+                    emit(rows, baseline[1](config, ids))
                 except Exception as err:
-                    emit(rows, {"mode": "fla generate", "error": repr(err)[:300]})
+                    emit(rows, {"mode": baseline[0], "error": repr(err)[:300]})
         if "modes" in args.parts:
             for name, decode, draft, mode in MODES:
                 emit(rows, run_mode(model, name, decode, draft, mode, ids, args.new, False,

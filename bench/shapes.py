@@ -16,7 +16,17 @@ GDN24_0_8B = GDNConfig(vocab_size=248320, hidden_size=1024, num_hidden_layers=24
                        num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128,
                        intermediate_size=3584, norm_offset=1.0, tie_word_embeddings=True,
                        source_layout="qwen3_5")
-SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B}
+# Qwen3.5-0.8B itself: the same GDN sizes, every 4th layer gated attention (8 heads, 2 KV heads
+# of 256, rotary on a quarter of each head), KV buffers of 4096 tokens.
+QWEN35_0_8B = GDNConfig(vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
+                        num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128,
+                        intermediate_size=3584, norm_offset=1.0, tie_word_embeddings=True,
+                        source_layout="qwen3_5",
+                        layer_types=tuple("full_attention" if i % 4 == 3 else
+                                          "linear_attention" for i in range(24)),
+                        num_attention_heads=8, num_key_value_heads=2, attn_head_dim=256,
+                        rope_theta=1e7, partial_rotary_factor=0.25, max_context=4096)
+SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35_0_8B}
 
 
 def decode_weight_bytes(model) -> int:
