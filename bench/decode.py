@@ -80,7 +80,7 @@ def fp8_gemv_rows(model) -> list[dict]:
         x = torch.randn(1, linear.in_features, device="cuda", dtype=torch.bfloat16)
         row = {"matrix": name, "shape": list(linear.weight.shape),
                "bf16_us": time_graph(lambda linear=linear, x=x: linear(x)) * 1e6}
-        for mode in ("fp8_act", "weight_only"):
+        for mode in ("fp8_act", "fp8_tensorwise", "weight_only"):
             fp8 = FP8Linear(linear, mode=mode)
             row[f"{mode}_us"] = time_graph(lambda fp8=fp8, x=x: fp8(x)) * 1e6
             row[f"{mode}_rel_err"] = float((fp8(x).float() - linear(x).float()).norm()
@@ -286,8 +286,8 @@ def main() -> None:
                   f"{r.get('gpu_busy_ms', 0):>8.2f}{str(r.get('tokens_equal_exact', '')):>6}")
         for g in data["fp8_gemv"]:
             print(f"  GEMV {g['matrix']} {g['shape']}: bf16 {g['bf16_us']:.1f} us, fp8_act "
-                  f"{g['fp8_act_us']:.1f} us (x{g['speedup_fp8_act']:.2f}), weight_only "
-                  f"{g['weight_only_us']:.1f} us")
+                  f"{g['fp8_act_us']:.1f} us (x{g['speedup_fp8_act']:.2f}), fp8_tensorwise "
+                  f"{g['fp8_tensorwise_us']:.1f} us, weight_only {g['weight_only_us']:.1f} us")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def test_scaled_mm_matches_emulation():
     assert real.mode == "fp8_act"
     assert rel_err(real(x).float(), emulated(x).float()) < 1e-2
     assert rel_err(real(x).float(), linear(x).float()) < 6e-2
+    tensorwise = FP8Linear(linear, mode="fp8_tensorwise")
+    assert rel_err(tensorwise(x).float(), emulated(x).float()) < 1e-2
 
 
 def test_compiled_step_matches_eager_engine(model):
