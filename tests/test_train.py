@@ -1,0 +1,73 @@
+"""The demo-model pipeline on a micro scale (the real run is on a GPU): corpus, tokenizer,
+training loop, export that unimax loads, and the recorded checkpoint hash."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+import unimax
+from train import corpus as corpus_mod
+from train.tokenizer import train_tokenizer
+from train.train import main as train_main
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    info = corpus_mod.write_corpus(root / "corpus.jsonl")
+    train_tokenizer(root / "corpus.jsonl", root / "tok", vocab_size=512)
+    return root, info
+
+
+def test_corpus_is_deterministic_and_split_by_name(built, tmp_path):
+    root, info = built
+    again = corpus_mod.write_corpus(tmp_path / "again.jsonl")
+    assert again["sha256"] == info["sha256"] and info["examples"] > 1000
+    examples = corpus_mod.read_corpus(root / "corpus.jsonl")
+    train_keys = {e["key"] for e in examples if e["split"] == "train"}
+    held_keys = {e["key"] for e in examples if e["split"] == "heldout"}
+    assert held_keys and not train_keys & held_keys  # no name is in both splits
+    json_dumps = [e for e in examples if e["key"] == "json.dumps"]
+    assert any("JSON" in e["messages"][1]["content"] for e in json_dumps)
+
+
+def test_tokenizer_round_trips_with_chat_template(built):
+    root, _ = built
+    tok = unimax.load_tokenizer(root / "tok")
+    text = "Serialize ``obj`` to a JSON formatted ``str``. Grüße 42"
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                  add_generation_prompt=True, return_dict=False)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_training_reduces_loss_and_exports_a_loadable_model(built):
+    root, _ = built
+    out = root / "model"
+    record = train_main(["--corpus", str(root / "corpus.jsonl"), "--tokenizer",
+                         str(root / "tok"), "--out", str(out), "--steps", "40", "--batch", "4",
+                         "--seq", "64", "--hidden", "64", "--layers", "2", "--heads", "2",
+                         "--head-dim", "16", "--mlp", "128", "--lr", "3e-3", "--log-every",
+                         "10", "--device", "cpu"])
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5
+    assert record["model_sha256"] == hashlib.sha256(
+        (out / "model.safetensors").read_bytes()).hexdigest()
+    assert 1 < record["heldout_perplexity"] < 600
+    model = unimax.load_model(out)
+    tok = unimax.load_tokenizer(out)
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What does "
+                                                  "json.dumps do?"}],
+                                                add_generation_prompt=True, return_dict=False)])
+    assert unimax.exact_greedy_tokens(model, ids, 5).shape == (1, 5)
+    assert model.config.eos_token_id == tok.eos_token_id
+
+
+def test_size_limit_is_enforced(built, tmp_path):
+    root, _ = built
+    with pytest.raises(SystemExit, match="over --max-mb 0.1"):
+        train_main(["--corpus", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tok"),
+                    "--out", str(tmp_path), "--max-mb", "0.1", "--device", "cpu"])

@@ -1,0 +1,1 @@
+"""Training the built-in demo model (issue 5): corpus, tokenizer, training loop."""

@@ -1,0 +1,156 @@
+"""Train the demo model: a small pure-GDN LM on the stdlib-docstring chat corpus, exported in the
+Qwen3.5 text layout with its tokenizer. Reproducible from a seed; logs loss as JSON lines; records
+the checkpoint's sha256, the corpus hash and the held-out perplexity in train_record.json.
+
+usage: python -m train.train --corpus C.jsonl --tokenizer TOK_DIR --out OUT_DIR [--steps N] ...
+(uses flash-linear-attention's kernels on a GPU when installed; runs anywhere, slowly)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from unimax import GDNConfig, GDNForCausalLM, load_tokenizer
+from unimax.export import save_checkpoint
+
+from .corpus import read_corpus
+from .tokenizer import render
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--mlp", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def token_stream(examples, tokenizer) -> list[list[int]]:
+    return [tokenizer(render(e["messages"]), add_special_tokens=False).input_ids
+            for e in examples]
+
+
+def batches(docs: list[list[int]], batch: int, seq: int, gen: random.Random):
+    """Random windows of seq + 1 tokens from the shuffled, concatenated documents."""
+    while True:
+        order = list(range(len(docs)))
+        gen.shuffle(order)
+        stream = [t for i in order for t in docs[i]]
+        for _ in range(max(1, len(stream) // (batch * seq))):
+            starts = [gen.randrange(0, len(stream) - seq - 1) for _ in range(batch)]
+            yield torch.tensor([stream[s:s + seq + 1] for s in starts])
+
+
+@torch.no_grad()
+def heldout_perplexity(model, docs: list[list[int]], device) -> float:
+    total, count = 0.0, 0
+    for doc in docs:
+        ids = torch.tensor([doc], device=device)
+        logits = model(input_ids=ids[:, :-1]).logits.float()
+        total += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return math.exp(total / max(count, 1))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    tokenizer = load_tokenizer(args.tokenizer)
+    corpus = read_corpus(args.corpus)
+    train_docs = token_stream([e for e in corpus if e["split"] == "train"], tokenizer)
+    held_docs = token_stream([e for e in corpus if e["split"] == "heldout"], tokenizer)
+    config = GDNConfig(vocab_size=len(tokenizer), hidden_size=args.hidden,
+                       num_hidden_layers=args.layers, num_k_heads=args.heads,
+                       num_v_heads=args.heads, head_k_dim=args.head_dim,
+                       head_v_dim=args.head_dim, intermediate_size=args.mlp, norm_offset=1.0,
+                       tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                       source_layout="qwen3_5")
+    model = GDNForCausalLM.random(config, device=device, dtype=torch.float32, seed=args.seed)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    if params * 2 / 2**20 > args.max_mb:
+        raise SystemExit(f"{params / 1e6:.1f} M parameters = {params * 2 / 2**20:.1f} MiB in "
+                         f"BF16, over --max-mb {args.max_mb}")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "train_log.jsonl").open("w")
+    data = batches(train_docs, args.batch, args.seq, random.Random(args.seed))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
+        torch.autocast("cpu", enabled=False)
+    start, losses = time.perf_counter(), []
+    for step in range(args.steps):
+        batch = next(data).to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        with autocast:
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+        if step % args.log_every == 0 or step == args.steps - 1:
+            record = {"step": step, "loss": round(losses[-1], 4), "lr": lr_at(step),
+                      "seconds": round(time.perf_counter() - start, 1)}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(json.dumps(record), flush=True)
+    model.eval()
+    ppl = heldout_perplexity(model, held_docs, device)
+    sha = save_checkpoint(model, out, dtype=torch.bfloat16, eos_token_id=tokenizer.eos_token_id,
+                          unimax_note="UNI MAX demo model trained by train/train.py on Python "
+                                      "stdlib docstrings (PSF License 2.0)")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(Path(args.tokenizer) / name, out / name)
+    corpus_sha = hashlib.sha256(Path(args.corpus).read_bytes()).hexdigest()
+    record = {"model_sha256": sha, "corpus_sha256": corpus_sha, "parameters": params,
+              "heldout_perplexity": ppl, "final_loss": losses[-1], "args": vars(args),
+              "python": platform.python_version(), "torch": torch.__version__,
+              "train_seconds": round(time.perf_counter() - start, 1)}
+    (out / "train_record.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:]), indent=1))
