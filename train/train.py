@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
     data = batches(train_docs, args.batch, args.seq, random.Random(args.seed))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
         torch.autocast("cpu", enabled=False)
-    start, losses = time.perf_counter(), []
+    start, first_loss, loss = time.perf_counter(), None, None
     for step in range(args.steps):
         batch = next(data).to(device)
         for group in optimizer.param_groups:
@@ -129,9 +129,10 @@ def main(argv=None) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
-        if step % args.log_every == 0 or step == args.steps - 1:
-            record = {"step": step, "loss": round(losses[-1], 4), "lr": lr_at(step),
+        if step % args.log_every == 0 or step == args.steps - 1:  # the only host syncs
+            value = float(loss.detach())
+            first_loss = value if first_loss is None else first_loss
+            record = {"step": step, "loss": round(value, 4), "lr": lr_at(step),
                       "seconds": round(time.perf_counter() - start, 1)}
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -145,7 +146,8 @@ def main(argv=None) -> dict:
         shutil.copy(Path(args.tokenizer) / name, out / name)
     corpus_sha = hashlib.sha256(Path(args.corpus).read_bytes()).hexdigest()
     record = {"model_sha256": sha, "corpus_sha256": corpus_sha, "parameters": params,
-              "heldout_perplexity": ppl, "final_loss": losses[-1], "args": vars(args),
+              "heldout_perplexity": ppl, "first_loss": first_loss,
+              "final_loss": float(loss.detach()), "args": vars(args),
               "python": platform.python_version(), "torch": torch.__version__,
               "train_seconds": round(time.perf_counter() - start, 1)}
     (out / "train_record.json").write_text(json.dumps(record, indent=1))
