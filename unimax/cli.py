@@ -68,7 +68,7 @@ def generate(args: argparse.Namespace) -> int:
         sys.stdout.write(detok.add(generated[-1:]))
         sys.stdout.flush()
     decode_s = time.perf_counter() - start
-    sys.stdout.write("\n")
+    sys.stdout.write(detok.flush() + "\n")
     steps = len(generated) - 1
     print(f"[{len(ids)} prompt tokens: prefill {len(ids) / prefill_s:.1f} tok/s; "
           f"{len(generated)} new tokens: decode "

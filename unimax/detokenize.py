@@ -26,3 +26,14 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.tokens)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """The rest at the end of a reply, an incomplete character included (shown as the
+        replacement character, as a full decode would)."""
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        delta = after[len(before):] if len(after) > len(before) else ""
+        self.prefix = self.read = len(self.tokens)
+        self.text += delta
+        return delta

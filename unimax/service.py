@@ -305,6 +305,9 @@ class EngineService:
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
                                  on_block=on_block)
+        tail = detok.flush()
+        if tail:
+            handle.emit("delta", tail)
         self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
