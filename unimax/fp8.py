@@ -48,14 +48,12 @@ class FP8Linear(nn.Module):
             raise ValueError("FP8Linear supports bias-free linears only (every GDN linear is)")
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if self.in_features % 16:
-            raise ValueError(f"FP8Linear needs in_features divisible by 16, got "
-                             f"{self.in_features}")
-        # _scaled_mm wants both matrix dims divisible by 16: pad the output rows with zeros
-        # (e.g. a merged q/k/v/z/b/a projection) and slice them off after the matmul.
-        pad = (-self.out_features) % 16
-        if pad:
-            weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
+        # _scaled_mm wants both matrix dims divisible by 16: pad the weight with zero rows
+        # (e.g. a merged q/k/v/z/b/a projection; sliced off after the matmul) and zero columns
+        # (the input gets as many zero columns per call: only odd, small shapes pay for that).
+        pad_rows = (-self.out_features) % 16
+        self.pad_cols = (-self.in_features) % 16
+        weight = F.pad(weight, (0, self.pad_cols, 0, pad_rows))
         q, scale = quantize_rows(weight)
         self.register_buffer("weight", q)
         self.register_buffer("weight_scale", scale)
@@ -75,6 +73,8 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.pad_cols:
+            x2 = F.pad(x2, (0, self.pad_cols))
         if self.mode == "fp8_act":
             y = self._scaled_mm(x2)
         elif self.mode == "fp8_tensorwise":
