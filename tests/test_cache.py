@@ -148,3 +148,18 @@ def test_copy_mismatches_name_the_table(model):
     fewer = GDNForCausalLM(GDNConfig(**{**CONFIG, "num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="destination has 2 layers, source has 3"):
         copy_cache_(fewer.make_recurrent_cache(), cache)
+
+
+def test_states_are_views_of_two_flat_buffers(model):
+    """A bridge or snapshot moves two buffers, whatever the number of layers."""
+    from unimax.cache import state_tensors
+
+    cache = model.make_recurrent_cache()
+    for layer in cache.layers:
+        for table, buffer in (("conv_states", cache.conv_buffer),
+                              ("recurrent_states", cache.recurrent_buffer)):
+            tensor = getattr(layer, table)[0]
+            assert tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert len(state_tensors(cache)) == 3
+    assert cache_payload_bytes(cache) == (cache.conv_buffer.numel() * 4 +
+                                          cache.recurrent_buffer.numel() * 4)

@@ -9,6 +9,7 @@ so snapshot / restore / bridge are all one operation, ``copy_cache_``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,27 +50,17 @@ class AttentionLayerState:
     def max_length(self) -> int:
         return self.key_cache.shape[2]
 
-    def reset(self) -> None:
-        self.has_previous_state[0] = False  # the position reset makes old entries invisible
-
 
 class RecurrentLayerState:
-    def __init__(self, spec: LayerStateSpec, batch_size: int, conv_dtype: torch.dtype,
-                 device: torch.device):
-        self.conv_states = {0: torch.zeros(batch_size, *spec.conv_shape, dtype=conv_dtype,
-                                           device=device)}
+    """One GDN layer's state: views into the cache's two flat buffers."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv_states = {0: conv}  # (B, D, W), activation dtype
         # Recurrent state stays fp32 whatever the activations are, as fla and transformers keep it.
-        self.recurrent_states = {0: torch.zeros(batch_size, *spec.recurrent_shape,
-                                                dtype=torch.float32, device=device)}
+        self.recurrent_states = {0: recurrent}  # (B, HV, K, V)
         self.is_conv_states_initialized = {0: True}
         self.is_recurrent_states_initialized = {0: True}
         self.has_previous_state = {0: False}
-
-    def reset(self) -> None:
-        for table in STATE_TABLES:
-            for tensor in getattr(self, table).values():
-                tensor.zero_()
-        self.has_previous_state[0] = False
 
 
 class RecurrentCache:
@@ -85,15 +76,33 @@ class RecurrentCache:
         self.device = torch.device(device)
         # Tokens stored so far, on the device: attention layers read it inside captured graphs.
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
-        self.layers = [
-            AttentionLayerState(s, batch_size, conv_dtype, self.device, self.position)
-            if isinstance(s, AttentionStateSpec)
-            else RecurrentLayerState(s, batch_size, conv_dtype, self.device) for s in specs]
+        # All conv states live in one flat buffer and all recurrent states in another (each
+        # layer's tensors are views), so a bridge or a snapshot is two copy kernels, not two
+        # per layer.
+        gdn = [s for s in specs if isinstance(s, LayerStateSpec)]
+        conv_sizes = [batch_size * math.prod(s.conv_shape) for s in gdn]
+        rec_sizes = [batch_size * math.prod(s.recurrent_shape) for s in gdn]
+        self.conv_buffer = torch.zeros(sum(conv_sizes), dtype=conv_dtype, device=self.device)
+        self.recurrent_buffer = torch.zeros(sum(rec_sizes), dtype=torch.float32,
+                                            device=self.device)
+        conv_views = iter(torch.split(self.conv_buffer, conv_sizes)) if gdn else iter(())
+        rec_views = iter(torch.split(self.recurrent_buffer, rec_sizes)) if gdn else iter(())
+        self.layers = []
+        for spec in specs:
+            if isinstance(spec, AttentionStateSpec):
+                self.layers.append(AttentionLayerState(spec, batch_size, conv_dtype, self.device,
+                                                       self.position))
+            else:
+                self.layers.append(RecurrentLayerState(
+                    next(conv_views).view(batch_size, *spec.conv_shape),
+                    next(rec_views).view(batch_size, *spec.recurrent_shape)))
         self.seen_tokens = 0
 
     def reset(self) -> None:
+        self.conv_buffer.zero_()
+        self.recurrent_buffer.zero_()
         for layer in self.layers:
-            layer.reset()
+            layer.has_previous_state[0] = False  # attention KV past the position is invisible
         self.position.zero_()
         self.seen_tokens = 0
 
@@ -175,10 +184,9 @@ def _copy_kv_(dst: AttentionLayerState, src, index: int) -> None:
 
 
 def state_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
-    """The fixed-size state in a fixed order (layer, conv then recurrent; then the position):
-    what a bridge moves. Attention KV is not in it (see ``kv_tensors``)."""
-    return [t for layer in cache.layers for table in STATE_TABLES
-            for t in getattr(layer, table, {}).values()] + [cache.position]
+    """The fixed-size state: the flat conv and recurrent buffers and the position; what a
+    bridge moves. Attention KV is not in it (see ``kv_tensors``)."""
+    return [cache.conv_buffer, cache.recurrent_buffer, cache.position]
 
 
 def kv_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
