@@ -177,7 +177,16 @@ def bridge_row(model, repeats: int = 50) -> dict:
     engine = build_engine(model, decode="bf16")
     engine.prefill_exact(torch.zeros(1, 16, dtype=torch.long, device="cuda"))
     times = [engine._bridge().seconds for _ in range(repeats)]
+    device_times = []  # the copies alone, between device events: what the GPU spends
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.bridge_copy()
+        end.record()
+        torch.cuda.synchronize()
+        device_times.append(start.elapsed_time(end))
     return {"mode": "bridge alone", "bridge_ms": statistics.median(times) * 1e3,
+            "bridge_device_ms": statistics.median(device_times),
             "bridge_mib": engine.last_bridge.mib}
 
 
