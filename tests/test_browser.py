@@ -117,3 +117,39 @@ def test_closing_the_tab_cancels_the_reply(page):
     stats = wait_for(lambda: (s := client.predict(api_name="/stats")).get("stopped") and s,
                      timeout=30)
     assert stats["stopped"] == "cancelled" and stats["generated_tokens"] < 1500
+
+
+def test_regenerate_export_and_queue_position(page, tmp_path):
+    """Regenerate replaces the last reply (greedy: the same text again); Export gives a JSON
+    file of the conversation; a second tab waits its turn and says so."""
+    page.get_by_role("tab", name="Chat").click()
+    page.click("#clear")
+    wait_for(lambda: page.locator("#chatbot [data-testid='bot']").count() == 0)
+    # a second tab starts a long reply first, so this tab has to wait
+    context = page.context.browser.new_context()
+    other = context.new_page()
+    other.goto(page.url)
+    other.wait_for_selector("#message textarea", timeout=60_000)
+    other.fill("#message textarea", "Take your time")
+    other.click("#send")
+    wait_for(lambda: other.locator("#chatbot [data-testid='bot']").count() > 0)
+    send(page, "Short question")
+    wait_for(lambda: "Waiting for the GPU" in page.inner_text("#status"), timeout=30)
+    context.close()  # the other reply is cancelled; ours runs
+    wait_for(lambda: "Done" in page.inner_text("#status"), timeout=120)
+    first = bot_text(page)
+    page.click("#regenerate")
+    wait_for(lambda: "Generating" in page.inner_text("#status") or
+             "Done" in page.inner_text("#status"))
+    wait_for(lambda: "Done" in page.inner_text("#status") and bot_text(page), timeout=120)
+    assert page.locator("#chatbot [data-testid='bot']").count() == 1
+    assert bot_text(page) == first
+    page.click("#export")
+    link = page.locator("#export-file a").first
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = download.value.path()
+    data = __import__("json").loads(Path(path).read_text())
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert data["messages"][0]["content"] == "Short question"

@@ -177,8 +177,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         return [], str(uuid.uuid4()), "Cleared."
 
     def export(history, system, mode):
-        data = {"system": system, "mode": mode, "messages": history,
-                "model": preset.model, "stats": None}
+        messages = [{"role": m["role"], "content": _text(m["content"])} for m in history or []]
+        data = {"model": preset.model, "mode": mode, "system": system, "messages": messages}
         path = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="unimax-chat-",
                                            delete=False)
         json.dump(data, path, indent=1)
