@@ -139,9 +139,8 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     wait_for(lambda: "Done" in page.inner_text("#status"), timeout=120)
     first = bot_text(page)
     page.click("#regenerate")
-    wait_for(lambda: "Generating" in page.inner_text("#status") or
-             "Done" in page.inner_text("#status"))
-    wait_for(lambda: "Done" in page.inner_text("#status") and bot_text(page), timeout=120)
+    wait_for(lambda: "Done" not in page.inner_text("#status"))  # the new reply has started
+    wait_for(lambda: "Done" in page.inner_text("#status"), timeout=120)
     assert page.locator("#chatbot [data-testid='bot']").count() == 1
     assert bot_text(page) == first
     page.click("#export")
