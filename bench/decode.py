@@ -159,6 +159,11 @@ def fla_generate_baseline(config, ids, n=64) -> dict:
         expand_v=config.head_v_dim / config.head_k_dim, num_hidden_layers=config.num_hidden_layers,
         vocab_size=config.vocab_size, intermediate_size=config.intermediate_size)
     model = GatedDeltaNetForCausalLM(fla_config).to("cuda", torch.bfloat16).eval()
+    return time_generate(model, ids, n, "fla generate")
+
+
+def time_generate(model, ids, n: int, name: str) -> dict:
+    """A reference library's own greedy ``generate`` for n tokens, after a short warm-up."""
     kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
     with torch.inference_mode():
         model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -167,8 +172,7 @@ def fla_generate_baseline(config, ids, n=64) -> dict:
         model.generate(ids, **kwargs)
         torch.cuda.synchronize()
     total = time.perf_counter() - start
-    del model
-    return {"mode": "fla generate", "decode_tok_s": n / total, "ms_per_token": total / n * 1e3}
+    return {"mode": name, "decode_tok_s": n / total, "ms_per_token": total / n * 1e3}
 
 
 @torch.inference_mode()
@@ -207,17 +211,7 @@ def transformers_generate_baseline(config, ids, n=64) -> dict:
         num_key_value_heads=config.num_key_value_heads, head_dim=config.attn_head_dim,
         tie_word_embeddings=True)
     model = Qwen3_5ForCausalLM(hf_config).to("cuda", torch.bfloat16).eval()
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    with torch.inference_mode():
-        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(ids, **kwargs)
-        torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    del model
-    return {"mode": "transformers generate", "decode_tok_s": n / total,
-            "ms_per_token": total / n * 1e3}
+    return time_generate(model, ids, n, "transformers generate")
 
 
 def main() -> None:
