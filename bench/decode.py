@@ -34,19 +34,25 @@ MODES = [  # name, decode, draft, engine mode
 ]
 
 
+def median_device_seconds(fn, repeats: int, warmup: int = 0) -> float:
+    """Median seconds of ``fn`` between two device events (the GPU's time, not the host's)."""
+    times = []
+    for i in range(warmup + repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times[2:])
+    return 2 * src.numel() * 4 / median_device_seconds(lambda: dst.copy_(src), 10, warmup=2)
 
 
 def time_graph(fn, repeats: int = 20) -> float:
@@ -58,15 +64,7 @@ def time_graph(fn, repeats: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(20):
             fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / 20)
-    return statistics.median(times)
+    return median_device_seconds(graph.replay, repeats) / 20
 
 
 @torch.inference_mode()
@@ -181,16 +179,9 @@ def bridge_row(model, repeats: int = 50) -> dict:
     engine = build_engine(model, decode="bf16")
     engine.prefill_exact(torch.zeros(1, 16, dtype=torch.long, device="cuda"))
     times = [engine._bridge().seconds for _ in range(repeats)]
-    device_times = []  # the copies alone, between device events: what the GPU spends
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        engine.bridge_copy()
-        end.record()
-        torch.cuda.synchronize()
-        device_times.append(start.elapsed_time(end))
+    device = median_device_seconds(engine.bridge_copy, repeats)  # the copies alone
     return {"mode": "bridge alone", "bridge_ms": statistics.median(times) * 1e3,
-            "bridge_device_ms": statistics.median(device_times),
+            "bridge_device_ms": device * 1e3,
             "bridge_mib": engine.last_bridge.mib}
 
 

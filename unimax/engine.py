@@ -21,7 +21,7 @@ import torch
 
 from .cache import CacheCopier, cache_payload_bytes
 from .graph import GraphRunner, MaxTurboGraphDecoder
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sample_from_logits
 
 
 @dataclass(frozen=True)
@@ -249,15 +249,17 @@ class UniMaxEngine:
             self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
             counts[0] += k
             counts[3] += 1
-            m = int(self.num_accepted)  # the block's one host sync
-            draft = graph.out_tokens[0, :k].tolist()
+            # The block's one host transfer: accepted count, draft and exact predictions.
+            host = torch.cat([self.num_accepted[None], graph.out_tokens[0, :k],
+                              self.verify_pred[0, :k]]).tolist()
+            m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
             if m == k:
                 emitted = draft
                 self.exact_cache.seen_tokens = seen + k
                 if not self.state_safe_draft:
                     self.bridge_copy()
             else:
-                emitted = draft[:m] + [int(self.verify_pred[0, m])]
+                emitted = draft[:m] + [exact[m]]
                 self.runner.run(("replay", m + 1), lambda m=m: self._replay(m + 1),
                                 writes=exact_caches + [graph.cache])
                 self.exact_cache.seen_tokens = seen + m + 1
@@ -330,8 +332,6 @@ class UniMaxEngine:
         return result
 
     def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
-        from .sampling import sample_from_logits
-
         graph = self.decode_graph
         uniform = torch.rand(1, generator=graph.generator, device=self.device)
         return sample_from_logits(logits, graph.temperature, graph.top_k, graph.top_p, uniform)
