@@ -26,11 +26,13 @@ from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.fp8 import FP8Linear  # noqa: E402
 from unimax.reference import first_divergence  # noqa: E402
 
-MODES = [  # name, decode, draft, engine mode
-    ("bf16", "bf16", "tail", "fast"),
-    ("fp8-tail", "fp8", "tail", "fast"),
-    ("verified-tail", "fp8", "tail", "verified"),
-    ("verified-full", "fp8", "full", "verified"),
+MODES = [  # name, decode, draft, engine mode, FP8 mode (None: the default)
+    ("bf16", "bf16", "tail", "fast", None),
+    ("fp8-tail", "fp8", "tail", "fast", None),
+    ("fp8-tail/gemv", "fp8", "tail", "fast", "fp8_gemv"),
+    ("verified-tail", "fp8", "tail", "verified", None),
+    ("verified-full", "fp8", "full", "verified", None),
+    ("verified-full/gemv", "fp8", "full", "verified", "fp8_gemv"),
 ]
 
 
@@ -78,12 +80,13 @@ def fp8_gemv_rows(model) -> list[dict]:
         x = torch.randn(1, linear.in_features, device="cuda", dtype=torch.bfloat16)
         row = {"matrix": name, "shape": list(linear.weight.shape),
                "bf16_us": time_graph(lambda linear=linear, x=x: linear(x)) * 1e6}
-        for mode in ("fp8_act", "fp8_tensorwise", "weight_only"):
+        for mode in ("fp8_act", "fp8_tensorwise", "fp8_gemv", "weight_only"):
             fp8 = FP8Linear(linear, mode=mode)
             row[f"{mode}_us"] = time_graph(lambda fp8=fp8, x=x: fp8(x)) * 1e6
             row[f"{mode}_rel_err"] = float((fp8(x).float() - linear(x).float()).norm()
                                            / linear(x).float().norm())
         row["speedup_fp8_act"] = row["bf16_us"] / row["fp8_act_us"]
+        row["speedup_fp8_gemv"] = row["bf16_us"] / row["fp8_gemv_us"]
         rows.append(row)
     return rows
 
@@ -106,9 +109,10 @@ def kernels_per_step(engine) -> dict:
 
 
 @torch.inference_mode()
-def run_mode(model, name, decode, draft, mode, ids, new, compile_step, reference) -> dict:
+def run_mode(model, name, decode, draft, mode, fp8_mode, ids, new, compile_step,
+             reference) -> dict:
     engine = build_engine(model, decode=decode, draft=draft, block_size=8,
-                          compile_step=compile_step)
+                          compile_step=compile_step, fp8_mode=fp8_mode)
     start = time.perf_counter()
     engine.generate(ids, 3 * 8 + 3, mode=mode)  # captures the block graphs (8 and 3)
     engine.generate(ids, new, mode=mode)  # and every replay length a verified run meets
@@ -250,16 +254,14 @@ def main() -> None:
                 except Exception as err:
                     emit(rows, {"mode": baseline[0], "error": repr(err)[:300]})
         if "modes" in args.parts:
-            for name, decode, draft, mode in MODES:
-                emit(rows, run_mode(model, name, decode, draft, mode, ids, args.new, False,
-                                    reference))
+            for spec in MODES:
+                emit(rows, run_mode(model, *spec, ids, args.new, False, reference))
         if "compile" in args.parts and shape in (args.compile_shapes or args.shapes):
-            for name, decode, draft, mode in MODES[:2]:
+            for spec in MODES[:3]:
                 try:
-                    emit(rows, run_mode(model, name, decode, draft, mode, ids, args.new, True,
-                                        reference))
+                    emit(rows, run_mode(model, *spec, ids, args.new, True, reference))
                 except Exception as err:  # record, keep benchmarking
-                    emit(rows, {"mode": name + "+compile", "error": repr(err)[:300]})
+                    emit(rows, {"mode": spec[0] + "+compile", "error": repr(err)[:300]})
         del model
         torch.cuda.empty_cache()
     if args.json:
@@ -281,7 +283,8 @@ def main() -> None:
         for g in data["fp8_gemv"]:
             print(f"  GEMV {g['matrix']} {g['shape']}: bf16 {g['bf16_us']:.1f} us, fp8_act "
                   f"{g['fp8_act_us']:.1f} us (x{g['speedup_fp8_act']:.2f}), fp8_tensorwise "
-                  f"{g['fp8_tensorwise_us']:.1f} us, weight_only {g['weight_only_us']:.1f} us")
+                  f"{g['fp8_tensorwise_us']:.1f} us, fp8_gemv {g['fp8_gemv_us']:.1f} us "
+                  f"(x{g['speedup_fp8_gemv']:.2f}), weight_only {g['weight_only_us']:.1f} us")
 
 
 if __name__ == "__main__":

@@ -108,3 +108,34 @@ def test_hybrid_graphs_on_gpu(tmp_path):
         g = build_engine(model, decode="fp8", draft=draft, block_size=8)
         e = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
         assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
+
+
+def test_triton_fp8_gemv_on_gpu(model):
+    """The Triton GEMV (fp8_gemv mode) equals its twin at M=1..4, falls back above, runs inside
+    a captured graph, and an fp8_gemv engine's graphs equal its eager steps."""
+    from unimax.ops.fp8_gemv import fp8_gemv_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((248320, 1024), (7168, 1024), (1024, 3584), (1000, 200)):
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.normal_(generator=gen)
+        fp8 = FP8Linear(linear, mode="fp8_gemv")
+        for m in (1, 3, 6):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            padded = torch.nn.functional.pad(x, (0, fp8.pad_cols))
+            ref = fp8_gemv_ref(padded, fp8.weight, fp8.weight_scale)[:, :n]
+            assert rel_err(fp8(x).float(), ref.float()) < 1e-2, (n, k, m)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    static_out = fp8(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fp8(x)
+    x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    assert torch.equal(static_out, fp8(x))
+    prompt_ids = prompt(60)
+    graphs = build_engine(model, decode="fp8", fp8_mode="fp8_gemv", block_size=8)
+    eager = build_engine(model, decode="fp8", fp8_mode="fp8_gemv", block_size=8,
+                         use_graphs=False)
+    assert torch.equal(graphs.generate_fast(prompt_ids, 40), eager.generate_fast(prompt_ids, 40))

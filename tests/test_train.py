@@ -51,12 +51,19 @@ def test_training_reduces_loss_and_exports_a_loadable_model(built):
                          str(root / "tok"), "--out", str(out), "--steps", "40", "--batch", "4",
                          "--seq", "64", "--hidden", "64", "--layers", "2", "--heads", "2",
                          "--head-dim", "16", "--mlp", "128", "--lr", "3e-3", "--log-every",
-                         "10", "--device", "cpu"])
+                         "10", "--eval-every", "20", "--max-shard-mb", "0.05",
+                         "--device", "cpu"])
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] - 0.5
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
     assert record["model_sha256"] == hashlib.sha256(
-        (out / "model.safetensors").read_bytes()).hexdigest()
+        b"".join(f.read_bytes() for f in shards)).hexdigest()
     assert 1 < record["heldout_perplexity"] < 600
+    evaluated = [r for r in log if "heldout_perplexity" in r]
+    assert [r["step"] for r in evaluated] == [19, 39]
+    assert record["best_step"] == min(evaluated, key=lambda r: r["heldout_perplexity"])["step"]
+    assert abs(record["heldout_perplexity_shipped_bf16"] / record["heldout_perplexity"] - 1) < 0.05
     model = unimax.load_model(out)
     tok = unimax.load_tokenizer(out)
     ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What does "

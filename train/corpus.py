@@ -63,7 +63,9 @@ def split_of(key: str) -> str:
 
 
 def topic_examples():
-    """The language reference's topics that ship with Python (pydoc_data): prose."""
+    """The language reference's topics that ship with Python (pydoc_data): all of their prose,
+    as multi-turn conversations ("Explain ..." then "Go on."), so the demo also learns to carry
+    a conversation past its first answer."""
     try:
         from pydoc_data.topics import topics
     except ImportError:
@@ -74,8 +76,24 @@ def topic_examples():
         if not paragraphs:
             continue
         yield _chat(f"Explain {name} in Python.", first_paragraph(paragraphs[0]), "topic:" + name)
-        body = " ".join(paragraphs[:6])[:1500]
-        yield _chat(f"Tell me more about {name} in Python.", body, "topic:" + name)
+        parts = list(_pieces(paragraphs, 1200))
+        for start in range(0, len(parts), 3):
+            opener = "Tell me about" if start == 0 else "Tell me more about"
+            questions = [f"{opener} {name} in Python."] + ["Go on."] * 2
+            turns = list(zip(questions, parts[start:start + 3], strict=False))
+            yield _conversation(turns, "topic:" + name)
+
+
+def _pieces(paragraphs: list[str], limit: int):
+    """Consecutive paragraphs joined into pieces of at most ~limit characters."""
+    piece = ""
+    for p in paragraphs:
+        if piece and len(piece) + len(p) > limit:
+            yield piece
+            piece = ""
+        piece = f"{piece} {p}".strip() if len(p) <= limit else first_paragraph(p, limit)
+    if piece:
+        yield piece
 
 
 def examples():
@@ -96,19 +114,24 @@ def examples():
                 continue
             answer = first_paragraph(doc)
             yield _chat(f"What does {name} do?", answer, name)
-            longer = re.sub(r"[ \t]+", " ", doc)[:1200].strip()
+            longer = re.sub(r"[ \t]+", " ", doc)[:2400].strip()
             if len(longer) > len(answer) + 80:
                 yield _chat(f"Tell me more about {name}.", longer, name)
             sig = signature(obj)
-            if sig is not None and len(sig) < 160:
+            # Defaults whose repr holds a memory address would make the corpus differ per run.
+            if sig is not None and len(sig) < 160 and " at 0x" not in sig:
                 short = answer.split(". ")[0].rstrip(".") + "."
                 yield _chat(f"How do I call {name}?", f"Call it as {name}{sig}. {short}", name)
 
 
 def _chat(question: str, answer: str, key: str) -> dict:
-    return {"messages": [{"role": "user", "content": question},
-                         {"role": "assistant", "content": answer}],
-            "split": split_of(key), "key": key}
+    return _conversation([(question, answer)], key)
+
+
+def _conversation(turns: list[tuple[str, str]], key: str) -> dict:
+    messages = [{"role": role, "content": text} for q, a in turns
+                for role, text in (("user", q), ("assistant", a))]
+    return {"messages": messages, "split": split_of(key), "key": key}
 
 
 def write_corpus(path: str | Path) -> dict:

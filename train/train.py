@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unimax import GDNConfig, GDNForCausalLM, load_tokenizer
+from unimax import GDNConfig, GDNForCausalLM, load_model, load_tokenizer
 from unimax.export import save_checkpoint
 
 from .corpus import read_corpus
@@ -48,6 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every N steps; the best step's weights are exported "
+                        "(early stopping: the corpus is small). 0: export the last step")
+    p.add_argument("--max-shard-mb", type=float, default=None,
+                   help="split the safetensors into shards of at most this size")
     return p.parse_args(argv)
 
 
@@ -69,13 +74,14 @@ def batches(docs: list[list[int]], batch: int, seq: int, gen: random.Random):
 
 @torch.no_grad()
 def heldout_perplexity(model, docs: list[list[int]], device) -> float:
-    total, count = 0.0, 0
+    """exp(mean next-token loss) over whole held-out documents, each from an empty state."""
+    total, count = torch.zeros((), device=device), 0
     for doc in docs:
         ids = torch.tensor([doc], device=device)
         logits = model(input_ids=ids[:, :-1]).logits.float()
-        total += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum"))
+        total += F.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
         count += ids.shape[1] - 1
-    return math.exp(total / max(count, 1))
+    return math.exp(float(total) / max(count, 1))
 
 
 def main(argv=None) -> dict:
@@ -118,6 +124,7 @@ def main(argv=None) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
         torch.autocast("cpu", enabled=False)
     start, first_loss, loss = time.perf_counter(), None, None
+    best = {"step": -1, "perplexity": math.inf, "state": None}
     for step in range(args.steps):
         batch = next(data).to(device)
         for group in optimizer.param_groups:
@@ -129,24 +136,42 @@ def main(argv=None) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps - 1:  # the only host syncs
+        evaluate = args.eval_every and (step + 1) % args.eval_every == 0
+        if step % args.log_every == 0 or step == args.steps - 1 or evaluate:  # host syncs
             value = float(loss.detach())
             first_loss = value if first_loss is None else first_loss
             record = {"step": step, "loss": round(value, 4), "lr": lr_at(step),
                       "seconds": round(time.perf_counter() - start, 1)}
+            if evaluate:
+                model.eval()
+                with autocast:
+                    record["heldout_perplexity"] = heldout_perplexity(model, held_docs, device)
+                model.train()
+                if record["heldout_perplexity"] < best["perplexity"]:
+                    best = {"step": step, "perplexity": record["heldout_perplexity"],
+                            "state": {k: v.detach().clone()
+                                      for k, v in model.state_dict().items()}}
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+    if best["state"] is not None:
+        model.load_state_dict(best["state"])
     model.eval()
-    ppl = heldout_perplexity(model, held_docs, device)
-    sha = save_checkpoint(model, out, dtype=torch.bfloat16, eos_token_id=tokenizer.eos_token_id,
+    ppl = heldout_perplexity(model, held_docs, device)  # in fp32, as the record states
+    sha = save_checkpoint(model, out, dtype=torch.bfloat16, max_shard_mb=args.max_shard_mb,
+                          eos_token_id=tokenizer.eos_token_id,
                           unimax_note="UNI MAX demo model trained by train/train.py on Python "
                                       "stdlib docstrings (PSF License 2.0)")
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(Path(args.tokenizer) / name, out / name)
+    # The perplexity users get: the shipped BF16 files read back through unimax's loader.
+    shipped = load_model(out, device=device, dtype=torch.bfloat16)
+    shipped_ppl = heldout_perplexity(shipped, held_docs, device)
     corpus_sha = hashlib.sha256(Path(args.corpus).read_bytes()).hexdigest()
     record = {"model_sha256": sha, "corpus_sha256": corpus_sha, "parameters": params,
-              "heldout_perplexity": ppl, "first_loss": first_loss,
+              "heldout_perplexity": ppl,
+              "heldout_perplexity_shipped_bf16": shipped_ppl, "best_step": best["step"],
+              "heldout_tokens": sum(len(d) - 1 for d in held_docs), "first_loss": first_loss,
               "final_loss": float(loss.detach()), "args": vars(args),
               "python": platform.python_version(), "torch": torch.__version__,
               "train_seconds": round(time.perf_counter() - start, 1)}

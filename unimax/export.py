@@ -65,15 +65,51 @@ def qwen3_5_config(model: GDNForCausalLM, **extra) -> dict:
 
 
 def save_checkpoint(model: GDNForCausalLM, path: str | Path, dtype: torch.dtype | None = None,
-                    **extra_config) -> str:
-    """Write config.json and model.safetensors; returns the weights' sha256."""
+                    max_shard_mb: float | None = None, **extra_config) -> str:
+    """Write config.json and the weights (model.safetensors, or shards of at most max_shard_mb
+    with transformers' model.safetensors.index.json); returns ``weights_sha256``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = qwen3_5_tensors(model)
     if dtype is not None:
         tensors = {k: v if k.endswith(("A_log", "dt_bias")) else v.to(dtype)
                    for k, v in tensors.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    shards = _shards(tensors, max_shard_mb)
+    if len(shards) == 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: tensors[n] for n in names}, path / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (path / "config.json").write_text(json.dumps(qwen3_5_config(model, **extra_config),
                                                  indent=1))
-    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    return weights_sha256(path)
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_mb: float | None) -> list[list[str]]:
+    if max_shard_mb is None:
+        return [list(tensors)]
+    limit, shards, size = max_shard_mb * 2**20, [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def weights_sha256(path: str | Path) -> str:
+    """sha256 over the folder's *.safetensors files in name order (for one file: its sha256)."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -3,8 +3,10 @@
 An FP8Linear holds float8_e4m3fn weights with one scale per output channel. On CUDA with FP8
 (compute capability >= 8.9: L4, H100/H200) it runs ``torch._scaled_mm`` on activations quantized
 per token on the fly ("fp8_act"). Elsewhere it computes the same function in plain torch from the
-same stored weights and scales ("emulated"): dequantize, matmul. ``weight_only`` (dequantize
-the weights, keep BF16 activations) is kept for measurement; on the H200 it lost (RESULTS.md).
+same stored weights and scales ("emulated"): dequantize, matmul. ``fp8_gemv`` keeps BF16
+activations and reads the FP8 weights with a Triton GEMV at decode's M <= 4 (ops/fp8_gemv.py);
+``weight_only`` (dequantize the weights, BF16 matmul) is kept for measurement; on the H200 it
+lost (RESULTS.md).
 
 Quantization is a module swap on a *view*: a shallow copy of the module tree that shares every
 parameter with the exact model, with only the chosen Linear modules replaced. The exact model is
@@ -20,9 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops.fp8_gemv import fp8_gemv, fp8_gemv_ref
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-MODES = ("fp8_act", "fp8_tensorwise", "weight_only", "emulated")
+MODES = ("fp8_act", "fp8_tensorwise", "fp8_gemv", "weight_only", "emulated")
+GEMV_ROWS = 4  # fp8_gemv: up to this many rows through the Triton GEMV (decode steps)
 _warned: set[str] = set()
 
 
@@ -79,6 +84,13 @@ class FP8Linear(nn.Module):
             y = self._scaled_mm(x2)
         elif self.mode == "fp8_tensorwise":
             y = self._scaled_mm_tensorwise(x2, *quantize_rows(x2))
+        elif self.mode == "fp8_gemv":
+            if not x2.is_cuda:
+                y = fp8_gemv_ref(x2, self.weight, self.weight_scale)
+            elif x2.shape[0] <= GEMV_ROWS:
+                y = fp8_gemv(x2, self.weight, self.weight_scale)
+            else:  # the same function for larger M: FP8 weights, BF16 activations
+                y = F.linear(x2, self.dequantized_weight(x.dtype))
         elif self.mode == "weight_only":
             y = F.linear(x2, self.dequantized_weight(x.dtype))
         else:

@@ -1,0 +1,127 @@
+"""Verified-mode acceptance on a trained model (GPU): held-out questions of the demo corpus,
+greedy, N new tokens each (no stop: every prompt contributes N tokens), for BF16-only, FP8-tail
+fast, and verified mode with the FP8-tail and full-FP8 drafts. Also checks every mode's tokens
+against the exact one-token reference, and prints sample answers (stopping at the end of turn).
+
+usage: python bench/acceptance.py MODEL_DIR CORPUS.jsonl [--prompts 50] [--new 128]
+       [--samples 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import unimax  # noqa: E402
+from train.corpus import read_corpus  # noqa: E402
+
+MODES = [  # name, decode, draft, engine mode, FP8 mode (None: the default)
+    ("bf16", "bf16", "tail", "fast", None),
+    ("fp8-tail", "fp8", "tail", "fast", None),
+    ("verified-tail", "fp8", "tail", "verified", None),
+    ("verified-full", "fp8", "full", "verified", None),
+    ("verified-full/gemv", "fp8", "full", "verified", "fp8_gemv"),
+]
+
+
+def heldout_questions(corpus: str, count: int) -> list[str]:
+    seen, questions = set(), []
+    for example in read_corpus(corpus):
+        question = example["messages"][0]["content"]
+        if example["split"] == "heldout" and question not in seen:
+            seen.add(question)
+            questions.append(question)
+    return questions[:count]
+
+
+def prompt_ids(tokenizer, question: str) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, return_dict=False)
+    return torch.tensor([ids], device="cuda")
+
+
+@torch.inference_mode()
+def run_mode(model, mode_spec, prompts, new, references) -> dict:
+    name, decode, draft, mode, fp8_mode = mode_spec
+    engine = unimax.build_engine(model, decode=decode, draft=draft, block_size=8,
+                                 fp8_mode=fp8_mode)
+    for ids in prompts[:2]:  # capture every graph size these runs meet
+        engine.generate(ids, new, mode=mode)
+    tokens = seconds = drafted = accepted = rejected = equal = 0
+    first_divergences = []
+    for ids, reference in zip(prompts, references, strict=True):
+        result = engine.generate(ids, new, mode=mode)
+        tokens += len(result.tokens) - 1  # the first token comes from the prefill
+        seconds += result.decode_seconds
+        same = result.tokens == reference
+        equal += same
+        if not same:
+            first_divergences.append(next(i for i, (a, b) in enumerate(
+                zip(result.tokens, reference, strict=False)) if a != b))
+        if result.verify is not None:
+            drafted += result.verify.drafted_tokens
+            accepted += result.verify.accepted_draft_tokens
+            rejected += result.verify.rejected_blocks
+    row = {"mode": name, "prompts": len(prompts), "new_tokens": new,
+           "decode_tok_s": tokens / seconds, "equal_to_exact": equal,
+           "first_divergences": first_divergences}
+    if drafted:
+        row.update(acceptance=accepted / drafted, drafted=drafted, rejected_blocks=rejected)
+    return row
+
+
+@torch.inference_mode()
+def samples(model, tokenizer, questions, new=96) -> list[dict]:
+    engine = unimax.build_engine(model, decode="bf16", block_size=8)
+    out = []
+    for question in questions:
+        result = engine.generate(prompt_ids(tokenizer, question), new,
+                                 stop_ids=[tokenizer.eos_token_id])
+        out.append({"question": question,
+                    "answer": tokenizer.decode(result.tokens, skip_special_tokens=True)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("corpus")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    model = unimax.load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    tokenizer = unimax.load_tokenizer(args.model)
+    questions = heldout_questions(args.corpus, args.prompts)
+    prompts = [prompt_ids(tokenizer, q) for q in questions]
+    start = time.perf_counter()
+    references = [unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
+                  for ids in prompts]
+    print(json.dumps({"reference_seconds": time.perf_counter() - start,
+                      "prompts": len(prompts)}), flush=True)
+    rows = []
+    for spec in MODES:
+        rows.append(run_mode(model, spec, prompts, args.new, references))
+        print(json.dumps(rows[-1]), flush=True)
+    answers = samples(model, tokenizer, questions[:args.samples])
+    for a in answers:
+        print(json.dumps(a, ensure_ascii=False), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "rows": rows, "samples": answers}, indent=1))
+    base = rows[0]["decode_tok_s"]
+    print(f"\n{'mode':<16}{'tok/s':>8}{'vs bf16':>8}{'accept':>8}{'==exact':>9}")
+    for r in rows:
+        print(f"{r['mode']:<16}{r['decode_tok_s']:>8.0f}{r['decode_tok_s'] / base:>8.2f}"
+              f"{r.get('acceptance', float('nan')):>8.3f}{r['equal_to_exact']:>5}/{r['prompts']}")
+
+
+if __name__ == "__main__":
+    main()
