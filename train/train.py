@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mlp", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernel", default="torch", choices=("torch", "fla"),
+                   help="gated delta rule for training: 'torch' (our chunked WY form, through "
+                        "autograd) or 'fla'. fla 0.6.0's backward refuses Hopper GPUs with "
+                        "Triton < 3.7.1 (wrong gradients, fla issue #640); the H200 image has "
+                        "Triton 3.6, so the demo model was trained with 'torch'")
     p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0,
@@ -100,6 +105,7 @@ def main(argv=None) -> dict:
                        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                        source_layout="qwen3_5")
     model = GDNForCausalLM.random(config, device=device, dtype=torch.float32, seed=args.seed)
+    model.set_backend(args.kernel)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     if params * 2 / 2**20 > args.max_mb:
