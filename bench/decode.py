@@ -275,7 +275,7 @@ def main() -> None:
             if "error" in r:
                 print(f"{r['mode']:<22} error: {r['error'][:90]}")
                 continue
-            print(f"{r['mode']:<22}{r['decode_tok_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+            print(f"{r['mode']:<22}{r.get('decode_tok_s', 0):>8.0f}{r.get('ms_per_token', 0):>8.2f}"
                   f"{100 * r.get('of_floor', 0):>7.1f}{r.get('ttft_ms', 0):>9.1f}"
                   f"{r.get('bridge_ms', 0):>10.3f}{r.get('bridge_mib', 0):>6.1f}"
                   f"{r.get('acceptance', float('nan')):>7.2f}{r.get('kernels', 0):>6}"
