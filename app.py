@@ -13,7 +13,7 @@ import torch
 
 from unimax.presets import MODES, PresetError, load_preset
 
-DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "tiny-random.yaml"
+DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "demo.yaml"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Start the real app (python app.py, tiny preset) on a free port for a test; stop it after."""
+"""Start the real app (python app.py) on a free port for a test; stop it after."""
 
 from __future__ import annotations
 

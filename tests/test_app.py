@@ -1,4 +1,5 @@
-"""The real app launched on a free port with the tiny preset, driven by gradio_client."""
+"""The real app launched on a free port with its default preset (the shipped demo model), driven
+by gradio_client."""
 
 import pytest
 from app_server import running_app
@@ -36,7 +37,7 @@ def test_bad_inputs_get_errors(client):
     with pytest.raises(Exception, match="empty message"):
         client.predict("   ", "bf16", api_name="/chat")
     with pytest.raises(Exception, match="over this model's context setting"):
-        client.predict("x" * 3000, "bf16", api_name="/chat")
+        client.predict("hello " * 6000, "bf16", api_name="/chat")  # > max_context tokens
     assert client.predict("still serving", "bf16", api_name="/chat")
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .config import GDNConfig
+from .demo import DEMO_NAME, check_demo_weights, demo_dir
 from .model import GDNForCausalLM
 from .tiny import TINY_NAME, build_tiny_random
 
@@ -37,10 +38,14 @@ class CheckpointError(ValueError):
 
 def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
     """A local folder as is; ``tiny-random`` the built-in tiny model (written on first use);
-    otherwise a hub repo id, fetched (config, weights, tokenizer)."""
+    ``unimax-demo`` the shipped demo model; otherwise a hub repo id, fetched (config, weights,
+    tokenizer)."""
     text = str(path_or_id)
     if text == TINY_NAME:
         return build_tiny_random()
+    if text == DEMO_NAME:
+        check_demo_weights()  # cheap (23 MB), and names a broken checkout before loading
+        return demo_dir()
     path = Path(text).expanduser()
     if path.is_dir():
         return path

@@ -37,7 +37,7 @@ class GenerationDefaults:
 
 @dataclass(frozen=True)
 class Preset:
-    model: str = "tiny-random"  # folder, hub id, or the built-in tiny-random
+    model: str = "tiny-random"  # folder, hub id, or a built-in: tiny-random, unimax-demo
     dtype: str = "auto"
     device: str = "auto"
     mode: str = "fp8"
@@ -54,7 +54,7 @@ class Preset:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and self.model.strip() != "", "model", self.model,
-               "a checkpoint folder, a hub id or tiny-random")
+               "a checkpoint folder, a hub id, tiny-random or unimax-demo")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype", self.dtype,
                "auto, bfloat16, float16, float32")
         _check(self.device in ("auto", "cuda", "cpu") or str(self.device).startswith("cuda:"),
