@@ -30,13 +30,15 @@ SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes one batch-1 decode step must read: every weight once, the embedding as the (tied or
-    not) LM head; the input embedding row itself is negligible."""
+    """Bytes one batch-1 decode step must read: every weight once, the embedding only where it is
+    the LM head itself (tied, unquantized); the input embedding row itself is negligible."""
     seen, total = set(), 0
+    head = getattr(model.lm_head, "weight", None)
+    embed_is_head = head is model.embed_tokens.weight
     for name, module in model.named_modules():
         for pname, tensor in list(module.named_parameters(recurse=False)) + list(
                 module.named_buffers(recurse=False)):
-            if name == "embed_tokens" and not model.config.tie_word_embeddings:
+            if name == "embed_tokens" and not embed_is_head:
                 continue
             if pname == "weight_scale_row" or id(tensor) in seen:
                 continue
