@@ -46,9 +46,10 @@ def test_fp8_gemv_mode_keeps_bf16_activations():
     torch.manual_seed(0)
     linear = torch.nn.Linear(200, 130, bias=False)
     x = torch.randn(3, 200)
-    gemv, act = FP8Linear(linear, mode="fp8_gemv"), FP8Linear(linear, mode="emulated")
+    gemv, act = FP8Linear(linear, mode="fp8_gemv"), FP8Linear(linear, mode="emulated_act")
     q, s = quantize_rows(torch.nn.functional.pad(linear.weight.detach(), (0, 8, 0, 14)))
     expected = fp8_gemv_ref(torch.nn.functional.pad(x, (0, 8)), q, s)[:, :130]
     assert torch.equal(gemv(x), expected)
+    assert torch.equal(FP8Linear(linear, mode="emulated")(x), expected)  # the CPU default
     exact = linear(x)
     assert (gemv(x) - exact).norm() < (act(x) - exact).norm()
