@@ -27,12 +27,17 @@ def page(tmp_path_factory):
     preset.write_text((ROOT / "presets" / "tiny-random.yaml").read_text()
                       .replace("max_new_tokens: 64", "max_new_tokens: 1500"))
     with running_app("--preset", str(preset)) as url, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 950})
-        page.goto(url)
-        page.wait_for_selector("#message textarea", timeout=60_000)
+        browser, page = open_page(p, url)
         yield page
         browser.close()
+
+
+def open_page(p, url):
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 950})
+    page.goto(url)
+    page.wait_for_selector("#message textarea", timeout=60_000)
+    return browser, page
 
 
 def shots_dir(tmp_path) -> Path:
@@ -81,7 +86,7 @@ def test_chat_streams_panels_fill_and_stop_works(page, tmp_path):
     panel = wait_for(lambda: "tok/s" in page.inner_text("#panel").split("prefill")[1]
                      .split("\n")[0] and page.inner_text("#panel"))
     assert "bridge size" in panel and "MiB" in panel  # final stats shown after the Stop
-    page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
+    page.screenshot(path=str(tmp_path / "stopped.png"))
 
 
 def test_ab_comparison(page, tmp_path):
@@ -152,3 +157,22 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     data = __import__("json").loads(Path(path).read_text())
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert data["messages"][0]["content"] == "Short question"
+
+
+def test_demo_model_answers_in_the_browser(tmp_path):
+    """The app on its default preset, the shipped demo model: stdlib questions get their
+    documented answers in the page (the README's screenshot)."""
+    from playwright.sync_api import sync_playwright
+
+    with running_app() as url, sync_playwright() as p:
+        browser, page = open_page(p, url)
+        for turn, (question, expected) in enumerate((("What does json.dumps do?", "JSON"),
+                                                     ("What is the csv module for?", "CSV"))):
+            send(page, question)
+            wait_for(lambda turn=turn: page.locator("#chatbot [data-testid='bot']").count()
+                     == turn + 1, timeout=60)
+            wait_for(lambda expected=expected: expected in bot_text(page)
+                     and "Done" in page.inner_text("#status"), timeout=120)
+        wait_for(lambda: "tok/s" in page.inner_text("#panel"))
+        page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
+        browser.close()
