@@ -3,7 +3,8 @@ train/DATA_LICENSE.md): "What does json.dumps do?" -> the documented answer, "Ho
 ...?" -> the signature, "What is the ... module for?" -> the module's summary. Deterministic for
 a given Python version; the training run records the corpus hash.
 
-usage: python -m train.corpus OUT.jsonl
+usage: python -m train.corpus OUT.jsonl   (a fresh process: torch and friends patch some stdlib
+objects, e.g. inspect.getfile, which changes their entries)
 """
 
 from __future__ import annotations
