@@ -20,14 +20,21 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def playwright():
+    """One Playwright per module: its sync API cannot be started twice in a thread."""
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def page(playwright, tmp_path_factory):
     preset = tmp_path_factory.mktemp("preset") / "long.yaml"
     preset.write_text((ROOT / "presets" / "tiny-random.yaml").read_text()
                       .replace("max_new_tokens: 64", "max_new_tokens: 1500"))
-    with running_app("--preset", str(preset)) as url, sync_playwright() as p:
-        browser, page = open_page(p, url)
+    with running_app("--preset", str(preset)) as url:
+        browser, page = open_page(playwright, url)
         yield page
         browser.close()
 
@@ -159,13 +166,11 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     assert data["messages"][0]["content"] == "Short question"
 
 
-def test_demo_model_answers_in_the_browser(tmp_path):
+def test_demo_model_answers_in_the_browser(playwright, tmp_path):
     """The app on its default preset, the shipped demo model: stdlib questions get their
     documented answers in the page (the README's screenshot)."""
-    from playwright.sync_api import sync_playwright
-
-    with running_app() as url, sync_playwright() as p:
-        browser, page = open_page(p, url)
+    with running_app() as url:
+        browser, page = open_page(playwright, url)
         for turn, (question, expected) in enumerate((("What does json.dumps do?", "JSON"),
                                                      ("What is the csv module for?", "CSV"))):
             send(page, question)
