@@ -18,16 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import MODES  # noqa: E402  (the same modes as the decode benchmark)
+
 import unimax  # noqa: E402
 from train.corpus import read_corpus  # noqa: E402
-
-MODES = [  # name, decode, draft, engine mode, FP8 mode (None: the default)
-    ("bf16", "bf16", "tail", "fast", None),
-    ("fp8-tail", "fp8", "tail", "fast", None),
-    ("verified-tail", "fp8", "tail", "verified", None),
-    ("verified-full", "fp8", "full", "verified", None),
-    ("verified-full/gemv", "fp8", "full", "verified", "fp8_gemv"),
-]
 
 
 def heldout_questions(corpus: str, count: int) -> list[str]:

@@ -5,6 +5,7 @@ train_record.json holds the weights' sha256 as the training run wrote them."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -24,8 +25,16 @@ def demo_dir() -> Path:
 
 def check_demo_weights(path: Path | None = None) -> str:
     """The weights' sha256, after checking it against the training record (a partial or altered
-    checkout, e.g. Git LFS pointers instead of files, fails here with a clear message)."""
+    checkout, e.g. Git LFS pointers instead of files, fails here with a clear message). Hashed
+    once per state of the files: loading the model and its tokenizer both resolve the name."""
     path = path or demo_dir()
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                  for f in sorted(path.glob("*.safetensors")))
+    return _checked_sha256(path, files)
+
+
+@functools.cache
+def _checked_sha256(path: Path, files: tuple) -> str:
     recorded = json.loads((path / "train_record.json").read_text())["model_sha256"]
     actual = weights_sha256(path)
     if actual != recorded:
