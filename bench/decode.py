@@ -24,6 +24,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 import unimax  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.fp8 import FP8Linear  # noqa: E402
+from unimax.ops.gemv import gemv  # noqa: E402
 from unimax.reference import first_divergence  # noqa: E402
 
 MODES = [  # name, decode, draft, engine mode, FP8 mode (None: the default)
@@ -74,12 +75,15 @@ def fp8_gemv_rows(model) -> list[dict]:
     """BF16 vs FP8 GEMV at M=1 on the tail's matrices: fp8_act (_scaled_mm with per-token
     activation scaling, the kept mode) and weight_only (dequantize, BF16 matmul)."""
     rows = []
-    last = model.layers[-1].mlp
+    last, mixer = model.layers[-1].mlp, model.layers[0].mixer
     for name, linear in (("lm_head", model.lm_head), ("mlp.gate_up", last.gate_up_proj),
-                         ("mlp.down", last.down_proj)):
+                         ("mlp.down", last.down_proj), ("mixer.in_proj", mixer.in_proj),
+                         ("mixer.out_proj", mixer.out_proj)):
         x = torch.randn(1, linear.in_features, device="cuda", dtype=torch.bfloat16)
         row = {"matrix": name, "shape": list(linear.weight.shape),
-               "bf16_us": time_graph(lambda linear=linear, x=x: linear(x)) * 1e6}
+               "bf16_us": time_graph(lambda linear=linear, x=x: linear(x)) * 1e6,
+               "bf16_gemv_us": time_graph(lambda linear=linear, x=x: gemv(x, linear.weight))
+               * 1e6}
         for mode in ("fp8_act", "fp8_tensorwise", "fp8_gemv", "weight_only"):
             fp8 = FP8Linear(linear, mode=mode)
             row[f"{mode}_us"] = time_graph(lambda fp8=fp8, x=x: fp8(x)) * 1e6
@@ -93,15 +97,16 @@ def fp8_gemv_rows(model) -> list[dict]:
 
 @torch.inference_mode()
 def kernels_per_step(engine) -> dict:
-    """Kernels and GPU-busy time of one eager decode step of the engine's decode model."""
+    """Kernels and GPU-busy time of one decode step as the engine runs it (compiled or not),
+    launched outside a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     decoder = engine.decode_graph
     token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    decoder._step_eager(token)
+    decoder._step(token)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder._step_eager(token)
+        decoder._step(token)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy_us = sum(getattr(e, "device_time", None) or e.cuda_time for e in events)
@@ -281,7 +286,8 @@ def main() -> None:
                   f"{r.get('acceptance', float('nan')):>7.2f}{r.get('kernels', 0):>6}"
                   f"{r.get('gpu_busy_ms', 0):>8.2f}{str(r.get('tokens_equal_exact', '')):>6}")
         for g in data["fp8_gemv"]:
-            print(f"  GEMV {g['matrix']} {g['shape']}: bf16 {g['bf16_us']:.1f} us, fp8_act "
+            print(f"  GEMV {g['matrix']} {g['shape']}: bf16 {g['bf16_us']:.1f} us, bf16 "
+                  f"Triton {g['bf16_gemv_us']:.1f} us, fp8_act "
                   f"{g['fp8_act_us']:.1f} us (x{g['speedup_fp8_act']:.2f}), fp8_tensorwise "
                   f"{g['fp8_tensorwise_us']:.1f} us, fp8_gemv {g['fp8_gemv_us']:.1f} us "
                   f"(x{g['speedup_fp8_gemv']:.2f}), weight_only {g['weight_only_us']:.1f} us")

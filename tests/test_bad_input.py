@@ -141,3 +141,13 @@ def test_cache_of_another_batch_size(model):
         model(input_ids=torch.tensor([[1, 2]]), past_key_values=cache)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         model.make_recurrent_cache(batch_size=0)
+
+
+def test_compile_step_off_cuda_warns_and_decodes_plainly(model):
+    """compile_step is a CUDA option: on the CPU it is named in a warning and ignored."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 9),
+                        generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="compile_step is for CUDA"):
+        engine = unimax.build_engine(model, compile_step=True)
+    assert engine.decode_model is model
+    assert torch.equal(engine.generate_fast(ids, 6), unimax.exact_greedy_tokens(model, ids, 6))

@@ -90,6 +90,10 @@ def test_compiled_step_matches_eager_engine(model):
     divergence = first_divergence(model, x, got, reference)
     assert divergence is None or divergence["gap_over_std"] < 0.05, divergence
     assert compiled.decode_model is not model and model.layers[0].mixer.backend == "auto"
+    from unimax.fast_step import GemvLinear
+
+    assert isinstance(compiled.decode_model.lm_head, GemvLinear)
+    assert compiled.decode_model.lm_head.weight is model.lm_head.weight
 
 
 def test_hybrid_graphs_on_gpu(tmp_path):
@@ -110,10 +114,12 @@ def test_hybrid_graphs_on_gpu(tmp_path):
         assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
 
 
-def test_triton_fp8_gemv_on_gpu(model):
-    """The Triton GEMV (fp8_gemv mode) equals its twin at M=1..4, falls back above, runs inside
-    a captured graph, and an fp8_gemv engine's graphs equal its eager steps."""
-    from unimax.ops.fp8_gemv import fp8_gemv_ref
+def test_triton_gemv_on_gpu(model):
+    """The Triton GEMV equals its twin with BF16 weights and (fp8_gemv mode) FP8 ones at M=1..4,
+    falls back above, runs inside a captured graph, and an fp8_gemv engine's graphs equal its
+    eager steps."""
+    from unimax.fast_step import GemvLinear
+    from unimax.ops.gemv import gemv_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((248320, 1024), (7168, 1024), (1024, 3584), (1000, 200)):
@@ -124,8 +130,11 @@ def test_triton_fp8_gemv_on_gpu(model):
         for m in (1, 3, 6):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             padded = torch.nn.functional.pad(x, (0, fp8.pad_cols))
-            ref = fp8_gemv_ref(padded, fp8.weight, fp8.weight_scale)[:, :n]
+            ref = gemv_ref(padded, fp8.weight, fp8.weight_scale)[:, :n]
             assert rel_err(fp8(x).float(), ref.float()) < 1e-2, (n, k, m)
+            bf16 = GemvLinear(linear)(x)
+            assert rel_err(bf16.float(), gemv_ref(x, linear.weight).float()) < 1e-2, (n, k, m)
+            assert rel_err(bf16.float(), linear(x).float()) < 1e-2, (n, k, m)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     static_out = fp8(x)
     graph = torch.cuda.CUDAGraph()

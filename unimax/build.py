@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 from .engine import UniMaxEngine
-from .fp8 import quantize_view, shallow_view
+from .fast_step import gemv_view
+from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
+
+# The gated delta rule kernel of the compiled step: fla's fused recurrent kernel where it runs
+# ("auto"), measured faster inside the compiled step than inductor's fusion of the torch loop
+# (bench/RESULTS.md, profile_step).
+FAST_STEP_BACKEND = "auto"
 
 
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
@@ -15,10 +23,15 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     for fast and verified mode) or draft='full' (every linear; verified mode only).
     Graphs are captured on CUDA by default, lazily at the first block of each size.
 
-    compile_step: the decoder's one-token step goes through torch.compile (inductor) before it
-    is captured: on the H200 this took gdn-1.3b from 294 to 526 tok/s (bench/RESULTS.md) at the
-    price of ~35 s of compilation on first use. The compiled step runs the pure-torch recurrent
-    kernel on its own view of the model, so prefill and verification keep fla's kernels."""
+    compile_step: the fast step (unimax.fast_step), CUDA only: the decoder runs a view of its
+    model whose plain linears use the Triton GEMV, and its one-token step goes through
+    torch.compile (inductor) before it is captured. On the H200 it took BF16 decoding from
+    ~290 to 730 tok/s (0.8B shape) and 544 tok/s (1.3B shape), 27-35% of the bandwidth floor
+    (bench/RESULTS.md), for 5-45 s of compilation on first use. Its rounding differs from the
+    exact model's (fused kernels), so BF16 fast decoding may take the other side of a near-tie;
+    verified mode stays exact. Prefill and verification run the exact model, untouched. Off
+    CUDA the flag is ignored with a warning (no graphs there, and inductor would need a C++
+    toolchain)."""
     if not hasattr(model, "make_recurrent_cache"):
         raise TypeError(f"{type(model).__name__} has no recurrent cache (make_recurrent_cache); "
                         "UNI MAX runs recurrent GDN models from unimax.load_model")
@@ -30,10 +43,13 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
         decode_model, state_safe = quantize_view(model, draft, mode=fp8_mode), draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
+    if compile_step and model.device.type != "cuda":
+        warnings.warn(f"compile_step is for CUDA decoding; the model is on {model.device}, so the "
+                      "step runs uncompiled", stacklevel=2)
+        compile_step = False
     if compile_step:
-        if decode_model is model:
-            decode_model = shallow_view(model)
-        decode_model.set_backend("torch")
+        decode_model = gemv_view(decode_model)
+        decode_model.set_backend(FAST_STEP_BACKEND)
     graph = MaxTurboGraphDecoder(decode_model, block_size=block_size, use_graphs=use_graphs,
                                  compile=compile_step)
     return UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe)

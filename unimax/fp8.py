@@ -2,7 +2,7 @@
 
 An FP8Linear holds float8_e4m3fn weights with one scale per output channel. On CUDA with FP8
 (compute capability >= 8.9: L4, H100/H200) the default, ``fp8_gemv``, keeps the activations in
-BF16 and streams the FP8 weights through a Triton GEMV at decode's M <= 4 (ops/fp8_gemv.py): on
+BF16 and streams the FP8 weights through a Triton GEMV at decode's M <= 4 (ops/gemv.py): on
 the H200 x1.69 faster than BF16 on a 248k-row LM head, where cuBLAS's FP8 GEMM with per-token
 activation quantization (``fp8_act``, ``fp8_tensorwise``; kept for measurement) gained x1.02 and
 lost on the MLP (RESULTS.md). Elsewhere ("emulated") the same function runs in plain torch from
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.fp8_gemv import fp8_gemv, fp8_gemv_ref
+from .ops.gemv import gemv, gemv_ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -87,9 +87,9 @@ class FP8Linear(nn.Module):
             y = self._scaled_mm_tensorwise(x2, *quantize_rows(x2))
         elif self.mode in ("fp8_gemv", "emulated"):
             if not x2.is_cuda or self.mode == "emulated":
-                y = fp8_gemv_ref(x2, self.weight, self.weight_scale)
+                y = gemv_ref(x2, self.weight, self.weight_scale)
             elif x2.shape[0] <= GEMV_ROWS:
-                y = fp8_gemv(x2, self.weight, self.weight_scale)
+                y = gemv(x2, self.weight, self.weight_scale)
             else:  # the same function for larger M: FP8 weights, BF16 activations
                 y = F.linear(x2, self.dequantized_weight(x.dtype))
         elif self.mode == "weight_only":

@@ -1,0 +1,110 @@
+"""Where a decode step's time goes (GPU): per variant, the graph-replay time per token of a
+block of 8 and the kernels of one captured block, grouped by name.
+
+usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs compile ...]
+       [--json FILE]
+Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
+inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
+linears through the Triton GEMV: unimax.fast_step). Random weights, batch 1; the state after a
+64-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_bandwidth, median_device_seconds  # noqa: E402
+from shapes import SHAPES, decode_weight_bytes  # noqa: E402
+
+from unimax import GDNForCausalLM  # noqa: E402
+from unimax.fast_step import gemv_view  # noqa: E402
+from unimax.fp8 import shallow_view  # noqa: E402
+from unimax.graph import MaxTurboGraphDecoder  # noqa: E402
+
+BLOCK = 8
+
+
+def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
+    if variant == "graphs":
+        return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    backend, _, gemv = variant.partition("+")
+    view = gemv_view(model) if gemv == "gemv" else shallow_view(model)
+    view.set_backend(backend)
+    return MaxTurboGraphDecoder(view, block_size=BLOCK, compile=True)
+
+
+def kernel_table(replay) -> tuple[list[dict], float, int]:
+    """Kernels of one replay, grouped by name: [{name, calls, us}] per token, busy us, count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    groups: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            groups[event.name].append(getattr(event, "device_time", None) or event.cuda_time)
+    rows = [{"name": name, "calls": len(t) / BLOCK, "us": sum(t) / BLOCK}
+            for name, t in groups.items()]
+    rows.sort(key=lambda r: -r["us"])
+    busy = sum(r["us"] for r in rows)
+    count = sum(len(t) for t in groups.values()) / BLOCK
+    return rows, busy, count
+
+
+@torch.inference_mode()
+def profile_variant(model, variant: str, bandwidth: float) -> dict:
+    decoder = decoder_for(model, variant)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
+    model.forward_unchecked(ids, decoder.cache)  # a real state to decode from
+    decoder.capture_blocks()
+    graph = decoder.runner.graphs[(BLOCK, False)]
+    seconds = median_device_seconds(graph.replay, 30, warmup=3) / BLOCK
+    rows, busy, count = kernel_table(graph.replay)
+    floor = decode_weight_bytes(model) / bandwidth
+    return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
+            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:14]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["gdn24-0.8b"])
+    parser.add_argument("--variants", nargs="+", default=["graphs", "fla", "fla+gemv"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    report = []
+    for shape in args.shapes:
+        model = GDNForCausalLM.random(SHAPES[shape], device="cuda", dtype=torch.bfloat16, seed=0)
+        for variant in args.variants:
+            try:
+                row = {"shape": shape, **profile_variant(model, variant, bandwidth)}
+            except Exception as err:  # record, keep profiling
+                row = {"shape": shape, "variant": variant, "error": repr(err)[:300]}
+            report.append(row)
+            print(json.dumps(row), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for row in report:
+        if "error" in row:
+            print(f"{row['shape']} {row['variant']}: error {row['error'][:100]}")
+            continue
+        print(f"\n{row['shape']} {row['variant']}: {row['us_per_token']:.0f} us/token "
+              f"({100 * row['of_floor']:.1f}% of floor), busy {row['busy_us']:.0f} us, "
+              f"{row['kernels']:.0f} kernels/token")
+        for k in row["kernels_top"][:10]:
+            print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:80]}")
+
+
+if __name__ == "__main__":
+    main()

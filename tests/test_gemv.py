@@ -1,0 +1,82 @@
+"""The Triton GEMV (FP8 and BF16 weights) against its plain twin, on the CPU through Triton's
+interpreter (a child process: the interpreter is chosen at import, and fla's Triton stays out of
+the test process); the fast step's GEMV view of a model."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unimax import GDNForCausalLM
+from unimax.fast_step import GemvLinear, gemv_view
+from unimax.fp8 import FP8Linear, quantize_rows, quantize_view
+from unimax.ops.gemv import gemv_ref
+from unimax.tiny import TINY_CONFIG
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = """
+import torch
+from unimax.fp8 import quantize_rows
+from unimax.ops.gemv import gemv, gemv_ref
+torch.manual_seed(0)
+for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130)]:
+    w = torch.randn(n, k)
+    q, s = quantize_rows(w)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    for args in ((q, s), (w.to(torch.bfloat16), None)):  # FP8 with scales, BF16 without
+        y, r = gemv(x, *args), gemv_ref(x, *args)
+        assert y.shape == r.shape == (m, n) and y.dtype == torch.bfloat16
+        err = float((y.float() - r.float()).norm() / r.float().norm())
+        assert err < 1e-2, (m, n, k, err)
+        print("ok", m, n, k, err)
+"""
+
+
+def test_triton_fp8_gemv_matches_its_twin_in_the_interpreter():
+    site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
+    if not Path(site, "triton").is_dir():
+        pytest.skip("triton is not installed beside fla (.ci/run puts it in .deps/fla-site)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
+    run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("ok") == 8
+
+
+def test_fp8_gemv_mode_keeps_bf16_activations():
+    """fp8_gemv = FP8 weights x unquantized activations: closer to BF16 than fp8_act."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 130, bias=False)
+    x = torch.randn(3, 200)
+    gemv, act = FP8Linear(linear, mode="fp8_gemv"), FP8Linear(linear, mode="emulated_act")
+    q, s = quantize_rows(torch.nn.functional.pad(linear.weight.detach(), (0, 8, 0, 14)))
+    expected = gemv_ref(torch.nn.functional.pad(x, (0, 8)), q, s)[:, :130]
+    assert torch.equal(gemv(x), expected)
+    assert torch.equal(FP8Linear(linear, mode="emulated")(x), expected)  # the CPU default
+    exact = linear(x)
+    assert (gemv(x) - exact).norm() < (act(x) - exact).norm()
+
+
+def test_gemv_view_shares_weights_and_keeps_fp8_linears():
+    """The fast step's view: every plain linear becomes a GemvLinear on the same Parameter, FP8
+    linears stay, the model itself is untouched; off CUDA it computes exactly what the model
+    does (F.linear)."""
+    model = GDNForCausalLM.random(TINY_CONFIG, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    for source in (model, quantize_view(model, "tail")):
+        view = gemv_view(source)
+        for (name, original), (_, swapped) in zip(source.named_modules(), view.named_modules(),
+                                                  strict=True):
+            if type(original) is torch.nn.Linear:
+                assert isinstance(swapped, GemvLinear), name
+                assert swapped.weight is original.weight, name
+            else:
+                assert type(swapped) is type(original), name
+        assert torch.equal(view(ids).logits, source(ids).logits)
+    assert not any(isinstance(m, GemvLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="bias-free"):
+        GemvLinear(torch.nn.Linear(4, 4))

@@ -1,0 +1,52 @@
+"""The fast decode step (``build_engine(compile_step=True)``): a view of the decode model whose
+plain BF16 linears run the Triton GEMV at decode's few rows, compiled by inductor.
+
+Why both: a plain captured step is ~1,400 small kernels (norms, gates, conv, reshapes as
+separate launches); inductor fuses those, and then the projections are most of the step, where
+cuBLAS's M=1 tiles read a 1024 x 8224 projection at ~1.5 TB/s (bench/profile_step.py). The GEMV
+(ops/gemv.py) reads the same weights with nothing else. Prefill and verification (many rows) keep
+cuBLAS; so does the CPU. The view shares every weight with the model it was made from.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import GEMV_ROWS, shallow_view
+from .ops.gemv import gemv
+
+
+class GemvLinear(nn.Module):
+    """A bias-free linear sharing ``linear``'s weight: the GEMV for up to GEMV_ROWS rows on
+    CUDA, ``F.linear`` otherwise (the exact model's own path)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("GemvLinear supports bias-free linears only (every GDN linear is)")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: no copy
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and x2.shape[0] <= GEMV_ROWS:
+            y = gemv(x2, self.weight)
+        else:
+            y = F.linear(x2, self.weight)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, gemv"
+
+
+def gemv_view(model):
+    """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
+    on the same weight; FP8 linears already run their own GEMV."""
+    view = shallow_view(model)
+    names = [name for name, m in view.named_modules() if type(m) is nn.Linear]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = view.get_submodule(parent_name) if parent_name else view
+        setattr(parent, child, GemvLinear(getattr(parent, child)))
+    return view
