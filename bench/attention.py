@@ -7,6 +7,11 @@ Variants (all graph-capturable except where noted):
               the device-side position. Reads max_context keys whatever the length.
   bucket      SDPA over the buffer's first `bucket` keys (next power of two >= length), same
               mask: one captured graph per bucket, chosen on the host, which knows the length.
+  grouped     the query heads of each KV head folded into the query rows ((B, KVH, g*T, D)), so
+              SDPA sees plain multi-query rows over one K/V head: no GQA expansion of the buffer
+              (grouped_attention below), over the whole buffer, same mask. Measured slower:
+              SDPA with a mask over several query rows is the slow case, not the expansion.
+  grouped-bucket  both.
   exact       SDPA over exactly `length` + T keys, no mask (so not causal inside a block): a
               lower bound, not graph-safe (the shape changes every step).
 
@@ -29,13 +34,25 @@ from decode import time_graph  # noqa: E402
 HEADS, KV_HEADS, DIM = 8, 2, 256
 
 
-def attend(q, k, v, keys: int, position: torch.Tensor | None):
+def grouped_attention(q, k, v, mask, scale):
+    """q (B, H, T, D) over k, v (B, KVH, L, D): the g query heads of a KV head as g*T rows."""
+    batch, heads, length, dim = q.shape
+    group = heads // k.shape[1]
+    rows = q.reshape(batch, k.shape[1], group * length, dim)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(group, 1),
+                                         scale=scale)
+    return out.reshape(batch, heads, length, dim)
+
+
+def attend(q, k, v, keys: int, position: torch.Tensor | None, grouped: bool = False):
     """q (1, H, T, D) at positions position..position+T-1 over the first `keys` cache entries."""
     k, v = k[:, :, :keys], v[:, :, :keys]
     if position is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     queries = position + torch.arange(q.shape[2], device=q.device)
     mask = torch.arange(keys, device=q.device)[None, :] <= queries[:, None]
+    if grouped:
+        return grouped_attention(q, k, v, mask, q.shape[-1] ** -0.5)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -57,17 +74,20 @@ def rows(max_context: int) -> list[dict]:
                    "kv_mib_at_length": 2 * length * KV_HEADS * DIM * 2 / 2**20}
             full = attend(q, k, v, max_context, position)
             for name, keys, pos in (("full-mask", max_context, position),
-                                    ("bucket", bucket, position), ("exact", length + t, None)):
+                                    ("bucket", bucket, position), ("exact", length + t, None),
+                                    ("grouped", max_context, position),
+                                    ("grouped-bucket", bucket, position)):
                 if name == "exact":  # causal within the block: the last query sees all keys
                     got = attend(q[:, :, -1:], k, v, keys, None)
                     assert torch.allclose(got.float(), full[:, :, -1:].float(), atol=2e-2)
                     row[f"{name}_us"] = time_graph(
                         lambda q=q, keys=keys: attend(q, k, v, keys, None)) * 1e6
                     continue
-                got = attend(q, k, v, keys, pos)
+                grouped = name.startswith("grouped")
+                got = attend(q, k, v, keys, pos, grouped)
                 assert torch.allclose(got.float(), full.float(), atol=2e-2), name
                 row[f"{name}_us"] = time_graph(
-                    lambda q=q, keys=keys, pos=pos: attend(q, k, v, keys, pos)) * 1e6
+                    lambda q=q, keys=keys, pos=pos, g=grouped: attend(q, k, v, keys, pos, g)) * 1e6
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
@@ -82,10 +102,11 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     print(f"\n{'max ctx':>8}{'length':>8}{'T':>3}{'full-mask us':>14}{'bucket us':>11}"
-          f"{'exact us':>10}")
+          f"{'exact us':>10}{'grouped us':>12}{'gr-bucket us':>14}")
     for r in table:
         print(f"{r['max_context']:>8}{r['length']:>8}{r['tokens']:>3}{r['full-mask_us']:>14.1f}"
-              f"{r['bucket_us']:>11.1f}{r['exact_us']:>10.1f}")
+              f"{r['bucket_us']:>11.1f}{r['exact_us']:>10.1f}{r['grouped_us']:>12.1f}"
+              f"{r['grouped-bucket_us']:>14.1f}")
 
 
 if __name__ == "__main__":
