@@ -162,3 +162,47 @@ def test_service_keeps_hybrid_conversations(tmp_path):
                 assert events[-1].data["reply"] == kept
     finally:
         service.stop()
+
+
+def test_kv_windows_are_power_of_two_buckets(hybrid_model, monkeypatch):
+    cache = hybrid_model.make_recurrent_cache()
+    assert cache.windows() == [256] and cache.window_for(1) == 256  # MIN_WINDOW 256 = buffer
+    monkeypatch.setattr(type(cache), "MIN_WINDOW", 16)
+    assert cache.windows() == [16, 32, 64, 128, 256]
+    assert [cache.window_for(t) for t in (1, 16, 17, 64, 65, 256)] == [16, 16, 32, 64, 128, 256]
+    with cache.attending(40):
+        assert cache.layers[3].attend_length == 40
+    assert cache.layers[3].attend_length == 256
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match="attend window"):
+            cache.set_window(bad)
+    gdn_only = unimax.GDNForCausalLM.random(unimax.tiny.TINY_CONFIG, seed=0)
+    assert gdn_only.make_recurrent_cache().windows() == [None]
+
+
+def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
+    """Verified blocks (and replays after a rejection) read only the KV bucket that holds the
+    block's entries, bucket after bucket as the reply grows, and still give exact greedy
+    decoding; graphs are keyed by the bucket."""
+    from test_engine import erring_engine
+
+    monkeypatch.setattr(unimax.cache.RecurrentCache, "MIN_WINDOW", 16)
+    x = ids(10, seed=3)
+    expected = unimax.exact_greedy_tokens(hybrid_model, x, 70)
+    engine = erring_engine(hybrid_model, block_size=8, period=3)
+    seen = []
+    run = engine.runner.run
+
+    def spy(key, fn, *args, **kwargs):
+        seen.append((key, engine.exact_cache.layers[3].attend_length,
+                     engine.exact_cache.seen_tokens))
+        return run(key, fn, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    got, report = engine.generate_verified(x, 70)
+    assert torch.equal(got, expected) and report.rejected_blocks > 0
+    windows = {key[2] for key, _, _ in seen}
+    assert windows == {32, 64, 128}, windows  # 10 + 8 > 16 already in the first block
+    for key, length, stored in seen:
+        kind, k, window = key
+        assert length == window and stored + k <= window < 2 * max(stored + k, 9), key

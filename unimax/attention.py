@@ -83,10 +83,12 @@ class GatedAttention(nn.Module):
             state.key_cache.index_copy_(2, positions, k.to(state.key_cache.dtype))
             state.value_cache.index_copy_(2, positions, v.to(state.value_cache.dtype))
             state.has_previous_state[0] = True
-            keys = torch.arange(state.max_length, device=x.device)
+            length = state.attend_length  # the host's window (cache.set_window) or all
+            keys = torch.arange(length, device=x.device)
             mask = keys[None, :] <= positions[:, None]  # (T, L): written and not in the future
-            out = F.scaled_dot_product_attention(q, state.key_cache.to(q.dtype),
-                                                 state.value_cache.to(q.dtype), attn_mask=mask,
-                                                 scale=scale, enable_gqa=heads != kv_heads)
+            out = F.scaled_dot_product_attention(
+                q, state.key_cache[:, :, :length].to(q.dtype),
+                state.value_cache[:, :, :length].to(q.dtype), attn_mask=mask, scale=scale,
+                enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(batch, seq_len, heads * dim)
         return self.o_proj(out * torch.sigmoid(gate))

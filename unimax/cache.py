@@ -9,6 +9,7 @@ so snapshot / restore / bridge are all one operation, ``copy_cache_``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -45,10 +46,16 @@ class AttentionLayerState:
         self.value_cache = torch.zeros_like(self.key_cache)
         self.position = position  # the owning cache's (device scalar): tokens already stored
         self.has_previous_state = {0: False}
+        self.window: int | None = None  # see RecurrentCache.set_window
 
     @property
     def max_length(self) -> int:
         return self.key_cache.shape[2]
+
+    @property
+    def attend_length(self) -> int:
+        """How many leading KV entries a forward reads (masked by position within them)."""
+        return self.window or self.max_length
 
 
 class RecurrentLayerState:
@@ -122,6 +129,61 @@ class RecurrentCache:
     @property
     def has_attention(self) -> bool:
         return any(isinstance(layer, AttentionLayerState) for layer in self.layers)
+
+    # --- the attend window: how much of the static KV buffers a forward reads -------------
+    # Several query rows under a mask are SDPA's slow case, and its cost grows with the keys it
+    # is given (bench/attention.py: 215 us per layer over a 4k buffer for an 8-token block,
+    # 66 us over 512 keys). The host knows how many tokens are stored (seen_tokens), so it can
+    # hand a forward only the leading entries it needs: the exact count for eager forwards, a
+    # power-of-two bucket for captured graphs (the graph is keyed by it). One-token decode
+    # steps keep the whole buffer (None): there the difference is ~2 us per layer.
+
+    MIN_WINDOW = 256
+
+    def set_window(self, length: int | None) -> None:
+        """Forwards read the first ``length`` KV entries (None: the whole buffer) until reset.
+        The caller guarantees length >= tokens stored after the forward."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerState):
+                if length is not None and not 0 < length <= layer.max_length:
+                    raise ValueError(f"attend window {length} outside 1..{layer.max_length}")
+                layer.window = length
+
+    @contextlib.contextmanager
+    def attending(self, length: int | None):
+        """``set_window(length)`` for the body of a with-block (a no-op without attention)."""
+        if not self.has_attention or length is None:
+            yield
+            return
+        self.set_window(length)
+        try:
+            yield
+        finally:
+            self.set_window(None)
+
+    def window_for(self, total: int) -> int | None:
+        """The bucket a captured forward that ends with ``total`` stored tokens uses: the next
+        power of two >= total (at least MIN_WINDOW, at most the buffer); None without attention
+        layers (pure GDN: nothing to key graphs by)."""
+        if not self.has_attention:
+            return None
+        limit = self.max_kv_length
+        return min(limit, max(self.MIN_WINDOW, 1 << max(total - 1, 0).bit_length()))
+
+    def windows(self) -> list[int | None]:
+        """Every bucket window_for can return (capture every graph up front)."""
+        if not self.has_attention:
+            return [None]
+        found, total = [], 1
+        while not found or found[-1] < self.max_kv_length:
+            found.append(self.window_for(total))
+            total = found[-1] + 1
+        return found
+
+    @property
+    def max_kv_length(self) -> int:
+        return min(layer.max_length for layer in self.layers
+                   if isinstance(layer, AttentionLayerState))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

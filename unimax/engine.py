@@ -205,11 +205,13 @@ class UniMaxEngine:
             return
         caches = [self.exact_cache, self.snapshot]
         buffers = [self.verify_input, self.verify_pred, self.num_accepted]
-        for k in range(1, self.block_size + 1):
-            self.runner.prepare(("verify", k), lambda k=k: self._verify(k), writes=caches,
-                                buffers=buffers)
-            self.runner.prepare(("replay", k), lambda k=k: self._replay(k),
-                                writes=caches + [graph.cache], buffers=buffers)
+        for window in self.exact_cache.windows():  # hybrid models: one set per KV bucket
+            with self.exact_cache.attending(window):
+                for k in range(1, self.block_size + 1):
+                    self.runner.prepare(("verify", k, window), lambda k=k: self._verify(k),
+                                        writes=caches, buffers=buffers)
+                    self.runner.prepare(("replay", k, window), lambda k=k: self._replay(k),
+                                        writes=caches + [graph.cache], buffers=buffers)
 
     # --- verified blocks ------------------------------------------------------------------
 
@@ -244,8 +246,13 @@ class UniMaxEngine:
             graph.static_token.copy_(self.current)
             graph.run_block(k)
             seen = self.exact_cache.seen_tokens
-            self.runner.run(("verify", k), lambda k=k: self._verify(k), writes=exact_caches,
-                            buffers=[self.verify_input, self.verify_pred, self.num_accepted])
+            # The verifier's block and a replay end at most at seen + k: the KV bucket holding
+            # that many entries (captured graphs are keyed by it; None for pure GDN).
+            window = self.exact_cache.window_for(seen + k)
+            with self.exact_cache.attending(window):
+                self.runner.run(("verify", k, window), lambda k=k: self._verify(k),
+                                writes=exact_caches,
+                                buffers=[self.verify_input, self.verify_pred, self.num_accepted])
             self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
             counts[0] += k
             counts[3] += 1
@@ -260,8 +267,9 @@ class UniMaxEngine:
                     self.bridge_copy()
             else:
                 emitted = draft[:m] + [exact[m]]
-                self.runner.run(("replay", m + 1), lambda m=m: self._replay(m + 1),
-                                writes=exact_caches + [graph.cache])
+                with self.exact_cache.attending(window):
+                    self.runner.run(("replay", m + 1, window), lambda m=m: self._replay(m + 1),
+                                    writes=exact_caches + [graph.cache])
                 self.exact_cache.seen_tokens = seen + m + 1
                 graph.cache.seen_tokens = self.exact_cache.seen_tokens
                 counts[2] += 1
@@ -395,7 +403,8 @@ class UniMaxEngine:
             if ran_blocks:
                 fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
-        self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
+        with self.exact_cache.attending(self.exact_cache.seen_tokens + len(fed)):
+            self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
         self.exact_cache.seen_tokens += len(fed)
 
 

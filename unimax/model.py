@@ -71,9 +71,12 @@ class GDNForCausalLM(nn.Module):
             self.check_room(cache, input_ids.shape[1])
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
-        logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
-        if cache is not None:
-            cache.seen_tokens += input_ids.shape[1]
+        if cache is None:
+            return CausalLMOutput(self.forward_unchecked(input_ids, None, logits_to_keep), None)
+        # Eager: attention reads exactly the KV entries stored after this call, no more.
+        with cache.attending(cache.seen_tokens + input_ids.shape[1]):
+            logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
+        cache.seen_tokens += input_ids.shape[1]
         return CausalLMOutput(logits, cache)
 
     def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
