@@ -203,6 +203,33 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     assert torch.equal(got, expected) and report.rejected_blocks > 0
     windows = {key[2] for key, _, _ in seen}
     assert windows == {32, 64, 128}, windows  # 10 + 8 > 16 already in the first block
-    for key, length, stored in seen:
+    cache = engine.exact_cache
+    for i, (key, length, stored) in enumerate(seen):
         kind, k, window = key
-        assert length == window and stored + k <= window < 2 * max(stored + k, 9), key
+        assert length == window and stored + k <= window, key  # every entry it needs
+        if kind == "verify":  # the smallest bucket that holds them
+            assert window == cache.window_for(stored + k), key
+        else:  # a replay runs right after its verifier, in the same bucket
+            assert seen[i - 1][0][0] == "verify" and seen[i - 1][0][2] == window, key
+
+
+@torch.inference_mode()
+def test_attend_window_limits_what_attention_reads(hybrid_model):
+    """Entries past the window are never read: NaN there leaves a windowed forward untouched,
+    while a forward over the whole buffer is poisoned by them (masked weight 0 x NaN)."""
+    x = ids(20, seed=4)
+    expected = hybrid_model(x, hybrid_model.make_recurrent_cache()).logits
+
+    def poisoned_cache():
+        cache = hybrid_model.make_recurrent_cache()
+        for layer in cache.layers:
+            if isinstance(layer, unimax.cache.AttentionLayerState):
+                layer.key_cache[:, :, 32:] = float("nan")
+                layer.value_cache[:, :, 32:] = float("nan")
+        return cache
+
+    cache = poisoned_cache()
+    with cache.attending(32):
+        windowed = hybrid_model.forward_unchecked(x, cache)
+    assert torch.allclose(windowed, expected, atol=1e-5)
+    assert torch.isnan(hybrid_model.forward_unchecked(x, poisoned_cache())).any()
