@@ -60,7 +60,11 @@ def main(argv=None) -> int:
          f"{cfg.vocab_size} on {service.device} in {time.perf_counter() - start:.1f} s")
     service.start()
     if not args.no_warm_up:
-        start = step("warming up every mode (capturing CUDA graphs where there is a GPU)…")
+        what = "capturing CUDA graphs where there is a GPU"
+        if preset.compile_step and service.device.type == "cuda":
+            what = "compiling each mode's decode step and capturing its CUDA graphs: up to a " \
+                   "minute per mode"
+        start = step(f"warming up every mode ({what})…")
         service.warm_up()
         step(f"ready in {time.perf_counter() - start:.1f} s")
     demo = build_demo(service, preset)
