@@ -151,3 +151,15 @@ def test_compile_step_off_cuda_warns_and_decodes_plainly(model):
         engine = unimax.build_engine(model, compile_step=True)
     assert engine.decode_model is model
     assert torch.equal(engine.generate_fast(ids, 6), unimax.exact_greedy_tokens(model, ids, 6))
+
+
+def test_compile_step_without_triton_is_named(monkeypatch):
+    import importlib.util
+
+    from unimax.fast_step import fast_step_unavailable
+
+    assert "on cpu" in fast_step_unavailable(torch.device("cpu"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    assert "needs Triton" in fast_step_unavailable(torch.device("cuda"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from .engine import UniMaxEngine
-from .fast_step import gemv_view
+from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
 
@@ -30,8 +30,7 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     (bench/RESULTS.md), for 5-45 s of compilation on first use. Its rounding differs from the
     exact model's (fused kernels), so BF16 fast decoding may take the other side of a near-tie;
     verified mode stays exact. Prefill and verification run the exact model, untouched. Off
-    CUDA the flag is ignored with a warning (no graphs there, and inductor would need a C++
-    toolchain)."""
+    CUDA, or without Triton, the flag is ignored with a warning that says why."""
     if not hasattr(model, "make_recurrent_cache"):
         raise TypeError(f"{type(model).__name__} has no recurrent cache (make_recurrent_cache); "
                         "UNI MAX runs recurrent GDN models from unimax.load_model")
@@ -43,9 +42,9 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
         decode_model, state_safe = quantize_view(model, draft, mode=fp8_mode), draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
-    if compile_step and model.device.type != "cuda":
-        warnings.warn(f"compile_step is for CUDA decoding; the model is on {model.device}, so the "
-                      "step runs uncompiled", stacklevel=2)
+    reason = fast_step_unavailable(model.device) if compile_step else None
+    if reason:
+        warnings.warn(reason, stacklevel=2)
         compile_step = False
     if compile_step:
         decode_model = gemv_view(decode_model)

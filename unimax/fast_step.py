@@ -10,6 +10,9 @@ cuBLAS; so does the CPU. The view shares every weight with the model it was made
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -50,3 +53,14 @@ def gemv_view(model):
         parent = view.get_submodule(parent_name) if parent_name else view
         setattr(parent, child, GemvLinear(getattr(parent, child)))
     return view
+
+
+def fast_step_unavailable(device: torch.device) -> str | None:
+    """Why the fast step cannot run on ``device`` (a sentence for a warning), or None."""
+    if device.type != "cuda":
+        return (f"compile_step is for CUDA decoding; the model is on {device}, so the step runs "
+                "uncompiled")
+    if importlib.util.find_spec("triton") is None:
+        return ("compile_step needs Triton (it comes with PyTorch's CUDA wheels on Linux); "
+                "not importable here, so the step runs uncompiled")
+    return None
