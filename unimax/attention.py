@@ -7,12 +7,15 @@ is multiplied by sigmoid(gate) before o_proj. Port of transformers' ``Qwen3_5Att
 positions, which is plain RoPE on the first ``rotary_dim`` channels.
 
 With a cache, new keys/values are written at the cache's device-side position and every query
-attends over the whole buffer under a mask (key index <= query position): fixed shapes and no
-host sync, so the step can be captured in a CUDA graph. Chosen by measurement (bench/attention.py,
-RESULTS.md): at 4k-8k contexts a one-token step pays 19 us per layer on the H200 against 17 us
-for SDPA over a power-of-two bucket of the buffer, which would need a graph (and a compilation)
-per bucket. Several query rows under a mask (the verifier's block) are SDPA's slow case, 215 us
-per layer at 4k: bucketing the verifier's graphs is where the next gain is.
+attends over the leading ``attend_length`` entries of the buffer under a mask (key index <=
+query position): fixed shapes and no host sync, so the step can be captured in a CUDA graph.
+``attend_length`` is the whole buffer unless the host set a window (RecurrentCache.set_window).
+Chosen by measurement (bench/attention.py, RESULTS.md): at 4k-8k contexts a one-token step pays
+19 us per layer on the H200 over the whole buffer against 17 us over a power-of-two bucket,
+which would need a graph (and a compilation) per bucket: steps read the whole buffer. Several
+query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer over 4k
+keys and 66 us over 512: the verifier's graphs are keyed by bucket (engine.py), eager forwards
+read exactly the stored entries (model.py).
 """
 
 from __future__ import annotations
