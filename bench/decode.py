@@ -23,6 +23,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
+from unimax.cache import RecurrentCache  # noqa: E402
 from unimax.fp8 import FP8Linear  # noqa: E402
 from unimax.ops.gemv import gemv  # noqa: E402
 from unimax.reference import first_divergence  # noqa: E402
@@ -194,7 +195,26 @@ def bridge_row(model, repeats: int = 50) -> dict:
             "bridge_mib": engine.last_bridge.mib}
 
 
-PARTS = ("modes", "compile", "baselines", "gemv", "bridge")
+PARTS = ("modes", "compile", "baselines", "gemv", "bridge", "kvwindow")
+
+
+@torch.inference_mode()
+def kv_window_rows(model, ids, new, reference) -> list[dict]:
+    """Hybrid shapes: verified-tail with the verifier reading its KV bucket (the engine) and
+    reading the whole buffer (buckets off), same run."""
+    spec = next(m for m in MODES if m[0] == "verified-tail")
+    rows = []
+    for label, floor in (("kv buckets", None), ("whole KV", 1 << 40)):
+        saved = RecurrentCache.MIN_WINDOW
+        if floor is not None:
+            RecurrentCache.MIN_WINDOW = floor  # window_for then always gives the whole buffer
+        try:
+            row = run_mode(model, *spec, ids, new, False, reference)
+        finally:
+            RecurrentCache.MIN_WINDOW = saved
+        row["mode"] = f"verified-tail, {label}"
+        rows.append(row)
+    return rows
 
 
 def transformers_generate_baseline(config, ids, n=64) -> dict:
@@ -261,6 +281,10 @@ def main() -> None:
         if "modes" in args.parts:
             for spec in MODES:
                 emit(rows, run_mode(model, *spec, ids, args.new, False, reference))
+        if "kvwindow" in args.parts and config.layer_types and "full_attention" in \
+                config.layer_types:
+            for row in kv_window_rows(model, ids, args.new, reference):
+                emit(rows, row)
         if "compile" in args.parts and shape in (args.compile_shapes or args.shapes):
             for spec in MODES[:4]:  # bf16, fp8-tail (two FP8 kernels), verified-tail
                 try:
