@@ -35,7 +35,7 @@ for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130)]:
 """
 
 
-def test_triton_fp8_gemv_matches_its_twin_in_the_interpreter():
+def test_triton_gemv_matches_its_twin_in_the_interpreter():
     site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
     if not Path(site, "triton").is_dir():
         pytest.skip("triton is not installed beside fla (.ci/run puts it in .deps/fla-site)")
