@@ -73,8 +73,9 @@ def time_graph(fn, repeats: int = 20) -> float:
 
 @torch.inference_mode()
 def fp8_gemv_rows(model) -> list[dict]:
-    """BF16 vs FP8 GEMV at M=1 on the tail's matrices: fp8_act (_scaled_mm with per-token
-    activation scaling, the kept mode) and weight_only (dequantize, BF16 matmul)."""
+    """M=1 on the tail's matrices and the first mixer's projections: BF16 through cuBLAS and
+    through the Triton GEMV, and every FP8 mode (fp8_gemv the default; fp8_act, fp8_tensorwise:
+    _scaled_mm; weight_only: dequantize, BF16 matmul), with each one's error against BF16."""
     rows = []
     last, mixer = model.layers[-1].mlp, model.layers[0].mixer
     for name, linear in (("lm_head", model.lm_head), ("mlp.gate_up", last.gate_up_proj),

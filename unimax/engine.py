@@ -246,33 +246,32 @@ class UniMaxEngine:
             graph.static_token.copy_(self.current)
             graph.run_block(k)
             seen = self.exact_cache.seen_tokens
-            # The verifier's block and a replay end at most at seen + k: the KV bucket holding
-            # that many entries (captured graphs are keyed by it; None for pure GDN).
+            # The verifier's block and a replay end at most at seen + k: both read the KV
+            # bucket holding that many entries (their graphs are keyed by it; None: pure GDN).
             window = self.exact_cache.window_for(seen + k)
             with self.exact_cache.attending(window):
                 self.runner.run(("verify", k, window), lambda k=k: self._verify(k),
                                 writes=exact_caches,
                                 buffers=[self.verify_input, self.verify_pred, self.num_accepted])
-            self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
-            counts[0] += k
-            counts[3] += 1
-            # The block's one host transfer: accepted count, draft and exact predictions.
-            host = torch.cat([self.num_accepted[None], graph.out_tokens[0, :k],
-                              self.verify_pred[0, :k]]).tolist()
-            m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
-            if m == k:
-                emitted = draft
-                self.exact_cache.seen_tokens = seen + k
-                if not self.state_safe_draft:
-                    self.bridge_copy()
-            else:
-                emitted = draft[:m] + [exact[m]]
-                with self.exact_cache.attending(window):
+                self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
+                counts[0] += k
+                counts[3] += 1
+                # The block's one host transfer: accepted count, draft and exact predictions.
+                host = torch.cat([self.num_accepted[None], graph.out_tokens[0, :k],
+                                  self.verify_pred[0, :k]]).tolist()
+                m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
+                if m == k:
+                    emitted = draft
+                    self.exact_cache.seen_tokens = seen + k
+                    if not self.state_safe_draft:
+                        self.bridge_copy()
+                else:
+                    emitted = draft[:m] + [exact[m]]
                     self.runner.run(("replay", m + 1, window), lambda m=m: self._replay(m + 1),
                                     writes=exact_caches + [graph.cache])
-                self.exact_cache.seen_tokens = seen + m + 1
-                graph.cache.seen_tokens = self.exact_cache.seen_tokens
-                counts[2] += 1
+                    self.exact_cache.seen_tokens = seen + m + 1
+                    graph.cache.seen_tokens = self.exact_cache.seen_tokens
+                    counts[2] += 1
             counts[1] += m
             self.current.fill_(emitted[-1])
             remaining -= len(emitted)

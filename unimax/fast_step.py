@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import GEMV_ROWS, shallow_view
-from .ops.gemv import gemv
+from .fp8 import shallow_view
+from .ops.gemv import GEMV_ROWS, gemv
 
 
 class GemvLinear(nn.Module):

@@ -23,12 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.gemv import gemv, gemv_ref
+from .ops.gemv import GEMV_ROWS, gemv, gemv_ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MODES = ("fp8_gemv", "fp8_act", "fp8_tensorwise", "weight_only", "emulated", "emulated_act")
-GEMV_ROWS = 4  # fp8_gemv: up to this many rows through the Triton GEMV (decode steps)
 _warned: set[str] = set()
 
 

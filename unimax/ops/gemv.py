@@ -19,6 +19,8 @@ import os
 
 import torch
 
+GEMV_ROWS = 4  # callers send up to this many rows through the GEMV (decode steps), more to cuBLAS
+
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
              scale: torch.Tensor | None = None) -> torch.Tensor:
