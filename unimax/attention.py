@@ -83,8 +83,9 @@ class GatedAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                  enable_gqa=heads != kv_heads)
         else:
-            state.key_cache.index_copy_(2, positions, k.to(state.key_cache.dtype))
-            state.value_cache.index_copy_(2, positions, v.to(state.value_cache.dtype))
+            with torch.no_grad():  # the cache is state, outside autograd (see layers.py)
+                state.key_cache.index_copy_(2, positions, k.to(state.key_cache.dtype))
+                state.value_cache.index_copy_(2, positions, v.to(state.value_cache.dtype))
             state.has_previous_state[0] = True
             length = state.attend_length  # the host's window (cache.set_window) or all
             keys = torch.arange(length, device=x.device)

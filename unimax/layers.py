@@ -71,6 +71,8 @@ class GatedDeltaNetMixer(nn.Module):
             recurrent_state = None
         else:
             conv_state, recurrent_state = state.conv_states[0], state.recurrent_states[0]
+            if torch.is_grad_enabled():  # autograd saves what it reads; the cache is overwritten
+                conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
         conv = causal_conv1d_step if seq_len == 1 else causal_conv1d
         mixed, new_conv_state = conv(mixed, self.conv_weight, conv_state)
 
@@ -87,9 +89,12 @@ class GatedDeltaNetMixer(nn.Module):
         o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,
                                                   backend=self.backend)
         if state is not None:
-            # copy_ into the cache's own storage: captured graphs keep pointing at it.
-            state.conv_states[0].copy_(new_conv_state)
-            state.recurrent_states[0].copy_(new_recurrent_state)
+            # copy_ into the cache's own storage: captured graphs keep pointing at it. The cache
+            # is state, not part of any autograd graph: written under no_grad, so a caller in
+            # default grad mode (as transformers users call a model) can use it too.
+            with torch.no_grad():
+                state.conv_states[0].copy_(new_conv_state)
+                state.recurrent_states[0].copy_(new_recurrent_state)
             state.has_previous_state[0] = True
 
         z = z.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)

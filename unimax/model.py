@@ -88,7 +88,8 @@ class GDNForCausalLM(nn.Module):
         for index, block in enumerate(self.layers):
             hidden = block(hidden, None if cache is None else cache.layers[index])
         if cache is not None:
-            cache.position.add_(input_ids.shape[1])  # on the device: graph-safe
+            with torch.no_grad():
+                cache.position.add_(input_ids.shape[1])  # on the device: graph-safe
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(self.norm(hidden))
