@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import unimax
-from unimax.presets import GenerationDefaults, Preset, PresetError, load_preset, preset_from_dict
+from unimax.presets import Preset, PresetError, load_preset, preset_from_dict
 from unimax.service import EngineService, GenerationSettings
 
 
 @pytest.fixture(scope="module")
 def service():
     svc = EngineService(Preset(model="tiny-random", block_size=4,
-                               generation=GenerationDefaults(max_new_tokens=24))).start()
+                               generation=GenerationSettings(max_new_tokens=24))).start()
     yield svc
     svc.stop()
 

@@ -4,6 +4,7 @@ never touch the GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import threading
@@ -13,7 +14,8 @@ from collections.abc import Iterator
 import gradio as gr
 
 from unimax.presets import MODES, Preset
-from unimax.service import EngineService, GenerationSettings
+from unimax.service import EngineService
+from unimax.settings import GenerationSettings
 
 from .panels import ab_summary, curve_frame, first_divergence, highlighted, panel_markdown
 
@@ -207,8 +209,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             yield (f"⚠️ Bad setting: {err}", *empty[1:])
             return
         if settings.seed is None:  # both sides must draw the same random numbers
-            settings = GenerationSettings(settings.max_new_tokens, settings.temperature,
-                                          settings.top_p, settings.top_k, 0, settings.thinking)
+            settings = dataclasses.replace(settings, seed=0)
         texts, stats = {"a": "", "b": ""}, {"a": {}, "b": {}}
         messages = [{"role": "user", "content": prompt}]
         for side, mode in (("a", mode_a), ("b", mode_b)):

@@ -17,7 +17,7 @@ FAST_STEP_BACKEND = "auto"
 
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
                  use_graphs: bool | None = None, fp8_mode: str | None = None,
-                 compile_step: bool = False) -> UniMaxEngine:
+                 compile_step: bool | str = False) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only).
@@ -30,7 +30,8 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     (bench/RESULTS.md), for 5-45 s of compilation on first use. Its rounding differs from the
     exact model's (fused kernels), so BF16 fast decoding may take the other side of a near-tie;
     verified mode stays exact. Prefill and verification run the exact model, untouched. Off
-    CUDA, or without Triton, the flag is ignored with a warning that says why."""
+    CUDA, or without Triton, True is ignored with a warning that says why; "auto" turns it on
+    exactly where it can run, silently."""
     if not hasattr(model, "make_recurrent_cache"):
         raise TypeError(f"{type(model).__name__} has no recurrent cache (make_recurrent_cache); "
                         "UNI MAX runs recurrent GDN models from unimax.load_model")
@@ -42,10 +43,12 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
         decode_model, state_safe = quantize_view(model, draft, mode=fp8_mode), draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
+    if compile_step not in (True, False, "auto"):
+        raise ValueError(f"compile_step must be True, False or 'auto', got {compile_step!r}")
     reason = fast_step_unavailable(model.device) if compile_step else None
-    if reason:
+    if reason and compile_step is True:
         warnings.warn(reason, stacklevel=2)
-        compile_step = False
+    compile_step = bool(compile_step) and reason is None
     if compile_step:
         decode_model = gemv_view(decode_model)
         decode_model.set_backend(FAST_STEP_BACKEND)

@@ -295,6 +295,8 @@ class UniMaxEngine:
             raise ValueError("this engine's decoder is the full-FP8 draft, whose states drift: "
                              "use it in verified mode, or build the engine with draft='tail'")
         n = _count(max_new_tokens)
+        if n < 1:  # no reply means no prefill: the cache would not hold this request's state
+            raise ValueError(f"max_new_tokens must be >= 1, got {n}")
         sampling = sampling or SamplingParams()
         if mode == "verified" and not sampling.is_greedy:
             raise ValueError("verified mode reproduces exact greedy decoding; set temperature "
@@ -310,8 +312,6 @@ class UniMaxEngine:
                                  "a new conversation, or a larger max_context")
         result = Generation(prefill_tokens=int(input_ids.shape[1]))
         self.current_generation = result  # readable from on_block: prefill stats come early
-        if n == 0:
-            return result
         _sync(self.device)
         start = time.perf_counter()
         state_before = self.exact_cache.seen_tokens if keep_state else 0

@@ -7,32 +7,14 @@ from pathlib import Path
 
 import yaml
 
+from .settings import GenerationSettings, SettingsError, is_int
+
 MODES = ("bf16", "fp8", "verified")
+MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
 
 
 class PresetError(ValueError):
     """A preset key or value that cannot be used; the message names it and what is allowed."""
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-               "generation.max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        _check(_number(self.temperature) and self.temperature >= 0, "generation.temperature",
-               self.temperature, "a number >= 0 (0 = greedy)")
-        _check(_number(self.top_p) and 0 < self.top_p <= 1, "generation.top_p", self.top_p,
-               "a number in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "generation.top_k", self.top_k,
-               "an integer >= 0 (0 = off)")
-        _check(self.seed is None or isinstance(self.seed, int), "generation.seed", self.seed,
-               "an integer or null")
 
 
 @dataclass(frozen=True)
@@ -43,13 +25,13 @@ class Preset:
     mode: str = "fp8"
     block_size: int = 8
     draft: str = "tail"  # verified mode's draft: tail (state-safe) or full (every linear FP8)
-    compile_step: bool = False
+    compile_step: bool | str = "auto"  # the fast step: auto = on where CUDA and Triton run
     max_context: int = 4096  # the longest conversation (prompt + reply) in tokens
     state_memory_mib: int = 1024  # kept conversation states on the GPU; beyond it, host memory
     host_state_memory_mib: int = 8192  # beyond this, the oldest kept states are dropped
     system_prompt: str = ""
     enable_thinking: bool | None = None  # chat templates with a thinking switch (Qwen3.5)
-    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -60,14 +42,19 @@ class Preset:
         _check(self.device in ("auto", "cuda", "cpu") or str(self.device).startswith("cuda:"),
                "device", self.device, "auto, cuda, cuda:N, cpu")
         _check(self.mode in MODES, "mode", self.mode, ", ".join(MODES))
-        _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 64, "block_size",
+        _check(is_int(self.block_size) and 1 <= self.block_size <= 64, "block_size",
                self.block_size, "an integer in 1..64")
         _check(self.draft in ("tail", "full"), "draft", self.draft, "tail, full")
-        _check(isinstance(self.compile_step, bool), "compile_step", self.compile_step,
-               "true or false")
-        for key in ("max_context", "state_memory_mib", "host_state_memory_mib"):
+        _check(self.compile_step in (True, False, "auto"), "compile_step", self.compile_step,
+               "auto (on where CUDA and Triton run), true or false")
+        # A chat turn needs room for the template, a message and a reply; the page's slider of
+        # new tokens runs from 1 to max_context.
+        _check(is_int(self.max_context) and MIN_CONTEXT <= self.max_context <= MAX_CONTEXT,
+               "max_context", self.max_context,
+               f"an integer in {MIN_CONTEXT}..{MAX_CONTEXT} (tokens)")
+        for key in ("state_memory_mib", "host_state_memory_mib"):
             value = getattr(self, key)
-            _check(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+            _check(is_int(value) and value >= 1, key, value, "an integer >= 1 (MiB)")
         _check(isinstance(self.system_prompt, str), "system_prompt", self.system_prompt,
                "a string")
         _check(self.enable_thinking in (None, True, False), "enable_thinking",
@@ -75,10 +62,6 @@ class Preset:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -98,14 +81,18 @@ def preset_from_dict(raw: dict, name: str = "custom") -> Preset:
     generation = raw.pop("generation", None) or {}
     if not isinstance(generation, dict):
         raise PresetError("preset key 'generation' must be a mapping")
-    gen_keys = {f.name for f in fields(GenerationDefaults)}
+    gen_keys = {f.name for f in fields(GenerationSettings)} - {"thinking"}  # enable_thinking
     unknown = sorted(set(generation) - gen_keys)
     if unknown:
         raise PresetError(f"unknown preset key 'generation.{unknown[0]}'; allowed: "
                           f"{', '.join(sorted(gen_keys))}")
     if raw.get("model") is not None:
         raw["model"] = str(raw["model"])
-    return Preset(**raw, generation=GenerationDefaults(**generation), name=name)
+    try:
+        settings = GenerationSettings(**generation)
+    except SettingsError as err:
+        _check(False, f"generation.{err.field}", err.value, err.allowed)
+    return Preset(**raw, generation=settings, name=name)
 
 
 def load_preset(path: str | Path) -> Preset:

@@ -14,33 +14,23 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .build import build_engine
+from .chat import check_messages, encode_chat, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
+from .errors import RequestError
 from .presets import MODES, Preset
-from .sampling import SamplingParams
+from .settings import GenerationSettings
 from .states import StateStore
 
 log = logging.getLogger("unimax.service")
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    thinking: bool | None = None  # the chat template's thinking switch; None: the preset's
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p),
-                              None if self.seed is None else int(self.seed))
+# A token is rarely longer than this many characters: longer conversations cannot fit the
+# context, and are refused before the tokenizer sees them.
+MAX_CHARS_PER_TOKEN = 16
 
 
 @dataclass
@@ -64,6 +54,7 @@ class RequestHandle:
         self.finished = threading.Event()
         self.queue: queue.Queue[ServiceEvent] = queue.Queue()
         self.submitted_at = time.perf_counter()
+        self.prompt: list[int] = []  # token ids, set by EngineService.submit
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -90,10 +81,6 @@ class _Task:
     done: threading.Event
 
 
-class RequestError(ValueError):
-    """A request the user can fix (empty message, too long, unknown mode...)."""
-
-
 class EngineService:
     def __init__(self, preset: Preset, model=None, tokenizer=None):
         self.preset = preset
@@ -105,7 +92,9 @@ class EngineService:
         self.engines: dict[str, object] = {}
         self.store = StateStore(preset.state_memory_mib * 2**20,
                                 preset.host_state_memory_mib * 2**20)
-        self.stop_ids = self._stop_ids()
+        self.stop_ids = stop_ids(self.tokenizer, self.model.config.eos_token_id,
+                                 self.model.config.vocab_size)
+        self.tokenizer_lock = threading.Lock()  # requests tokenize on their callers' threads
         self.requests: queue.Queue[RequestHandle | None] = queue.Queue()
         self.pending: list[RequestHandle] = []
         self.pending_lock = threading.Lock()
@@ -148,9 +137,18 @@ class EngineService:
 
     def submit(self, conversation_id: str, messages: list[dict], mode: str | None = None,
                settings: GenerationSettings | None = None) -> RequestHandle:
+        """Queue a reply to ``messages``. The request is checked and tokenized here, on the
+        caller's thread, so a bad or huge message never holds up the engine thread: a request
+        the user can fix ends at once with an error event."""
         mode = mode or self.preset.mode
-        handle = RequestHandle(next(self.ids), str(conversation_id), list(messages), mode,
-                               settings or self.default_settings())
+        settings = settings if settings is not None else self.default_settings()
+        handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
+                               settings)
+        try:
+            handle.prompt = self.prepare(handle)
+        except RequestError as err:
+            handle.emit("error", str(err))
+            return handle
         with self.pending_lock:
             self.pending.append(handle)
             position = len(self.pending) - 1 + (1 if self.busy.is_set() else 0)
@@ -158,10 +156,28 @@ class EngineService:
         self.requests.put(handle)
         return handle
 
+    def prepare(self, handle: RequestHandle) -> list[int]:
+        """Every check a request can fail before it runs; returns its prompt ids."""
+        if handle.mode not in MODES:
+            raise RequestError(f"unknown mode {handle.mode!r}; use one of {', '.join(MODES)}")
+        settings = handle.settings
+        if not isinstance(settings, GenerationSettings):
+            raise RequestError("settings must be a unimax GenerationSettings")
+        if handle.mode == "verified" and not settings.sampling().is_greedy:
+            raise RequestError("verified mode reproduces exact greedy decoding: set "
+                               "temperature to 0, or pick bf16 / fp8 to sample")
+        context = self.preset.max_context
+        check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context)
+        with self.tokenizer_lock:
+            prompt = self.render(handle.messages, settings.thinking)
+        if len(prompt) >= context:
+            raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
+                               f"context setting of {context}; clear the chat, shorten the "
+                               "message, or raise max_context in the preset")
+        return prompt
+
     def default_settings(self) -> GenerationSettings:
-        g = self.preset.generation
-        return GenerationSettings(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed,
-                                  self.preset.enable_thinking)
+        return replace(self.preset.generation, thinking=self.preset.enable_thinking)
 
     def queue_position(self, handle: RequestHandle) -> int:
         """Requests ahead of this one (0: it runs next or is running)."""
@@ -230,49 +246,18 @@ class EngineService:
 
     def render(self, messages: list[dict], thinking: bool | None = None) -> list[int]:
         """Prompt token ids for a conversation ending with a user message."""
-        if not messages or messages[-1].get("role") != "user":
-            raise RequestError("the conversation must end with a user message")
-        content = messages[-1].get("content")
-        if not isinstance(content, str) or not content.strip():
-            raise RequestError("empty message: type something to send")
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            thinking = self.preset.enable_thinking if thinking is None else thinking
-            extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False, **extra)
-        else:  # a base model: a plain transcript it can continue
-            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-            ids = tok(text + "Assistant:").input_ids
-        return [int(i) for i in ids]
-
-    def _stop_ids(self) -> list[int]:
-        tok, ids = self.tokenizer, set()
-        if tok.eos_token_id is not None:
-            ids.add(int(tok.eos_token_id))
-        eos = self.model.config.eos_token_id
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        vocab = tok.get_vocab()
-        ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
-        return sorted(i for i in ids if 0 <= i < self.model.config.vocab_size)
+        thinking = self.preset.enable_thinking if thinking is None else thinking
+        return encode_chat(self.tokenizer, messages, thinking)
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
         engine = self._engine(handle.mode)
         started = time.perf_counter()
         settings = handle.settings
-        prompt = self.render(handle.messages, settings.thinking)
-        room = self.preset.max_context - len(prompt)
-        if room < 1:
-            raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
-                               f"context setting of {self.preset.max_context}; clear the chat, "
-                               "shorten the message, or raise max_context in the preset")
-        max_new = min(int(settings.max_new_tokens), room)
+        prompt = handle.prompt  # checked and tokenized by submit()
+        max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))
         sampling = settings.sampling()
         mode = "verified" if handle.mode == "verified" else "fast"
-        if mode == "verified" and not sampling.is_greedy:
-            raise RequestError("verified mode reproduces exact greedy decoding: set "
-                               "temperature to 0, or pick bf16 / fp8 to sample")
 
         ckpt = self.store.best_prefix(handle.conversation_id, prompt)
         if ckpt is not None:
@@ -308,7 +293,8 @@ class EngineService:
         tail = detok.flush()
         if tail:
             handle.emit("delta", tail)
-        self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
+        if result.tokens:  # the exact cache holds prompt + reply: state this request computed
+            self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
         handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text)

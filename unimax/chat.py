@@ -1,0 +1,122 @@
+"""Chat formatting: a conversation -> prompt token ids, and a chat model's stop ids.
+
+Message text is plain text. Only the template's own markers are control tokens: a message that
+contains the string "<|im_start|>" gets the characters, not the token, so a user cannot open a
+system turn of their own (the template's text is tokenized with special tokens, the messages'
+text with ``split_special_tokens``).
+"""
+
+from __future__ import annotations
+
+from .errors import RequestError
+
+ROLES = ("system", "user", "assistant")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+def check_messages(messages: list[dict], max_chars: int) -> None:
+    """Roles, text and size of a conversation that ends with a user message; RequestError
+    otherwise. Runs before any tokenizing, so an oversized message costs nothing."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("the conversation is empty: send at least one user message")
+    total = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"message {index} is not a mapping with 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RequestError(f"message {index} has the role {role!r}; allowed: "
+                               f"{', '.join(ROLES)}")
+        if role == "system" and index != 0:
+            raise RequestError(f"message {index} is a system message; only the first message "
+                               "of a conversation may be one")
+        if not isinstance(content, str):
+            raise RequestError(f"message {index} has no text content (got "
+                               f"{type(content).__name__}); send a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise RequestError(f"message {index} is not valid Unicode (a lone surrogate at "
+                               f"character {err.start}); send UTF-8 text") from None
+        total += len(content)
+    if messages[-1]["role"] != "user":
+        raise RequestError("the conversation must end with a user message")
+    if not messages[-1]["content"].strip():
+        raise RequestError("empty message: type something to send")
+    if total > max_chars:
+        raise RequestError(f"the conversation is {total} characters, more than this model's "
+                           f"context can hold (at most {max_chars}); shorten it or start a new "
+                           "one")
+
+
+def special_strings(tokenizer) -> list[str]:
+    """Every string the tokenizer would turn into a control token."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token))
+    return sorted(s for s in found if s)
+
+
+def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
+    """Prompt ids for a conversation ending with a user message (checked by check_messages),
+    with the generation prompt. Without a chat template: a plain transcript to continue."""
+    if getattr(tokenizer, "chat_template", None):
+        extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
+        specials = special_strings(tokenizer)
+        if not any(s in m["content"] for m in messages for s in specials):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False, **extra)
+            return [int(i) for i in ids]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False, **extra)
+        return _encode_plain_spans(tokenizer, text, [m["content"] for m in messages])
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    prefix, suffix = _added_special_ids(tokenizer)  # e.g. a Llama tokenizer's BOS
+    body = _encode_plain_spans(tokenizer, text + "Assistant:", [m["content"] for m in messages])
+    return prefix + body + suffix
+
+
+def _encode_plain_spans(tokenizer, text: str, contents: list[str]) -> list[int]:
+    """Tokenize ``text``: each of ``contents`` (found in order) as plain text, the rest with
+    control tokens. A message the template changed so that it is not found verbatim is refused
+    rather than risked."""
+    pieces, cursor = [], 0
+    for index, content in enumerate(contents):
+        if not content:
+            continue
+        start = text.find(content, cursor)
+        if start < 0:
+            raise RequestError(f"message {index} contains control-token text that the chat "
+                               "template rewrites; remove strings such as <|im_start|> from it")
+        pieces += [(text[cursor:start], False), (content, True)]
+        cursor = start + len(content)
+    pieces.append((text[cursor:], False))
+    ids: list[int] = []
+    for piece, plain in pieces:
+        if piece:
+            ids += tokenizer(piece, add_special_tokens=False,
+                             split_special_tokens=plain).input_ids
+    return [int(i) for i in ids]
+
+
+def _added_special_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text with add_special_tokens=True."""
+    bare = tokenizer("a", add_special_tokens=False).input_ids
+    full = tokenizer("a").input_ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return list(full[:start]), list(full[start + len(bare):])
+    return [], []
+
+
+def stop_ids(tokenizer, eos_token_id, vocab_size: int) -> list[int]:
+    """The tokenizer's and the model config's end-of-sequence ids, plus the chat end markers
+    the vocabulary has."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    ids.update([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
+    return sorted(i for i in ids if 0 <= i < vocab_size)

@@ -1,0 +1,58 @@
+"""Generation settings: one class, validated once, for every caller (presets, the page, the
+Python API, HTTP). A bad value raises SettingsError naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import RequestError
+from .sampling import SamplingParams
+
+MAX_SEED = 2**63 - 1  # torch.Generator takes a signed 64-bit seed
+
+
+class SettingsError(RequestError):
+    """A generation setting that cannot be used; ``field`` names it."""
+
+    def __init__(self, field: str, value, allowed: str):
+        super().__init__(f"{field} has the value {value!r}; allowed: {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool (YAML's and JSON's true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    thinking: bool | None = None  # the chat template's thinking switch; None: the preset's
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+             "an integer >= 1"),
+            ("temperature", is_number(self.temperature) and self.temperature >= 0,
+             "a finite number >= 0 (0 = greedy)"),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+             f"empty, or an integer in 0..{MAX_SEED}"),
+            ("thinking", self.thinking in (None, True, False), "true, false or empty"),
+        )
+        for field, ok, allowed in checks:
+            if not ok:
+                raise SettingsError(field, getattr(self, field), allowed)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(float(self.temperature), self.top_k, float(self.top_p), self.seed)
