@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from unimax.presets import MODES, PresetError, load_preset
 
+MAX_UPLOAD = "1mb"  # the page takes no uploads of its own; Gradio's upload route is capped
 DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "demo.yaml"
 
 
@@ -28,6 +30,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the page cannot be served on host:port (checked before the model loads), or None."""
+    if not 1 <= port <= 65535:
+        return f"--port {port} is outside 1..65535"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as err:
+        return (f"cannot serve on {host}:{port} ({err.strerror or err}): is another app using "
+                "it? pick a free port with --port")
+    return None
+
+
 def step(text: str) -> float:
     print(f"[unimax] {text}", flush=True)
     return time.perf_counter()
@@ -41,6 +56,10 @@ def main(argv=None) -> int:
         preset = dataclasses.replace(preset, **overrides)
     except PresetError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("[unimax] no CUDA GPU here: running on the CPU (FP8 is emulated, graphs are off; "
@@ -70,7 +89,8 @@ def main(argv=None) -> int:
     demo = build_demo(service, preset)
     demo.queue(default_concurrency_limit=None)
     step(f"serving on http://{args.host}:{args.port}")
-    demo.launch(server_name=args.host, server_port=args.port, show_error=True, css=CSS)
+    demo.launch(server_name=args.host, server_port=args.port, show_error=True, css=CSS,
+                max_file_size=MAX_UPLOAD)
     return 0
 
 

@@ -2,7 +2,7 @@
 by gradio_client."""
 
 import pytest
-from app_server import running_app
+from app_server import free_port, running_app
 from gradio_client import Client
 
 from app import main as app_main
@@ -48,3 +48,71 @@ def test_bad_preset_and_model_path(tmp_path, capsys):
     assert "'mode' has the value 'turbo'" in capsys.readouterr().err
     assert app_main(["--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_upload_size_is_capped(client):
+    """Gradio's upload route took 20 MiB: the app caps it (app.MAX_UPLOAD)."""
+    import httpx  # gradio's own HTTP client
+
+    url = client.src.rstrip("/") + "/gradio_api/upload"
+    small = httpx.post(url, files={"files": ("a.json", b"{}")}, timeout=30)
+    assert small.status_code == 200
+    big = httpx.post(url, files={"files": ("b.json", b"x" * (3 << 20))}, timeout=30)
+    assert big.status_code in (400, 413) and "size" in big.text.lower(), big.text[:200]
+
+
+def test_port_in_use_or_out_of_range_fails_before_loading(capsys, monkeypatch):
+    import socket
+
+    import unimax.service
+
+    monkeypatch.setattr(unimax.service, "EngineService",
+                        lambda *a, **k: pytest.fail("the model loaded before the port check"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert app_main(["--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "--port" in err
+    assert len(err.splitlines()) == 1
+    assert app_main(["--port", "70000"]) == 2
+    assert "outside 1..65535" in capsys.readouterr().err
+
+
+def test_corrupt_weights_named_in_one_line(tmp_path, capsys):
+    from helpers import write_qwen_checkpoint
+
+    write_qwen_checkpoint(tmp_path, seed=0)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])  # a truncated download
+    capsys.readouterr()
+    port = str(free_port())
+    assert app_main(["--model", str(tmp_path), "--port", port]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(weights) in err and "truncated or corrupt" in err and len(err.splitlines()) == 1
+    weights.write_text("not weights at all")
+    assert app_main(["--model", str(tmp_path), "--port", port]) == 2
+    assert str(weights) in capsys.readouterr().err
+
+
+def test_exports_are_cleaned_up(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from ui.page import Exports
+
+    exports = Exports(max_age_s=60)
+    first = exports.write({"a": 1})
+    assert json.loads(open(first).read()) == {"a": 1}
+    os.utime(first, (time.time() - 120, time.time() - 120))
+    second = exports.write({"b": 2})
+    assert not os.path.exists(first) and os.path.exists(second)
+    child = ("from ui.page import Exports; e = Exports(); print(e.write({'x': 1}))")
+    path = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          check=True, cwd=os.path.dirname(os.path.dirname(__file__))
+                          ).stdout.strip()
+    assert path.endswith(".json") and not os.path.exists(os.path.dirname(path))

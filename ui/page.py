@@ -4,12 +4,16 @@ never touch the GPU."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
+import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import gradio as gr
 
@@ -83,8 +87,29 @@ def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
                               thinking=None if thinking is None else bool(thinking))
 
 
+class Exports:
+    """Export files in one folder of the app's own, removed when the app exits; files older
+    than ``max_age_s`` go at each new export (Gradio serves its own copy of each, which its
+    cache clean-up removes: see build_demo)."""
+
+    def __init__(self, max_age_s: float = 600.0):
+        self.folder = Path(tempfile.mkdtemp(prefix="unimax-exports-"))
+        self.max_age_s = max_age_s
+        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
+
+    def write(self, data: dict) -> str:
+        now = time.time()
+        for old in self.folder.glob("*.json"):
+            if now - old.stat().st_mtime > self.max_age_s:
+                old.unlink(missing_ok=True)
+        path = self.folder / f"unimax-chat-{uuid.uuid4().hex[:12]}.json"
+        path.write_text(json.dumps(data, indent=1))
+        return str(path)
+
+
 def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     sessions = Sessions()
+    exports = Exports()
     g = preset.generation
     info = (f"**UNI MAX** · model `{preset.model}` on `{service.device}` · preset "
             f"`{preset.name}` · block {preset.block_size} · verified draft `{preset.draft}`")
@@ -181,11 +206,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     def export(history, system, mode):
         messages = [{"role": m["role"], "content": _text(m["content"])} for m in history or []]
         data = {"model": preset.model, "mode": mode, "system": system, "messages": messages}
-        path = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="unimax-chat-",
-                                           delete=False)
-        json.dump(data, path, indent=1)
-        path.close()
-        return path.name
+        return exports.write(data)
 
     def stop(request: gr.Request):
         sessions.cancel(request.session_hash)
@@ -236,7 +257,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
     # --- layout ----------------------------------------------------------------------------
 
-    with gr.Blocks(title="UNI MAX") as demo:
+    # delete_cache: Gradio's copies of served files (exports) older than 10 min go every 10 min.
+    with gr.Blocks(title="UNI MAX", delete_cache=(600, 600)) as demo:
         gr.Markdown(info, elem_id="header")
         conversation_id = gr.State(lambda: str(uuid.uuid4()))
         with gr.Row():

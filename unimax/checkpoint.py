@@ -11,6 +11,7 @@ Both become one GDNForCausalLM whose mixer reads a merged [q, k, v, z, b, a] pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -75,6 +76,27 @@ def read_config_json(model_dir: Path) -> dict:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from err
 
 
+@contextlib.contextmanager
+def _open_weights(file: Path, device: torch.device | None = None):
+    """safe_open with an error that names the file (a truncated download, a text file saved
+    under a .safetensors name) instead of a bare SafetensorError."""
+    try:
+        handle = safe_open(file, framework="pt", device=str(device or "cpu"))
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file {file} is missing (named in the checkpoint's "
+                              "index): download the checkpoint again") from None
+    except Exception as err:
+        raise _unreadable(file, err) from None
+    with handle:
+        yield handle
+
+
+def _unreadable(file: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"weights file {file} is not a readable safetensors file "
+                           f"({type(err).__name__}: {err}); it may be truncated or corrupt: "
+                           "download or export it again")
+
+
 class WeightReader:
     """Tensor name -> safetensors file, over one file or a sharded index."""
 
@@ -88,7 +110,7 @@ class WeightReader:
         else:
             self.files = {}
             for file in sorted(model_dir.glob("*.safetensors")):
-                with safe_open(file, framework="pt") as handle:
+                with _open_weights(file) as handle:
                     self.files.update(dict.fromkeys(handle.keys(), file))
         if not self.files:
             bins = list(model_dir.glob("*.bin")) + list(model_dir.glob("*.pt"))
@@ -102,8 +124,12 @@ class WeightReader:
         if name not in self.files:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint in "
                                   f"{self.model_dir}")
-        with safe_open(self.files[name], framework="pt", device=str(self.device)) as handle:
-            tensor = handle.get_tensor(name)
+        file = self.files[name]
+        with _open_weights(file, self.device) as handle:
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as err:  # SafetensorError: a truncated or corrupt data section
+                raise _unreadable(file, err) from None
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected "
                                   f"{tuple(shape)} from config.json")
