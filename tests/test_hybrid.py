@@ -191,26 +191,24 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     expected = unimax.exact_greedy_tokens(hybrid_model, x, 70)
     engine = erring_engine(hybrid_model, block_size=8, period=3)
     seen = []
-    run = engine.runner.run
+    run = engine.verifier.runner.run
 
     def spy(key, fn, *args, **kwargs):
         seen.append((key, engine.exact_cache.layers[3].attend_length,
                      engine.exact_cache.seen_tokens))
         return run(key, fn, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "run", spy)
+    monkeypatch.setattr(engine.verifier.runner, "run", spy)
     got, report = engine.generate_verified(x, 70)
     assert torch.equal(got, expected) and report.rejected_blocks > 0
-    windows = {key[2] for key, _, _ in seen}
-    assert windows == {32, 64, 128}, windows  # 10 + 8 > 16 already in the first block
+    verifies = [(key, length, stored) for key, length, stored in seen if key[0] == "verify"]
+    rewinds = [key for key, _, _ in seen if key[0] == "rewind"]
+    assert len(rewinds) == report.rejected_blocks
+    assert {key[2] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 8 > 16 in block one
     cache = engine.exact_cache
-    for i, (key, length, stored) in enumerate(seen):
-        kind, k, window = key
-        assert length == window and stored + k <= window, key  # every entry it needs
-        if kind == "verify":  # the smallest bucket that holds them
-            assert window == cache.window_for(stored + k), key
-        else:  # a replay runs right after its verifier, in the same bucket
-            assert seen[i - 1][0][0] == "verify" and seen[i - 1][0][2] == window, key
+    for (kind, k, window), length, stored in verifies:
+        # every entry it needs, and the smallest bucket that holds them
+        assert length == window == cache.window_for(stored + k) and stored + k <= window
 
 
 @torch.inference_mode()

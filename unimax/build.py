@@ -54,4 +54,7 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
         decode_model.set_backend(FAST_STEP_BACKEND)
     graph = MaxTurboGraphDecoder(decode_model, block_size=block_size, use_graphs=use_graphs,
                                  compile=compile_step)
-    return UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe)
+    # The verifier's k-token forward of the exact model is compiled like the step: one weight
+    # read per block is its floor, and uncompiled it pays the elementwise launches too.
+    return UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
+                        compile_verifier=compile_step)

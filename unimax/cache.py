@@ -68,6 +68,7 @@ class RecurrentLayerState:
         self.is_conv_states_initialized = {0: True}
         self.is_recurrent_states_initialized = {0: True}
         self.has_previous_state = {0: False}
+        self.tape = None  # a LayerTape while the verifier records (RecurrentCache.recording)
 
 
 class RecurrentCache:
@@ -179,6 +180,23 @@ class RecurrentCache:
             found.append(self.window_for(total))
             total = found[-1] + 1
         return found
+
+    @contextlib.contextmanager
+    def recording(self, tapes: list | None):
+        """GDN layers record their recurrence inputs into ``tapes`` (one per layer, None for
+        attention layers; see unimax.tape) for the body of a with-block."""
+        if tapes is None:
+            yield
+            return
+        for layer, tape in zip(self.layers, tapes, strict=True):
+            if isinstance(layer, RecurrentLayerState):
+                layer.tape = tape
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                if isinstance(layer, RecurrentLayerState):
+                    layer.tape = None
 
     @property
     def max_kv_length(self) -> int:

@@ -2,13 +2,10 @@
 
 Modes:
 - fast: the exact first token, then the decode graph (BF16, or the FP8 state-safe tail);
-- verified: per block, the draft graph proposes k tokens, the exact model scores
-  [current, draft[:-1]] in one forward, the longest agreeing prefix is kept and the first
-  disagreement is replaced by the exact token; the exact cache stays authoritative and is copied
-  back into the draft after a rejection (after every block for the ``full`` draft).
-
-The verifier and the replay after a rejection are captured as graphs too (keyed by k and by the
-replay length), and the snapshot they restore from is a preallocated cache.
+- verified: per block, the draft graph proposes k tokens and the verifier (unimax.verifier)
+  checks them with one exact forward, keeps the agreeing prefix and the exact token after it;
+  the exact cache stays authoritative and the draft's cache is resynced from it after a
+  rejection (after every block for the ``full`` draft).
 """
 
 from __future__ import annotations
@@ -20,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CacheCopier, cache_payload_bytes
-from .graph import GraphRunner, MaxTurboGraphDecoder
+from .graph import MaxTurboGraphDecoder
 from .sampling import SamplingParams, sample_from_logits
+from .verifier import Verifier, VerifyCounts
 
 
 @dataclass(frozen=True)
@@ -70,34 +68,24 @@ class UniMaxEngine:
     ``decode_model`` is the same model (BF16 only) or a quantized view sharing its weights."""
 
     def __init__(self, exact_model, decode_model, decode_graph: MaxTurboGraphDecoder,
-                 state_safe_draft: bool = True):
+                 state_safe_draft: bool = True, compile_verifier: bool = False):
         self.exact_model = exact_model.eval()
         self.decode_model = decode_model.eval()
         self.decode_graph = decode_graph
         self.device = self.exact_model.get_input_embeddings().weight.device
         if self.device != self.decode_graph.device:
             raise ValueError("exact and decode engines must live on the same device")
-        # True when the draft writes the exact states (BF16, FP8 tail): no resync after a fully
-        # accepted block. False for the full-FP8 draft, whose states drift.
         self.state_safe_draft = state_safe_draft
         self.exact_cache = self.exact_model.make_recurrent_cache()
         # Hybrid models: both engines run the same attention weights, so the KV the exact
         # prefill writes is what the decoder needs: share the buffers, bridge only the
         # fixed-size state (and the position). Rejections roll KV back by position alone.
         decode_graph.cache.share_kv_with(self.exact_cache)
-        self.snapshot = self.exact_cache.empty_like(share_kv=True)  # preallocated, reused
-        block = decode_graph.block_size
-        long = dict(dtype=torch.long, device=self.device)
-        self.current = torch.zeros(1, 1, **long)
-        self.verify_input = torch.zeros(1, block, **long)
-        self.verify_pred = torch.zeros(1, block, **long)
-        self.num_accepted = torch.zeros((), **long)
-        self.runner = GraphRunner(self.device, decode_graph.use_graphs)
         self.last_bridge: BridgeReport | None = None
-        # Fixed cache pairs, validated once; each copy is then one fused launch.
+        # A fixed cache pair, validated once; each copy is then one fused launch.
         self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
-        self.take_snapshot = CacheCopier(self.snapshot, self.exact_cache)
-        self.restore_snapshot = CacheCopier(self.exact_cache, self.snapshot)
+        self.verifier = Verifier(self.exact_model, self.exact_cache, decode_graph,
+                                 self.bridge_copy, state_safe_draft, compile=compile_verifier)
 
     @property
     def block_size(self) -> int:
@@ -167,13 +155,13 @@ class UniMaxEngine:
             return (torch.empty((1, 0), dtype=torch.long, device=self.device),
                     VerifyReport(0, 0, 0, 0, 0))
         tokens: list[int] = []
-        counts = [0, 0, 0, 0]  # drafted, accepted, rejected blocks, verifier blocks
-        self.current.copy_(first_token)
+        counts = VerifyCounts()
+        self.verifier.current.copy_(first_token)
         for emitted in self._verified_blocks(n, _block_arg(draft_block, self.block_size),
                                              counts):
             tokens.extend(emitted)
         out = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        return out, VerifyReport(len(tokens), *counts)
+        return out, _report(len(tokens), counts)
 
     @torch.inference_mode()
     def generate_verified(self, input_ids: torch.Tensor, max_new_tokens: int, *,
@@ -199,81 +187,19 @@ class UniMaxEngine:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
         mode the verifier of each block size and the replay of each length) at start-up. The
         caches are left as they were. A no-op without graphs."""
-        graph = self.decode_graph
-        graph.capture_blocks(sampled=sampled)
-        if not verified:
-            return
-        caches = [self.exact_cache, self.snapshot]
-        buffers = [self.verify_input, self.verify_pred, self.num_accepted]
-        for window in self.exact_cache.windows():  # hybrid models: one set per KV bucket
-            with self.exact_cache.attending(window):
-                for k in range(1, self.block_size + 1):
-                    self.runner.prepare(("verify", k, window), lambda k=k: self._verify(k),
-                                        writes=caches, buffers=buffers)
-                    self.runner.prepare(("replay", k, window), lambda k=k: self._replay(k),
-                                        writes=caches + [graph.cache], buffers=buffers)
+        self.decode_graph.capture_blocks(sampled=sampled)
+        if verified:
+            self.verifier.capture()
 
-    # --- verified blocks ------------------------------------------------------------------
-
-    def _verify(self, k: int) -> None:
-        """Graph body: snapshot the exact state, score [current, draft[:-1]] exactly, count the
-        agreeing prefix. Reads the draft from the decoder's static output buffer."""
-        self.take_snapshot()
-        draft = self.decode_graph.out_tokens[:, :k]
-        self.verify_input[:, :1].copy_(self.current)
-        self.verify_input[:, 1:k].copy_(draft[:, :k - 1])
-        logits = self.exact_model.forward_unchecked(self.verify_input[:, :k], self.exact_cache,
-                                                    logits_to_keep=k)
-        self.verify_pred[:, :k].copy_(logits.argmax(dim=-1))
-        agree = self.verify_pred[0, :k].eq(draft[0]).long()
-        self.num_accepted.copy_(agree.cumprod(dim=0).sum())
-
-    def _replay(self, length: int) -> None:
-        """Graph body after a rejection: restore the snapshot, feed the ``length`` accepted
-        inputs exactly, and resync the draft's cache from the exact one."""
-        self.restore_snapshot()
-        self.exact_model.forward_unchecked(self.verify_input[:, :length], self.exact_cache,
-                                           logits_to_keep=1)
-        self.bridge_copy()
-
-    def _verified_blocks(self, n: int, k_max: int, counts: list[int]):
+    def _verified_blocks(self, n: int, k_max: int, counts: VerifyCounts):
         """Yields the tokens each block emits (list of ints). One host sync per block."""
         graph = self.decode_graph
-        exact_caches = [self.exact_cache, self.snapshot]
         remaining = n
         while remaining > 0:
             k = min(k_max, remaining)
-            graph.static_token.copy_(self.current)
+            graph.static_token.copy_(self.verifier.current)
             graph.run_block(k)
-            seen = self.exact_cache.seen_tokens
-            # The verifier's block and a replay end at most at seen + k: both read the KV
-            # bucket holding that many entries (their graphs are keyed by it; None: pure GDN).
-            window = self.exact_cache.window_for(seen + k)
-            with self.exact_cache.attending(window):
-                self.runner.run(("verify", k, window), lambda k=k: self._verify(k),
-                                writes=exact_caches,
-                                buffers=[self.verify_input, self.verify_pred, self.num_accepted])
-                self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
-                counts[0] += k
-                counts[3] += 1
-                # The block's one host transfer: accepted count, draft and exact predictions.
-                host = torch.cat([self.num_accepted[None], graph.out_tokens[0, :k],
-                                  self.verify_pred[0, :k]]).tolist()
-                m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
-                if m == k:
-                    emitted = draft
-                    self.exact_cache.seen_tokens = seen + k
-                    if not self.state_safe_draft:
-                        self.bridge_copy()
-                else:
-                    emitted = draft[:m] + [exact[m]]
-                    self.runner.run(("replay", m + 1, window), lambda m=m: self._replay(m + 1),
-                                    writes=exact_caches + [graph.cache])
-                    self.exact_cache.seen_tokens = seen + m + 1
-                    graph.cache.seen_tokens = self.exact_cache.seen_tokens
-                    counts[2] += 1
-            counts[1] += m
-            self.current.fill_(emitted[-1])
+            emitted = self.verifier.check(k, counts)
             remaining -= len(emitted)
             yield emitted
 
@@ -369,15 +295,15 @@ class UniMaxEngine:
                 return
 
     def _verified_loop(self, result, stops, n, draft_block, on_block) -> None:
-        self.current.fill_(result.tokens[-1])
-        counts = [0, 0, 0, 0]
+        self.verifier.current.fill_(result.tokens[-1])
+        counts = VerifyCounts()
         k_max = _block_arg(draft_block, self.block_size)
         try:
             for emitted in self._verified_blocks(n - len(result.tokens), k_max, counts):
                 if not self._emit(result, emitted, stops, n, on_block):
                     break
         finally:
-            result.verify = VerifyReport(len(result.tokens), *counts)
+            result.verify = _report(len(result.tokens), counts)
 
     def _finish(self, result: Generation, mode: str, state_before: int) -> None:
         """Leave the exact cache at input + every emitted token (the last one fed too).
@@ -397,7 +323,7 @@ class UniMaxEngine:
             # block ran) and feed what was emitted since.
             ran_blocks = result.verify is not None and result.verify.verifier_blocks > 0
             if ran_blocks:
-                self.restore_snapshot()
+                self.verifier.restore_snapshot()
             fed = result.tokens
             if ran_blocks:
                 fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
@@ -405,6 +331,11 @@ class UniMaxEngine:
         with self.exact_cache.attending(self.exact_cache.seen_tokens + len(fed)):
             self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
         self.exact_cache.seen_tokens += len(fed)
+
+
+def _report(generated: int, counts: VerifyCounts) -> VerifyReport:
+    return VerifyReport(generated, counts.drafted, counts.accepted, counts.rejected_blocks,
+                        counts.verifier_blocks)
 
 
 def _count(n) -> int:

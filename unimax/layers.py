@@ -15,6 +15,7 @@ from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .ops.conv import causal_conv1d, causal_conv1d_step
 from .ops.gated_delta import gated_delta_rule
+from .tape import LayerTape
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +75,7 @@ class GatedDeltaNetMixer(nn.Module):
             if torch.is_grad_enabled():  # autograd saves what it reads; the cache is overwritten
                 conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
         conv = causal_conv1d_step if seq_len == 1 else causal_conv1d
+        conv_input = mixed
         mixed, new_conv_state = conv(mixed, self.conv_weight, conv_state)
 
         q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -86,6 +88,8 @@ class GatedDeltaNetMixer(nn.Module):
         # g = -exp(A_log) * softplus(a + dt_bias): the per-head log-decay, computed in fp32.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
+        if state is not None and state.tape is not None:  # the verifier's tape (unimax.tape)
+            state.tape.record(conv_input, q, k, v, g, beta)
         o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,
                                                   backend=self.backend)
         if state is not None:
@@ -100,6 +104,26 @@ class GatedDeltaNetMixer(nn.Module):
         z = z.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)
         o = self.norm(o, z).reshape(batch, seq_len, cfg.value_dim)
         return self.out_proj(o)
+
+
+    def make_tape(self, max_tokens: int) -> LayerTape:
+        cfg, weight = self.config, self.in_proj.weight
+        return LayerTape(max_tokens, cfg.conv_dim, cfg.num_k_heads, cfg.head_k_dim,
+                         cfg.num_v_heads, cfg.head_v_dim, weight.dtype, weight.device)
+
+    def rewind(self, state: RecurrentLayerState, before: RecurrentLayerState, tape: LayerTape,
+               length: int) -> None:
+        """Write into ``state`` the state after the first ``length`` taped tokens, starting
+        from ``before`` (the state the taped forward started from): the conv window over the
+        taped inputs and the recurrence over the taped steps. No weight is read."""
+        width = self.config.conv_size
+        with torch.no_grad():
+            window = torch.cat([before.conv_states[0].to(tape.conv_input.dtype),
+                                tape.conv_input[:, :length].transpose(1, 2)], dim=-1)
+            state.conv_states[0].copy_(window[..., -width:])
+            _, recurrent = gated_delta_rule(*tape.recurrence_inputs(length),
+                                            before.recurrent_states[0], backend=self.backend)
+            state.recurrent_states[0].copy_(recurrent)
 
 
 class SwiGLUMLP(nn.Module):

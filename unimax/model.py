@@ -94,6 +94,23 @@ class GDNForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(self.norm(hidden))
 
+    def make_tape(self, max_tokens: int) -> list:
+        """The verifier's tape (unimax.tape): one per GDN layer, None for attention layers."""
+        return [block.mixer.make_tape(max_tokens) if hasattr(block.mixer, "make_tape") else None
+                for block in self.layers]
+
+    def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tapes: list,
+                         length: int) -> None:
+        """Set ``cache`` to the state after the first ``length`` tokens of the forward that
+        recorded ``tapes`` starting from the state ``before``: GDN layers from their tapes,
+        attention layers by position (entries past it are never read). No host sync."""
+        for block, layer, start, tape in zip(self.layers, cache.layers, before.layers, tapes,
+                                             strict=True):
+            if tape is not None:
+                block.mixer.rewind(layer, start, tape, length)
+        with torch.no_grad():
+            cache.position.copy_(before.position + length)
+
     @torch.inference_mode()
     def greedy_step(self, token: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
         """Feed one token per sequence (B, 1), return the argmax next token (B, 1)."""

@@ -1,0 +1,84 @@
+"""The verifier's rewind: the state after an accepted prefix rebuilt from the tape (no second
+forward) equals the state a forward over that prefix gives, on pure and hybrid models, for every
+prefix length; and a verified reply runs the exact model once per block, never per rejection."""
+
+import pytest
+import torch
+
+import unimax
+from helpers import write_qwen_checkpoint
+from test_engine import CONFIG, erring_engine
+from unimax import GDNForCausalLM
+from unimax.cache import AttentionLayerState
+
+
+@pytest.fixture(scope="module", params=["pure", "hybrid"])
+def model(request, tmp_path_factory):
+    if request.param == "pure":
+        m = GDNForCausalLM(CONFIG).eval()
+        m.init_random_weights(seed=3, std=0.1)
+        return m
+    path = tmp_path_factory.mktemp("hybrid")
+    write_qwen_checkpoint(path, seed=6, num_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+    return unimax.load_model(path, device="cpu", dtype="float32", max_context=96)
+
+
+def states(cache):
+    return [t.clone() for layer in cache.layers
+            for t in (*getattr(layer, "conv_states", {}).values(),
+                      *getattr(layer, "recurrent_states", {}).values())]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("backend", ["chunk", "recurrent"])
+def test_rewind_equals_a_forward_over_the_prefix(model, backend):
+    model.set_backend(backend)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, model.config.vocab_size, (1, 11), generator=gen)
+        block = torch.randint(0, model.config.vocab_size, (1, 6), generator=gen)
+        cache = model.make_recurrent_cache()
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        before = cache.empty_like(share_kv=True)
+        unimax.copy_cache_(before, cache)
+        tapes = model.make_tape(8)
+        with cache.recording(tapes):
+            model.forward_unchecked(block, cache)  # the verifier's forward, k = 6
+        for length in range(1, 7):
+            model.rewind_unchecked(cache, before, tapes, length)
+            expected = model.make_recurrent_cache()
+            model(input_ids=torch.cat([prompt, block[:, :length]], dim=1),
+                  past_key_values=expected, use_cache=True)
+            for got, want in zip(states(cache), states(expected), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            assert int(cache.position) == 11 + length
+            # attention reads exactly as a fresh prefill does: the next token's logits agree
+            nxt = block[:, length:length + 1] if length < 6 else block[:, :1]
+            cache.seen_tokens = expected.seen_tokens
+            with cache.attending(cache.seen_tokens + 1):
+                got_logits = model.forward_unchecked(nxt, cache)
+            want_logits = model(input_ids=nxt, past_key_values=expected, use_cache=True).logits
+            torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+        assert any(isinstance(layer, AttentionLayerState) for layer in cache.layers) == \
+            (model.config.layer_types is not None and
+             "full_attention" in model.config.layer_types)
+    finally:
+        model.set_backend("auto")
+
+
+def test_rejections_cost_no_forward(model, monkeypatch):
+    """Exact-model forwards in a verified reply: the prefill, one per verified block and the
+    end-of-reply fold; a rejection adds none (it rewinds from the tape)."""
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
+    expected = unimax.exact_greedy_tokens(model, prompt, 40)
+    engine = erring_engine(model, block_size=6, period=3)
+    calls = []
+    forward = model.forward_unchecked
+    monkeypatch.setattr(engine.verifier, "forward",
+                        lambda ids, *a, **k: calls.append(ids.shape[1]) or forward(ids, *a, **k))
+    got, report = engine.generate_verified(prompt, 40)
+    assert torch.equal(got, expected)
+    assert report.rejected_blocks >= 3
+    assert len(calls) == report.verifier_blocks  # one forward per block, none per rejection

@@ -1,0 +1,48 @@
+"""The verifier's tape: what each GDN layer fed its recurrence during a verified block, so that
+the state after any accepted prefix can be rebuilt without a second forward.
+
+A rejection at position j of a k-token block leaves the exact cache past the accepted prefix.
+Replaying the prefix through the model would read every weight again (a second forward per
+rejected block). Instead the verifier's forward records, per GDN layer and token, the inputs of
+the two stateful parts: the short convolution's input and the gated delta rule's (q, k, v, g,
+beta). From the state before the block (the snapshot) the state after L tokens is then the
+convolution window over the first L recorded inputs and the recurrence run over L recorded
+steps: no weights, no attention, no MLPs. Attention KV rolls back by position alone.
+
+Buffers are allocated once for the largest block and written with ``copy_`` (graph-safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerTape:
+    """One GDN layer's recorded inputs for up to ``max_tokens`` tokens (batch 1)."""
+
+    def __init__(self, max_tokens: int, conv_dim: int, num_k_heads: int, head_k_dim: int,
+                 num_v_heads: int, head_v_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        t = max_tokens
+        self.max_tokens = max_tokens
+        self.conv_input = torch.zeros(1, t, conv_dim, dtype=dtype, device=device)
+        self.q = torch.zeros(1, t, num_k_heads, head_k_dim, dtype=dtype, device=device)
+        self.k = torch.zeros_like(self.q)
+        self.v = torch.zeros(1, t, num_v_heads, head_v_dim, dtype=dtype, device=device)
+        self.g = torch.zeros(1, t, num_v_heads, dtype=torch.float32, device=device)
+        self.beta = torch.zeros(1, t, num_v_heads, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def record(self, conv_input, q, k, v, g, beta) -> None:
+        """Copy one forward's per-token inputs (B=1, T <= max_tokens) into the tape."""
+        t = conv_input.shape[1]
+        if t > self.max_tokens:
+            raise ValueError(f"the tape holds {self.max_tokens} tokens, the forward fed {t}")
+        for buffer, value in ((self.conv_input, conv_input), (self.q, q), (self.k, k),
+                              (self.v, v), (self.g, g), (self.beta, beta)):
+            buffer[:, :t].copy_(value)
+
+    def recurrence_inputs(self, length: int):
+        """(q, k, v, g, beta) of the first ``length`` recorded tokens."""
+        return (self.q[:, :length], self.k[:, :length], self.v[:, :length],
+                self.g[:, :length], self.beta[:, :length])

@@ -1,0 +1,142 @@
+"""The verifier: checks the draft's blocks with the exact model, so verified decoding emits
+exactly the exact model's greedy tokens.
+
+Per block of k drafts: snapshot the exact state (a preallocated cache), run the exact model once
+over [current, draft[:-1]] (``logits_to_keep=k``: every position's prediction from one read of
+the weights), and count the agreeing prefix m on the device. The block emits draft[:m] and the
+exact prediction at m. After a rejection the exact cache went k tokens ahead, but only m + 1 are
+accepted: it is rewound from the tape its forward recorded (unimax.tape: the convolution window
+and the recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced
+from it. The verifier's forward and the rewind are captured as CUDA graphs, keyed by k (and by
+the KV bucket on hybrid models) and by m + 1; with ``compile=True`` the forward is compiled by
+inductor first, like the decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import CacheCopier, RecurrentCache
+from .graph import GraphRunner, MaxTurboGraphDecoder
+
+
+@dataclass
+class VerifyCounts:
+    drafted: int = 0
+    accepted: int = 0
+    rejected_blocks: int = 0
+    verifier_blocks: int = 0
+
+
+def allow_recompiles(limit: int = 512) -> None:
+    """One compiled forward per block length (and KV bucket) is many more variants than
+    dynamo's default limit of 8, past which it silently runs the rest eagerly."""
+    import torch._dynamo.config as config
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+
+
+class Verifier:
+    def __init__(self, exact_model, exact_cache: RecurrentCache,
+                 decoder: MaxTurboGraphDecoder, resync_draft: CacheCopier,
+                 state_safe_draft: bool, compile: bool = False):
+        self.model = exact_model
+        self.cache = exact_cache
+        self.decoder = decoder
+        self.resync_draft = resync_draft  # exact cache -> the draft's cache
+        # True when the draft writes the exact states (BF16, FP8 tail): no resync after a fully
+        # accepted block. False for the full-FP8 draft, whose states drift.
+        self.state_safe_draft = state_safe_draft
+        self.block_size = decoder.block_size
+        self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
+        self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
+        self.restore_snapshot = CacheCopier(exact_cache, self.snapshot)
+        self.tapes = exact_model.make_tape(self.block_size)
+        long = dict(dtype=torch.long, device=exact_cache.device)
+        self.current = torch.zeros(1, 1, **long)  # the last emitted token, not yet fed
+        self.inputs = torch.zeros(1, self.block_size, **long)
+        self.predictions = torch.zeros(1, self.block_size, **long)
+        self.num_accepted = torch.zeros((), **long)
+        self.runner = GraphRunner(exact_cache.device, decoder.use_graphs)
+        self.forward = exact_model.forward_unchecked
+        if compile:
+            allow_recompiles()
+            self.forward = torch.compile(exact_model.forward_unchecked, dynamic=False)
+
+    # --- graph bodies --------------------------------------------------------------------
+
+    def _verify(self, k: int) -> None:
+        """Snapshot, score [current, draft[:-1]] exactly (recording the tape), count the
+        agreeing prefix. Reads the draft from the decoder's static output buffer."""
+        self.take_snapshot()
+        draft = self.decoder.out_tokens[:, :k]
+        self.inputs[:, :1].copy_(self.current)
+        self.inputs[:, 1:k].copy_(draft[:, :k - 1])
+        with self.cache.recording(self.tapes):
+            logits = self.forward(self.inputs[:, :k], self.cache, logits_to_keep=k)
+        self.predictions[:, :k].copy_(logits.argmax(dim=-1))
+        agree = self.predictions[0, :k].eq(draft[0]).long()
+        self.num_accepted.copy_(agree.cumprod(dim=0).sum())
+
+    def _rewind(self, length: int) -> None:
+        """After a rejection: the exact state after the first ``length`` block inputs, from
+        the tape; then the draft's cache from it."""
+        self.model.rewind_unchecked(self.cache, self.snapshot, self.tapes, length)
+        self.resync_draft()
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.inputs, self.predictions, self.num_accepted]
+
+    # --- start-up and per block ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every verifier graph a reply can meet: each block length in each KV bucket, each
+        rewind length. The caches are left as they were."""
+        caches = [self.cache, self.snapshot]
+        for window in self.cache.windows():  # hybrid models: one set per KV bucket
+            with self.cache.attending(window):
+                for k in range(1, self.block_size + 1):
+                    self.runner.prepare(("verify", k, window), lambda k=k: self._verify(k),
+                                        writes=caches, buffers=self._buffers())
+        for length in range(1, self.block_size + 1):
+            self.runner.prepare(("rewind", length), lambda n=length: self._rewind(n),
+                                writes=caches + [self.decoder.cache])
+
+    def check(self, k: int, counts: VerifyCounts) -> list[int]:
+        """Check the k drafts the decoder just wrote; returns the tokens the block emits (the
+        agreeing drafts and the exact token after them). One host sync."""
+        seen = self.cache.seen_tokens
+        # The verifier's block ends at seen + k: it reads the KV bucket holding that many
+        # entries (its graphs are keyed by it; None: pure GDN).
+        window = self.cache.window_for(seen + k)
+        with self.cache.attending(window):
+            self.runner.run(("verify", k, window), lambda: self._verify(k),
+                            writes=[self.cache, self.snapshot], buffers=self._buffers())
+        self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
+        counts.drafted += k
+        counts.verifier_blocks += 1
+        # The block's one host transfer: accepted count, draft and exact predictions.
+        host = torch.cat([self.num_accepted[None], self.decoder.out_tokens[0, :k],
+                          self.predictions[0, :k]]).tolist()
+        m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
+        counts.accepted += m
+        if m == k:
+            self.cache.seen_tokens = seen + k
+            if not self.state_safe_draft:
+                self.resync_draft()
+            emitted = draft
+        else:
+            self.runner.run(("rewind", m + 1), lambda: self._rewind(m + 1),
+                            writes=[self.cache, self.snapshot, self.decoder.cache])
+            self.cache.seen_tokens = seen + m + 1
+            self.decoder.cache.seen_tokens = self.cache.seen_tokens
+            counts.rejected_blocks += 1
+            emitted = draft[:m] + [exact[m]]
+        self.current.fill_(emitted[-1])
+        return emitted
