@@ -206,7 +206,7 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     assert len(rewinds) == report.rejected_blocks
     assert {key[2] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 8 > 16 in block one
     cache = engine.exact_cache
-    for (kind, k, window), length, stored in verifies:
+    for (_, k, window), length, stored in verifies:
         # every entry it needs, and the smallest bucket that holds them
         assert length == window == cache.window_for(stored + k) and stored + k <= window
 
