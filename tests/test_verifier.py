@@ -4,10 +4,10 @@ prefix length; and a verified reply runs the exact model once per block, never p
 
 import pytest
 import torch
+from test_engine import CONFIG, erring_engine
 
 import unimax
 from helpers import write_qwen_checkpoint
-from test_engine import CONFIG, erring_engine
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState
 
