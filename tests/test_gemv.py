@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import torch
 from unimax.fp8 import quantize_rows
-from unimax.ops.gemv import gemv, gemv_ref
+from unimax.ops.gemv import gemv, gemv_ref, small_m_linear
 torch.manual_seed(0)
-for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130)]:
+for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130), (5, 70, 300),
+                (16, 40, 64), (9, 33, 130)]:
     w = torch.randn(n, k)
     q, s = quantize_rows(w)
     x = torch.randn(m, k).to(torch.bfloat16)
@@ -31,7 +32,12 @@ for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130)]:
         assert y.shape == r.shape == (m, n) and y.dtype == torch.bfloat16
         err = float((y.float() - r.float()).norm() / r.float().norm())
         assert err < 1e-2, (m, n, k, err)
+        assert torch.equal(small_m_linear(x, *args), y)  # the op runs the same kernel
         print("ok", m, n, k, err)
+# the op has a fake kernel: a compiled function traces through it with no graph break
+traced = torch.compile(lambda x, w, s: small_m_linear(x, w, s) * 2, fullgraph=True,
+                       backend="eager")
+print("compiled", float((traced(x, q, s) - 2 * gemv(x, q, s)).abs().max()))
 """
 
 
@@ -44,7 +50,7 @@ def test_triton_gemv_matches_its_twin_in_the_interpreter():
     run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("ok") == 8
+    assert run.stdout.count("ok") == 14 and "compiled 0.0" in run.stdout, run.stdout
 
 
 def test_fp8_gemv_mode_keeps_bf16_activations():

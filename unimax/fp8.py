@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.gemv import GEMV_ROWS, gemv, gemv_ref
+from .ops.gemv import GEMV_ROWS, gemv_ref, small_m_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -88,7 +88,7 @@ class FP8Linear(nn.Module):
             if not x2.is_cuda or self.mode == "emulated":
                 y = gemv_ref(x2, self.weight, self.weight_scale)
             elif x2.shape[0] <= GEMV_ROWS:
-                y = gemv(x2, self.weight, self.weight_scale)
+                y = small_m_linear(x2, self.weight, self.weight_scale)
             else:  # the same function for larger M: FP8 weights, BF16 activations
                 y = F.linear(x2, self.dequantized_weight(x.dtype))
         elif self.mode == "weight_only":

@@ -8,8 +8,8 @@ exact prediction at m. After a rejection the exact cache went k tokens ahead, bu
 accepted: it is rewound from the tape its forward recorded (unimax.tape: the convolution window
 and the recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced
 from it. The verifier's forward and the rewind are captured as CUDA graphs, keyed by k (and by
-the KV bucket on hybrid models) and by m + 1; with ``compile=True`` the forward is compiled by
-inductor first, like the decode step.
+the KV bucket on hybrid models) and by m + 1; with ``compile=True`` the full-length block's
+forward runs the small-M linears and is compiled by inductor first, like the decode step.
 """
 
 from __future__ import annotations
@@ -64,9 +64,17 @@ class Verifier:
         self.num_accepted = torch.zeros((), **long)
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs)
         self.forward = exact_model.forward_unchecked
+        self.compiled = None
         if compile:
+            # The exact model through the small-M linears (ops/gemv.py: Triton or cuBLAS per
+            # shape, W read once for the block), compiled by inductor. Only the full block
+            # length is compiled: shorter blocks end a reply, and each length is a compilation
+            # of the whole model (tens of seconds at 4B).
+            from .fast_step import gemv_view
+
             allow_recompiles()
-            self.forward = torch.compile(exact_model.forward_unchecked, dynamic=False)
+            self.compiled = torch.compile(gemv_view(exact_model).forward_unchecked,
+                                          dynamic=False)
 
     # --- graph bodies --------------------------------------------------------------------
 
@@ -77,8 +85,9 @@ class Verifier:
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k].copy_(draft[:, :k - 1])
+        forward = self.compiled if self.compiled and k == self.block_size else self.forward
         with self.cache.recording(self.tapes):
-            logits = self.forward(self.inputs[:, :k], self.cache, logits_to_keep=k)
+            logits = forward(self.inputs[:, :k], self.cache, logits_to_keep=k)
         self.predictions[:, :k].copy_(logits.argmax(dim=-1))
         agree = self.predictions[0, :k].eq(draft[0]).long()
         self.num_accepted.copy_(agree.cumprod(dim=0).sum())

@@ -1,25 +1,28 @@
-"""GEMV for decoding: y = x @ (W * s)^T for a few rows of x, W (N, K) in BF16 or FP8
-(float8_e4m3fn, with one fp32 scale per output row), activations never quantized.
+"""Linears at decode's few rows: y = x @ (W * s)^T for M <= GEMV_ROWS rows of x, W (N, K) in
+BF16 or FP8 (float8_e4m3fn, with one fp32 scale per output row), activations never quantized.
 
-At batch 1 a decode step's linears are matrix-vector products: the time is reading W. cuBLAS
-picks GEMM tiles built for larger M: on the H200 it read the 248k-row LM head in FP8
-(``torch._scaled_mm``, which first quantizes the activation) barely faster than in BF16, and a
-compiled GDN step's BF16 projections at 1.4-2 TB/s of the card's ~4 (bench/RESULTS.md). This
-kernel streams the rows once, converts them in registers and accumulates in fp32: nothing but
-the bytes of W. Rows of x are independent programs (meant for M <= 4); the tile shape is tuned
-per (N, K, dtype) at first use, i.e. in the warm-up before a graph is captured.
+At batch 1 a decode step's linears are matrix-vector products and a verifier block's are
+k-row products: the time is reading W. cuBLAS picks GEMM tiles built for larger M: on the H200
+it read the 248k-row LM head in FP8 (``torch._scaled_mm``, which first quantizes the activation)
+barely faster than in BF16, and a compiled GDN step's BF16 projections at 1.4-2 TB/s of the
+card's ~4 (bench/RESULTS.md). Two Triton kernels stream the rows of W once and accumulate in
+fp32: for M <= 4 each row of x is a program of its own (a GEMV: the re-reads hit L2), for larger
+M one program multiplies all rows of x with a tile of W on the tensor cores.
 
-``gemv_ref`` is its plain-torch twin (same stored weights and scales, fp32 accumulate).
+``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
+compiled step traces through it without a graph break. It also chooses, once per shape at first
+use (the warm-up before a graph is captured), between the Triton kernel and cuBLAS for BF16
+weights: some shapes favour cuBLAS (bench/RESULTS.md). ``gemv_ref`` is the plain-torch twin.
 """
-
-from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 
-GEMV_ROWS = 4  # callers send up to this many rows through the GEMV (decode steps), more to cuBLAS
+GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
+PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
@@ -31,10 +34,14 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
     return y.to(x.dtype)
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter (tests): no timing
+
+
 @functools.cache
-def _kernel(scaled: bool):
-    """One autotuned kernel per weight kind (FP8 with scales, BF16 without): the best tile for
-    a (N, K) differs between 1- and 2-byte weights, and the tuner's key is (N, K)."""
+def _gemv_kernel(scaled: bool):
+    """Rows of x as programs. One autotuned kernel per weight kind (FP8 with scales, BF16
+    without): the best tile for a (N, K) differs between 1- and 2-byte weights."""
     import triton
     import triton.language as tl
 
@@ -60,25 +67,126 @@ def _kernel(scaled: bool):
             y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
         tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter (tests): no timing
+    if _interpreted():
         return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64}
     return triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel), {}
 
 
+@functools.cache
+def _dot_kernel(scaled: bool):
+    """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
+    read once for the whole block (the verifier's k tokens)."""
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+               for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
+                                  (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                                  (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))]
+
+    @triton.jit
+    def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
+            # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                              input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        if HAS_SCALE:
+            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    if _interpreted():
+        return triton, dot_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "DOT_F32": True}
+    return (triton, triton.autotune(configs=configs, key=["N", "K"])(dot_kernel),
+            {"DOT_F32": False})
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor,
          scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel (CUDA). Same contract as ``gemv_ref``."""
+    """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
+    ``gemv_ref``."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
     if weight.stride(1) != 1:
         raise ValueError("gemv: the weight's rows must be contiguous (stride 1 along K)")
-    triton, kernel, fixed = _kernel(scale is not None)
-    x = x.contiguous()
     m, k = x.shape
+    if m > GEMV_ROWS:
+        raise ValueError(f"gemv: at most {GEMV_ROWS} rows, got {m}")
+    x = x.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
-    kernel[grid](x, weight, x if scale is None else scale, y, n, k, x.stride(0),
-                 weight.stride(0), y.stride(0), HAS_SCALE=scale is not None, **fixed)
+    scaled = scale is not None
+    if m <= PROGRAM_ROWS:
+        triton, kernel, fixed = _gemv_kernel(scaled)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
+        kernel[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
+    else:
+        triton, kernel, fixed = _dot_kernel(scaled)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        kernel[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed)
     return y
+
+
+# --- the op a compiled step calls, with its per-shape kernel choice -----------------------
+
+CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "triton" | "cublas"
+
+
+def _time_us(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """The faster of the Triton kernel and cuBLAS for this shape, timed once (BF16 weights on
+    CUDA; FP8 weights always take the Triton kernel: cuBLAS would first dequantize them). A shape
+    first met while a CUDA graph is being captured cannot be timed: it takes Triton."""
+    key = (x.shape[0], *weight.shape, weight.dtype)
+    if key not in CHOICES:
+        if scale is not None or not x.is_cuda or _interpreted():
+            return "triton"
+        if torch.cuda.is_current_stream_capturing():
+            return "triton"
+        triton_us = _time_us(lambda: gemv(x, weight))
+        cublas_us = _time_us(lambda: torch.nn.functional.linear(x, weight))
+        CHOICES[key] = "triton" if triton_us <= cublas_us else "cublas"
+    return CHOICES[key]
+
+
+@torch.library.custom_op("unimax::small_m_linear", mutates_args=())
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
+    # (Optional, not "| None": the op's schema is read from these annotations at import)
+    """x (M <= GEMV_ROWS, K) @ weight^T (* scale): the Triton kernel or cuBLAS, per shape."""
+    if choose(x, weight, scale) == "cublas":
+        return torch.nn.functional.linear(x, weight)
+    return gemv(x, weight, scale)
+
+
+@small_m_linear.register_fake
+def _(x, weight, scale=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
