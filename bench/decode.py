@@ -237,7 +237,8 @@ def transformers_generate_baseline(config, ids, n=64) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["gdn-1.3b", "gdn24-0.8b", "qwen3.5-0.8b"],
+                        choices=list(SHAPES))
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--parts", nargs="+", default=["modes", "baselines", "gemv", "bridge"],
                         choices=PARTS, help="what to run (compile: bf16 and fp8-tail steps "

@@ -26,7 +26,22 @@ QWEN35_0_8B = GDNConfig(vocab_size=248320, hidden_size=1024, num_hidden_layers=2
                                           "linear_attention" for i in range(24)),
                         num_attention_heads=8, num_key_value_heads=2, attn_head_dim=256,
                         rope_theta=1e7, partial_rotary_factor=0.25, max_context=4096)
-SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35_0_8B}
+# ~4.2B, bandwidth-bound on the H200 too (8.5 GB per token): Qwen3.5-4B's sizes as pure GDN,
+# and the Qwen3.5-4B-like hybrid (every 4th layer gated attention: 16 heads, 4 KV heads of 256).
+# An L4 (300 GB/s) is bandwidth-bound at every shape here; these show it on the H200.
+GDN_4B = GDNConfig(vocab_size=248320, hidden_size=2560, num_hidden_layers=32, num_k_heads=16,
+                   num_v_heads=32, head_k_dim=128, head_v_dim=128, intermediate_size=9216,
+                   norm_offset=1.0, tie_word_embeddings=True, source_layout="qwen3_5")
+QWEN35_4B = GDNConfig(vocab_size=248320, hidden_size=2560, num_hidden_layers=32,
+                      num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                      intermediate_size=9216, norm_offset=1.0, tie_word_embeddings=True,
+                      source_layout="qwen3_5",
+                      layer_types=tuple("full_attention" if i % 4 == 3 else
+                                        "linear_attention" for i in range(32)),
+                      num_attention_heads=16, num_key_value_heads=4, attn_head_dim=256,
+                      rope_theta=1e7, partial_rotary_factor=0.25, max_context=2048)
+SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35_0_8B,
+          "gdn-4b": GDN_4B, "qwen3.5-4b": QWEN35_4B}
 
 
 def decode_weight_bytes(model) -> int:

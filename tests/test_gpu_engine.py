@@ -115,9 +115,9 @@ def test_hybrid_graphs_on_gpu(tmp_path):
 
 
 def test_triton_gemv_on_gpu(model):
-    """The Triton GEMV equals its twin with BF16 weights and (fp8_gemv mode) FP8 ones at M=1..4,
-    falls back above, runs inside a captured graph, and an fp8_gemv engine's graphs equal its
-    eager steps."""
+    """The Triton kernels equal their twin with BF16 weights and (fp8_gemv mode) FP8 ones at
+    M=1..16, fall back above, run inside a captured graph, and an fp8_gemv engine's graphs equal
+    its eager steps."""
     from unimax.fast_step import GemvLinear
     from unimax.ops.gemv import gemv_ref
 
@@ -127,7 +127,7 @@ def test_triton_gemv_on_gpu(model):
         with torch.no_grad():
             linear.weight.normal_(generator=gen)
         fp8 = FP8Linear(linear, mode="fp8_gemv")
-        for m in (1, 3, 6):
+        for m in (1, 3, 6, 16, 20):  # GEMV kernel, tensor-core kernel, cuBLAS above 16
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             padded = torch.nn.functional.pad(x, (0, fp8.pad_cols))
             ref = gemv_ref(padded, fp8.weight, fp8.weight_scale)[:, :n]
@@ -148,3 +148,64 @@ def test_triton_gemv_on_gpu(model):
     eager = build_engine(model, decode="fp8", fp8_mode="fp8_gemv", block_size=8,
                          use_graphs=False)
     assert torch.equal(graphs.generate_fast(prompt_ids, 40), eager.generate_fast(prompt_ids, 40))
+
+
+def test_compiled_verifier_is_exact(model):
+    """Verified mode with the fast step: compiled draft step, the verifier's full block compiled
+    through the small-M linears, rejections rewound from the tape with fla's kernel: exact
+    greedy decoding up to BF16 near-ties, against the one-token eager reference."""
+    from unimax.reference import first_divergence
+
+    for draft in ("full", "tail"):
+        x = prompt(80, seed=12)
+        engine = build_engine(model, decode="fp8", draft=draft, block_size=8, compile_step=True)
+        assert engine.verifier.compiled is not None
+        got, report = engine.generate_verified(x, 64)
+        reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
+        divergence = first_divergence(model, x, got[0].tolist(), reference)
+        assert divergence is None or divergence["gap_over_std"] < 0.05, (draft, divergence)
+        print(draft, "acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
+
+
+@torch.inference_mode()
+def test_rewind_on_gpu_equals_a_forward_over_the_prefix():
+    """The tape rewind with fla's recurrent kernel (the GPU path) against a plain prefill."""
+    fp32 = GDNForCausalLM.random(CONFIG, device="cuda", dtype=torch.float32, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    prompt_ids = torch.randint(0, CONFIG.vocab_size, (1, 40), device="cuda", generator=gen)
+    block = torch.randint(0, CONFIG.vocab_size, (1, 8), device="cuda", generator=gen)
+    cache = fp32.make_recurrent_cache()
+    fp32(input_ids=prompt_ids, past_key_values=cache, use_cache=True)
+    before = cache.empty_like()
+    unimax.copy_cache_(before, cache)
+    tapes = fp32.make_tape(8)
+    with cache.recording(tapes):
+        fp32.forward_unchecked(block, cache)
+    for length in (1, 4, 8):
+        fp32.rewind_unchecked(cache, before, tapes, length)
+        expected = fp32.make_recurrent_cache()
+        fp32(input_ids=torch.cat([prompt_ids, block[:, :length]], dim=1),
+             past_key_values=expected, use_cache=True)
+        assert rel_err(cache.recurrent_buffer, expected.recurrent_buffer) < 5e-3
+        assert rel_err(cache.conv_buffer, expected.conv_buffer) < 1e-6
+        assert int(cache.position) == 40 + length
+
+
+def test_small_m_linear_picks_per_shape_and_graphs():
+    """The custom op: Triton or cuBLAS chosen once per shape outside capture; inside a captured
+    graph it replays what it chose; both agree with the plain twin."""
+    from unimax.ops import gemv as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    weight = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for m in (1, 8, 16):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+        y = ops.small_m_linear(x, weight)
+        assert ops.CHOICES[(m, 3000, 1024, torch.bfloat16)] in ("triton", "cublas")
+        assert rel_err(y.float(), ops.gemv_ref(x, weight).float()) < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.small_m_linear(x, weight)
+        x.copy_(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        assert rel_err(out.float(), ops.gemv_ref(x, weight).float()) < 1e-2

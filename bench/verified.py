@@ -1,0 +1,184 @@
+"""Verified mode against BF16-only, side by side in one run (GPU): the speed of exact greedy
+decoding with FP8 drafts, at the draft's real acceptance and at forced acceptance rates, and
+where a verified block's time goes.
+
+usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
+       [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--json FILE]
+
+Both engines run the fast step (compile_step=True). Forced acceptance: the draft block runs as
+always (same work), then its tokens are replaced on the device by the exact greedy reference,
+each position independently corrupted with probability 1 - rate; the verifier then accepts or
+rejects exactly as it would a real draft. Per-part times are CUDA-graph replays of the engine's
+own graphs: a BF16 step, a draft step, the verifier's k-token forward, a rewind after a
+rejection. Prints a table last; "floor%" is the weight bytes over the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_bandwidth, median_device_seconds  # noqa: E402
+from shapes import SHAPES, decode_weight_bytes  # noqa: E402
+
+import unimax  # noqa: E402
+from unimax import GDNForCausalLM, build_engine  # noqa: E402
+from unimax.reference import first_divergence  # noqa: E402
+
+
+def oracle(reference: list[int], vocab: int, rate: float, seed: int = 0) -> torch.Tensor:
+    """The reference tokens, each corrupted with probability 1 - rate, on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor(reference + [0] * 64)
+    wrong = torch.rand(tokens.shape, generator=gen) >= rate
+    return torch.where(wrong, (tokens + 1) % vocab, tokens).cuda()
+
+
+def force_drafts(engine, drafts: torch.Tensor, prompt_len: int):
+    """Patch the decoder so each block's tokens come from ``drafts`` at the reply position."""
+    graph = engine.decode_graph
+    real = graph.run_block
+
+    def run_block(n):
+        out = real(n)
+        start = engine.exact_cache.seen_tokens - prompt_len + 1  # the next draft's index
+        out.copy_(drafts[start:start + n][None])
+        return out
+
+    graph.run_block = run_block
+    return lambda: setattr(graph, "run_block", real)
+
+
+def timed_generate(engine, ids, new, mode) -> unimax.Generation:
+    engine.generate(ids, new, mode=mode)  # warm-up: graphs, compilation, autotuning
+    runs = [engine.generate(ids, new, mode=mode) for _ in range(2)]
+    return min(runs, key=lambda r: r.decode_seconds)
+
+
+def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict:
+    steps = len(result.tokens) - 1
+    per_token = result.decode_seconds / steps
+    row = {"mode": name, "tok_s": 1 / per_token, "ms_per_token": per_token * 1e3,
+           "of_floor": weight_bytes / bandwidth / per_token,
+           "exact": result.tokens == reference[:len(result.tokens)]}
+    if result.verify is not None:
+        v = result.verify
+        row.update(acceptance=v.acceptance_rate, blocks=v.verifier_blocks,
+                   rejected=v.rejected_blocks,
+                   ms_per_block=result.decode_seconds / max(v.verifier_blocks, 1) * 1e3)
+    if not row["exact"]:
+        row["divergence"] = first_divergence(model, ids, result.tokens, reference)
+    return row
+
+
+def replay_ms(runner, key) -> float | None:
+    graph = runner.graphs.get(key)
+    return None if graph is None else median_device_seconds(graph.replay, 20, warmup=3) * 1e3
+
+
+@torch.inference_mode()
+def bench_shape(shape, args, bandwidth) -> dict:
+    config = SHAPES[shape]
+    model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, 512), device="cuda", generator=gen)
+    start = time.perf_counter()
+    reference = unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
+    print(f"[{shape}] reference in {time.perf_counter() - start:.0f} s", flush=True)
+    weight_bytes = decode_weight_bytes(model)
+    k = args.block
+    rows, parts = [], {}
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    start = time.perf_counter()
+    bf16 = build_engine(model, decode="bf16", block_size=k, compile_step=True)
+    emit({**row_of("bf16", timed_generate(bf16, ids, args.new, "fast"), weight_bytes,
+                   bandwidth, reference, model, ids),
+          "warmup_s": time.perf_counter() - start})
+    bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
+    parts["bf16_step_ms"] = bf16_block / k
+    del bf16
+
+    start = time.perf_counter()
+    engine = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                          compile_step=True)
+    emit({**row_of(f"verified-{args.draft}", timed_generate(engine, ids, args.new, "verified"),
+                   weight_bytes, bandwidth, reference, model, ids),
+          "warmup_s": time.perf_counter() - start})
+    for rate in args.acceptance:
+        undo = force_drafts(engine, oracle(reference, config.vocab_size, rate), 512)
+        try:
+            result = timed_generate(engine, ids, args.new, "verified")
+        finally:
+            undo()
+        emit(row_of(f"verified-{args.draft} @{rate}", result, weight_bytes, bandwidth,
+                    reference, model, ids))
+
+    verifier = engine.verifier
+    window = engine.exact_cache.window_for(512 + args.new)
+    parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
+    parts[f"verify_{k}_ms"] = replay_ms(verifier.runner, ("verify", k, window))
+    length = k // 2
+    verifier.runner.prepare(("rewind", length), lambda: verifier._rewind(length),
+                            writes=[verifier.cache, verifier.snapshot, engine.decode_graph.cache])
+    parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
+    base = parts["bf16_step_ms"]
+    parts.update({"draft_over_bf16": parts["draft_step_ms"] / base,
+                  f"verify_{k}_over_bf16": (parts[f"verify_{k}_ms"] or 0) / base,
+                  "rewind_over_bf16": (parts["rewind_ms"] or 0) / base,
+                  "floor_ms": weight_bytes / bandwidth * 1e3})
+    print(json.dumps(parts), flush=True)
+    return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["gdn-4b", "qwen3.5-4b", "gdn24-0.8b"],
+                        choices=list(SHAPES))
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--draft", default="full", choices=["full", "tail"])
+    parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
+              "shapes": {}}
+    for shape in args.shapes:
+        try:
+            report["shapes"][shape] = bench_shape(shape, args, bandwidth)
+        except Exception as err:  # record, go on with the next shape
+            report["shapes"][shape] = {"error": repr(err)[:500]}
+            print(json.dumps({"shape": shape, "error": repr(err)[:500]}), flush=True)
+        torch.cuda.empty_cache()
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s, block {args.block}")
+    for shape, data in report["shapes"].items():
+        if "error" in data:
+            print(f"{shape}: error {data['error'][:200]}")
+            continue
+        bf16 = data["rows"][0]["tok_s"]
+        print(f"\n{shape} ({data['weight_bytes'] / 1e9:.2f} GB/token)")
+        print(f"{'mode':<24}{'tok/s':>8}{'x bf16':>8}{'floor%':>8}{'accept':>8}{'ms/blk':>8}"
+              f"{'exact':>7}")
+        for r in data["rows"]:
+            print(f"{r['mode']:<24}{r['tok_s']:>8.0f}{r['tok_s'] / bf16:>8.2f}"
+                  f"{100 * r['of_floor']:>8.1f}{r.get('acceptance', float('nan')):>8.2f}"
+                  f"{r.get('ms_per_block', float('nan')):>8.2f}{str(r['exact']):>7}")
+        p = data["parts"]
+        print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
+                                         if value is not None))
+
+
+if __name__ == "__main__":
+    main()
