@@ -204,11 +204,12 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     verifies = [(key, length, stored) for key, length, stored in seen if key[0] == "verify"]
     rewinds = [key for key, _, _ in seen if key[0] == "rewind"]
     assert len(rewinds) == report.rejected_blocks
-    assert {key[2] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 8 > 16 in block one
+    assert {key[2] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 9 > 16 in block one
     cache = engine.exact_cache
     for (_, k, window), length, stored in verifies:
         # every entry it needs, and the smallest bucket that holds them
-        assert length == window == cache.window_for(stored + k) and stored + k <= window
+        assert length == window == cache.window_for(stored + k + 1)
+        assert stored + k + 1 <= window
 
 
 @torch.inference_mode()

@@ -42,11 +42,11 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
         before = cache.empty_like(share_kv=True)
         unimax.copy_cache_(before, cache)
-        tapes = model.make_tape(8)
-        with cache.recording(tapes):
+        tape = model.make_tape(8)
+        with cache.recording(tape.layers):
             model.forward_unchecked(block, cache)  # the verifier's forward, k = 6
         for length in range(1, 7):
-            model.rewind_unchecked(cache, before, tapes, length)
+            model.rewind_unchecked(cache, before, tape, length)
             expected = model.make_recurrent_cache()
             model(input_ids=torch.cat([prompt, block[:, :length]], dim=1),
                   past_key_values=expected, use_cache=True)

@@ -196,9 +196,12 @@ class UniMaxEngine:
         graph = self.decode_graph
         remaining = n
         while remaining > 0:
-            k = min(k_max, remaining)
-            graph.static_token.copy_(self.verifier.current)
-            graph.run_block(k)
+            # A block emits at most k + 1 tokens: never more than are left, so the verifier
+            # never writes KV past the context the caller checked.
+            k = min(k_max, remaining - 1)
+            if k:
+                graph.static_token.copy_(self.verifier.current)
+                graph.run_block(k)
             emitted = self.verifier.check(k, counts)
             remaining -= len(emitted)
             yield emitted

@@ -15,7 +15,6 @@ from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .ops.conv import causal_conv1d, causal_conv1d_step
 from .ops.gated_delta import gated_delta_rule
-from .tape import LayerTape
 
 
 class RMSNorm(nn.Module):
@@ -105,25 +104,6 @@ class GatedDeltaNetMixer(nn.Module):
         o = self.norm(o, z).reshape(batch, seq_len, cfg.value_dim)
         return self.out_proj(o)
 
-
-    def make_tape(self, max_tokens: int) -> LayerTape:
-        cfg, weight = self.config, self.in_proj.weight
-        return LayerTape(max_tokens, cfg.conv_dim, cfg.num_k_heads, cfg.head_k_dim,
-                         cfg.num_v_heads, cfg.head_v_dim, weight.dtype, weight.device)
-
-    def rewind(self, state: RecurrentLayerState, before: RecurrentLayerState, tape: LayerTape,
-               length: int) -> None:
-        """Write into ``state`` the state after the first ``length`` taped tokens, starting
-        from ``before`` (the state the taped forward started from): the conv window over the
-        taped inputs and the recurrence over the taped steps. No weight is read."""
-        width = self.config.conv_size
-        with torch.no_grad():
-            window = torch.cat([before.conv_states[0].to(tape.conv_input.dtype),
-                                tape.conv_input[:, :length].transpose(1, 2)], dim=-1)
-            state.conv_states[0].copy_(window[..., -width:])
-            _, recurrent = gated_delta_rule(*tape.recurrence_inputs(length),
-                                            before.recurrent_states[0], backend=self.backend)
-            state.recurrent_states[0].copy_(recurrent)
 
 
 class SwiGLUMLP(nn.Module):

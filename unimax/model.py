@@ -10,6 +10,8 @@ from torch import nn
 from .cache import AttentionStateSpec, LayerStateSpec, RecurrentCache
 from .config import GDNConfig
 from .layers import GDNBlock, RMSNorm
+from .ops.gated_delta import gated_delta_rule
+from .tape import Tape
 
 
 @dataclass
@@ -94,20 +96,38 @@ class GDNForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(self.norm(hidden))
 
-    def make_tape(self, max_tokens: int) -> list:
-        """The verifier's tape (unimax.tape): one per GDN layer, None for attention layers."""
-        return [block.mixer.make_tape(max_tokens) if hasattr(block.mixer, "make_tape") else None
-                for block in self.layers]
+    def make_tape(self, max_tokens: int) -> Tape:
+        """The verifier's tape (unimax.tape) for forwards of up to ``max_tokens`` tokens."""
+        cfg = self.config
+        num_gdn = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
+        tape = Tape(num_gdn, max_tokens, cfg.conv_dim, cfg.num_k_heads, cfg.head_k_dim,
+                    cfg.num_v_heads, cfg.head_v_dim, self.dtype, self.device)
+        gdn = iter(tape.layers)
+        tape.layers = [None if cfg.is_attention(i) else next(gdn)
+                       for i in range(cfg.num_hidden_layers)]
+        return tape
 
-    def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tapes: list,
+    def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tape: Tape,
                          length: int) -> None:
         """Set ``cache`` to the state after the first ``length`` tokens of the forward that
-        recorded ``tapes`` starting from the state ``before``: GDN layers from their tapes,
-        attention layers by position (entries past it are never read). No host sync."""
-        for block, layer, start, tape in zip(self.layers, cache.layers, before.layers, tapes,
-                                             strict=True):
-            if tape is not None:
-                block.mixer.rewind(layer, start, tape, length)
+        recorded ``tape`` starting from the state ``before``: every GDN layer at once (layers
+        as the batch: the conv window over the taped inputs, the recurrence over the taped
+        steps), attention layers by position (entries past it are never read). No weight is
+        read, no host sync."""
+        cfg = self.config
+        mixers = [b.mixer for b in self.layers if hasattr(b.mixer, "backend")]
+        if mixers:
+            n = len(mixers)
+            conv_shape = (n, cfg.conv_dim, cfg.conv_size)
+            rec_shape = (n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
+            with torch.no_grad():
+                window = torch.cat([before.conv_buffer.view(conv_shape).to(tape.conv_input.dtype),
+                                    tape.conv_input[:, :length].transpose(1, 2)], dim=-1)
+                cache.conv_buffer.view(conv_shape).copy_(window[..., -cfg.conv_size:])
+                _, recurrent = gated_delta_rule(*tape.recurrence_inputs(length),
+                                                before.recurrent_buffer.view(rec_shape),
+                                                backend=mixers[0].backend)
+                cache.recurrent_buffer.view(rec_shape).copy_(recurrent)
         with torch.no_grad():
             cache.position.copy_(before.position + length)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -43,4 +45,14 @@ def first_divergence(model, input_ids: torch.Tensor, tokens: list[int],
         logits = model(input_ids=torch.tensor([[token]], device=input_ids.device),
                        past_key_values=cache, logits_to_keep=1).logits[0, -1]
     gap = float(logits[want].float() - logits[got].float())
-    return {"index": index, "gap": gap, "gap_over_std": gap / float(logits.float().std())}
+    top = max(abs(float(logits[want])), abs(float(logits[got])), 2.0 ** -126)
+    ulp = 2.0 ** (math.floor(math.log2(top)) - 7)  # BF16 keeps 8 significant bits
+    return {"index": index, "gap": gap, "gap_over_std": gap / float(logits.float().std()),
+            "gap_bf16_ulps": gap / ulp}
+
+
+def is_near_tie(divergence: dict | None, max_ulps: float = 4.0) -> bool:
+    """No divergence, or one where the reference's two logits were within a few BF16 steps of
+    each other: what two correct BF16 computations of the same model (different kernels, a
+    k-token block against one-token steps) can disagree on. A bug shows as a large gap."""
+    return divergence is None or divergence["gap_bf16_ulps"] <= max_ulps

@@ -18,19 +18,11 @@ import torch
 
 
 class LayerTape:
-    """One GDN layer's recorded inputs for up to ``max_tokens`` tokens (batch 1)."""
+    """One GDN layer's recorded inputs: views into the Tape's tensors (batch 1)."""
 
-    def __init__(self, max_tokens: int, conv_dim: int, num_k_heads: int, head_k_dim: int,
-                 num_v_heads: int, head_v_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        t = max_tokens
-        self.max_tokens = max_tokens
-        self.conv_input = torch.zeros(1, t, conv_dim, dtype=dtype, device=device)
-        self.q = torch.zeros(1, t, num_k_heads, head_k_dim, dtype=dtype, device=device)
-        self.k = torch.zeros_like(self.q)
-        self.v = torch.zeros(1, t, num_v_heads, head_v_dim, dtype=dtype, device=device)
-        self.g = torch.zeros(1, t, num_v_heads, dtype=torch.float32, device=device)
-        self.beta = torch.zeros(1, t, num_v_heads, dtype=dtype, device=device)
+    def __init__(self, tape: Tape, index: int):
+        self.max_tokens = tape.max_tokens
+        self.buffers = [t[index:index + 1] for t in tape.tensors()]
 
     @torch.no_grad()
     def record(self, conv_input, q, k, v, g, beta) -> None:
@@ -38,11 +30,32 @@ class LayerTape:
         t = conv_input.shape[1]
         if t > self.max_tokens:
             raise ValueError(f"the tape holds {self.max_tokens} tokens, the forward fed {t}")
-        for buffer, value in ((self.conv_input, conv_input), (self.q, q), (self.k, k),
-                              (self.v, v), (self.g, g), (self.beta, beta)):
+        for buffer, value in zip(self.buffers, (conv_input, q, k, v, g, beta), strict=True):
             buffer[:, :t].copy_(value)
 
+
+class Tape:
+    """Every GDN layer's tape in one tensor per input, the layers along the batch dimension,
+    so a rewind is one recurrence launch for all layers (the cache's states are flat buffers in
+    the same layer order: unimax.cache)."""
+
+    def __init__(self, num_layers: int, max_tokens: int, conv_dim: int, num_k_heads: int,
+                 head_k_dim: int, num_v_heads: int, head_v_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        n, t = num_layers, max_tokens
+        self.max_tokens = max_tokens
+        self.conv_input = torch.zeros(n, t, conv_dim, dtype=dtype, device=device)
+        self.q = torch.zeros(n, t, num_k_heads, head_k_dim, dtype=dtype, device=device)
+        self.k = torch.zeros_like(self.q)
+        self.v = torch.zeros(n, t, num_v_heads, head_v_dim, dtype=dtype, device=device)
+        self.g = torch.zeros(n, t, num_v_heads, dtype=torch.float32, device=device)
+        self.beta = torch.zeros(n, t, num_v_heads, dtype=dtype, device=device)
+        self.layers = [LayerTape(self, i) for i in range(num_layers)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv_input, self.q, self.k, self.v, self.g, self.beta]
+
     def recurrence_inputs(self, length: int):
-        """(q, k, v, g, beta) of the first ``length`` recorded tokens."""
+        """(q, k, v, g, beta) of the first ``length`` recorded tokens, layers as the batch."""
         return (self.q[:, :length], self.k[:, :length], self.v[:, :length],
                 self.g[:, :length], self.beta[:, :length])

@@ -2,14 +2,18 @@
 exactly the exact model's greedy tokens.
 
 Per block of k drafts: snapshot the exact state (a preallocated cache), run the exact model once
-over [current, draft[:-1]] (``logits_to_keep=k``: every position's prediction from one read of
-the weights), and count the agreeing prefix m on the device. The block emits draft[:m] and the
-exact prediction at m. After a rejection the exact cache went k tokens ahead, but only m + 1 are
-accepted: it is rewound from the tape its forward recorded (unimax.tape: the convolution window
-and the recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced
-from it. The verifier's forward and the rewind are captured as CUDA graphs, keyed by k (and by
-the KV bucket on hybrid models) and by m + 1; with ``compile=True`` the full-length block's
-forward runs the small-M linears and is compiled by inductor first, like the decode step.
+over [current, draft] (k + 1 tokens, every position's prediction from one read of the weights),
+and count the agreeing prefix m on the device. The block emits draft[:m] and the exact
+prediction at m: k + 1 tokens when every draft is accepted (the last one a bonus the exact model
+computed anyway), and always at least one exact token, so a block of k = 0 is an exact step.
+
+After a rejection the exact cache went k + 1 tokens ahead, but only m + 1 are accepted: it is
+rewound from the tape its forward recorded (unimax.tape: the convolution window and the
+recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced from
+it (after an accepted block too: the draft never fed its last token). The verifier's forward and
+the rewind are captured as CUDA graphs, keyed by k (and by the KV bucket on hybrid models) and by
+m + 1; with ``compile=True`` the full-length block's forward runs the small-M linears and is
+compiled by inductor first, like the decode step.
 """
 
 from __future__ import annotations
@@ -49,18 +53,19 @@ class Verifier:
         self.cache = exact_cache
         self.decoder = decoder
         self.resync_draft = resync_draft  # exact cache -> the draft's cache
-        # True when the draft writes the exact states (BF16, FP8 tail): no resync after a fully
-        # accepted block. False for the full-FP8 draft, whose states drift.
+        # True when the draft writes the exact states (BF16, FP8 tail); False for the full-FP8
+        # draft, whose states drift. Either way the draft's cache is resynced after each block:
+        # the exact cache has fed the bonus input the draft has not.
         self.state_safe_draft = state_safe_draft
         self.block_size = decoder.block_size
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
         self.restore_snapshot = CacheCopier(exact_cache, self.snapshot)
-        self.tapes = exact_model.make_tape(self.block_size)
+        self.tape = exact_model.make_tape(self.block_size + 1)
         long = dict(dtype=torch.long, device=exact_cache.device)
         self.current = torch.zeros(1, 1, **long)  # the last emitted token, not yet fed
-        self.inputs = torch.zeros(1, self.block_size, **long)
-        self.predictions = torch.zeros(1, self.block_size, **long)
+        self.inputs = torch.zeros(1, self.block_size + 1, **long)
+        self.predictions = torch.zeros(1, self.block_size + 1, **long)
         self.num_accepted = torch.zeros((), **long)
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs)
         self.forward = exact_model.forward_unchecked
@@ -79,23 +84,23 @@ class Verifier:
     # --- graph bodies --------------------------------------------------------------------
 
     def _verify(self, k: int) -> None:
-        """Snapshot, score [current, draft[:-1]] exactly (recording the tape), count the
-        agreeing prefix. Reads the draft from the decoder's static output buffer."""
+        """Snapshot, score [current, draft] exactly (recording the tape), count the agreeing
+        prefix. Reads the draft from the decoder's static output buffer."""
         self.take_snapshot()
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
-        self.inputs[:, 1:k].copy_(draft[:, :k - 1])
+        self.inputs[:, 1:k + 1].copy_(draft)
         forward = self.compiled if self.compiled and k == self.block_size else self.forward
-        with self.cache.recording(self.tapes):
-            logits = forward(self.inputs[:, :k], self.cache, logits_to_keep=k)
-        self.predictions[:, :k].copy_(logits.argmax(dim=-1))
+        with self.cache.recording(self.tape.layers):
+            logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
+        self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
         agree = self.predictions[0, :k].eq(draft[0]).long()
         self.num_accepted.copy_(agree.cumprod(dim=0).sum())
 
     def _rewind(self, length: int) -> None:
         """After a rejection: the exact state after the first ``length`` block inputs, from
         the tape; then the draft's cache from it."""
-        self.model.rewind_unchecked(self.cache, self.snapshot, self.tapes, length)
+        self.model.rewind_unchecked(self.cache, self.snapshot, self.tape, length)
         self.resync_draft()
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -110,7 +115,7 @@ class Verifier:
         caches = [self.cache, self.snapshot]
         for window in self.cache.windows():  # hybrid models: one set per KV bucket
             with self.cache.attending(window):
-                for k in range(1, self.block_size + 1):
+                for k in range(self.block_size + 1):
                     self.runner.prepare(("verify", k, window), lambda k=k: self._verify(k),
                                         writes=caches, buffers=self._buffers())
         for length in range(1, self.block_size + 1):
@@ -118,12 +123,12 @@ class Verifier:
                                 writes=caches + [self.decoder.cache])
 
     def check(self, k: int, counts: VerifyCounts) -> list[int]:
-        """Check the k drafts the decoder just wrote; returns the tokens the block emits (the
-        agreeing drafts and the exact token after them). One host sync."""
+        """Check the k drafts the decoder just wrote (k = 0: none); returns the tokens the block
+        emits (the agreeing drafts and the exact token after them). One host sync."""
         seen = self.cache.seen_tokens
-        # The verifier's block ends at seen + k: it reads the KV bucket holding that many
+        # The verifier's block ends at seen + k + 1: it reads the KV bucket holding that many
         # entries (its graphs are keyed by it; None: pure GDN).
-        window = self.cache.window_for(seen + k)
+        window = self.cache.window_for(seen + k + 1)
         with self.cache.attending(window):
             self.runner.run(("verify", k, window), lambda: self._verify(k),
                             writes=[self.cache, self.snapshot], buffers=self._buffers())
@@ -132,20 +137,19 @@ class Verifier:
         counts.verifier_blocks += 1
         # The block's one host transfer: accepted count, draft and exact predictions.
         host = torch.cat([self.num_accepted[None], self.decoder.out_tokens[0, :k],
-                          self.predictions[0, :k]]).tolist()
+                          self.predictions[0, :k + 1]]).tolist()
         m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.accepted += m
         if m == k:
-            self.cache.seen_tokens = seen + k
-            if not self.state_safe_draft:
-                self.resync_draft()
-            emitted = draft
+            # The exact cache took all k + 1 inputs; the draft's last token it never fed.
+            self.cache.seen_tokens = seen + k + 1
+            self.resync_draft()
         else:
             self.runner.run(("rewind", m + 1), lambda: self._rewind(m + 1),
                             writes=[self.cache, self.snapshot, self.decoder.cache])
             self.cache.seen_tokens = seen + m + 1
-            self.decoder.cache.seen_tokens = self.cache.seen_tokens
             counts.rejected_blocks += 1
-            emitted = draft[:m] + [exact[m]]
+        self.decoder.cache.seen_tokens = self.cache.seen_tokens
+        emitted = draft[:m] + [exact[m]]
         self.current.fill_(emitted[-1])
         return emitted
