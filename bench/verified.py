@@ -13,7 +13,8 @@ acceptance: the draft block runs as always (same work), then its tokens are repl
 device by the exact greedy reference, each position independently corrupted with probability
 1 - rate; the verifier then accepts or rejects exactly as it would a real draft. Per-part times
 are CUDA-graph replays of the engine's own graphs: a BF16 step, a draft step, the verifier's
-forward over k + 1 tokens, a rewind after a rejection. Prints a table last; "floor%" is the weight bytes over the copy bandwidth.
+forward over k + 1 tokens, a rewind after a rejection. Prints a table last; "floor%" is the
+weight bytes over the copy bandwidth.
 """
 
 from __future__ import annotations
