@@ -82,3 +82,22 @@ def test_rejections_cost_no_forward(model, monkeypatch):
     assert torch.equal(got, expected)
     assert report.rejected_blocks >= 3
     assert len(calls) == report.verifier_blocks  # one forward per block, none per rejection
+
+
+@torch.inference_mode()
+def test_near_tie_judge_catches_a_wrong_token():
+    """first_divergence / is_near_tie, which the GPU tests and benches use to accept BF16
+    near-ties: a token the model ranks far down is never judged a near-tie."""
+    from unimax.reference import first_divergence, is_near_tie
+
+    bf16 = GDNForCausalLM.random(CONFIG, seed=4).to(torch.bfloat16)
+    x = torch.randint(0, CONFIG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    reference = unimax.exact_greedy_tokens(bf16, x, 8)[0].tolist()
+    assert is_near_tie(first_divergence(bf16, x, reference, reference))
+    cache = bf16.make_recurrent_cache()
+    bf16(input_ids=torch.cat([x, torch.tensor([reference[:3]])], dim=1), past_key_values=cache)
+    logits = bf16.forward_unchecked(torch.tensor([[reference[3]]]), cache)[0, -1]
+    wrong = reference[:4] + [int(logits.argmin())] + reference[5:]
+    divergence = first_divergence(bf16, x, wrong, reference)
+    assert divergence["index"] == 4 and divergence["exact_paths_differ_by"] >= 0
+    assert not is_near_tie(divergence), divergence
