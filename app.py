@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from unimax.presets import MODES, PresetError, load_preset
+from unimax.modes import MODES
+from unimax.presets import PresetError, load_preset
 
 MAX_UPLOAD = "1mb"  # the page takes no uploads of its own; Gradio's upload route is capped
 DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "demo.yaml"

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import MODES  # noqa: E402  (the same modes as the decode benchmark)
+from decode import VARIANTS  # noqa: E402  (the same rows as the decode benchmark)
 
 import unimax  # noqa: E402
 from train.corpus import read_corpus  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> None:
     print(json.dumps({"reference_seconds": time.perf_counter() - start,
                       "prompts": len(prompts)}), flush=True)
     rows = []
-    for spec in MODES:
+    for spec in VARIANTS:
         rows.append(run_mode(model, spec, prompts, args.new, references))
         print(json.dumps(rows[-1]), flush=True)
     answers = samples(model, tokenizer, questions[:args.samples])

@@ -28,7 +28,7 @@ from unimax.fp8 import FP8Linear  # noqa: E402
 from unimax.ops.gemv import gemv  # noqa: E402
 from unimax.reference import first_divergence  # noqa: E402
 
-MODES = [  # name, decode, draft, engine mode, FP8 mode (None: the default)
+VARIANTS = [  # bench rows: name, decode, draft, engine mode, FP8 kernel (None: the default)
     ("bf16", "bf16", "tail", "fast", None),
     ("fp8-tail", "fp8", "tail", "fast", None),
     ("fp8-tail/gemv", "fp8", "tail", "fast", "fp8_gemv"),
@@ -203,7 +203,7 @@ PARTS = ("modes", "compile", "baselines", "gemv", "bridge", "kvwindow")
 def kv_window_rows(model, ids, new, reference) -> list[dict]:
     """Hybrid shapes: verified-tail with the verifier reading its KV bucket (the engine) and
     reading the whole buffer (buckets off), same run."""
-    spec = next(m for m in MODES if m[0] == "verified-tail")
+    spec = next(m for m in VARIANTS if m[0] == "verified-tail")
     rows = []
     for label, floor in (("kv buckets", None), ("whole KV", 1 << 40)):
         saved = RecurrentCache.MIN_WINDOW
@@ -281,14 +281,14 @@ def main() -> None:
                 except Exception as err:
                     emit(rows, {"mode": baseline[0], "error": repr(err)[:300]})
         if "modes" in args.parts:
-            for spec in MODES:
+            for spec in VARIANTS:
                 emit(rows, run_mode(model, *spec, ids, args.new, False, reference))
         if "kvwindow" in args.parts and config.layer_types and "full_attention" in \
                 config.layer_types:
             for row in kv_window_rows(model, ids, args.new, reference):
                 emit(rows, row)
         if "compile" in args.parts and shape in (args.compile_shapes or args.shapes):
-            for spec in MODES[:4]:  # bf16, fp8-tail (two FP8 kernels), verified-tail
+            for spec in VARIANTS[:4]:  # bf16, fp8-tail (two FP8 kernels), verified-tail
                 try:
                     emit(rows, run_mode(model, *spec, ids, args.new, True, reference))
                 except Exception as err:  # record, keep benchmarking

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import gradio as gr
 
-from unimax.presets import MODES, Preset
+from unimax.modes import APP_MODES, MODES
+from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
 from .panels import ab_summary, curve_frame, first_divergence, highlighted, panel_markdown
 
-MODE_CHOICES = [("BF16 only", "bf16"), ("FP8 speed", "fp8"), ("Verified exact", "verified")]
+MODE_CHOICES = [(mode.label, mode.name) for mode in APP_MODES.values()]
 CSS = """
 #panels table { font-size: 0.9em; }
 mark.ab-diverge { background: #ffd54f; }
@@ -53,11 +54,14 @@ class Sessions:
         with self.lock:
             self.handles[session] = handle
 
-    def cancel(self, session: str) -> None:
+    def cancel(self, session: str) -> bool:
+        """Cancel this session's reply; False when none was running (it had finished)."""
         with self.lock:
             handle = self.handles.pop(session, None)
-        if handle is not None:
-            handle.cancel()
+        if handle is None or handle.finished.is_set():
+            return False
+        handle.cancel()
+        return True
 
     def set_stats(self, session: str, stats: dict) -> None:
         with self.lock:
@@ -77,6 +81,13 @@ class Sessions:
         self.cancel(session)
         with self.lock:
             self.stats.pop(session, None)
+
+
+def done_status(stopped: str | None) -> str:
+    """The status line when a reply ends, by how it ended."""
+    return {"cancelled": "Stopped.", "stop": "Done: the model ended its turn.",
+            "length": "Done: reached the max new tokens setting."}.get(
+                stopped, f"Done ({stopped}).")
 
 
 def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
@@ -173,8 +184,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 history = history[:-1]
                 status = f"⚠️ {text}"
             elif kind == "done":
-                stopped = data.get("stopped")
-                status = "Stopped." if stopped == "cancelled" else f"Done ({stopped})."
+                status = done_status(data.get("stopped"))
             else:
                 continue
             yield history, box, status
@@ -200,6 +210,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     def clear(conversation_id, request: gr.Request):
         sessions.bump(request.session_hash)
         sessions.cancel(request.session_hash)
+        sessions.set_stats(request.session_hash, {})  # the panels start over too
         service.forget(conversation_id)
         return [], str(uuid.uuid4()), "Cleared."
 
@@ -209,8 +220,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         return exports.write(data)
 
     def stop(request: gr.Request):
-        sessions.cancel(request.session_hash)
-        return "Stopped."
+        if sessions.cancel(request.session_hash):
+            return "Stopped."
+        return "Nothing to stop: the reply had already finished."
 
     def panels(request: gr.Request):
         stats = sessions.get_stats(request.session_hash)

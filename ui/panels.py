@@ -34,6 +34,10 @@ def panel_markdown(stats: dict | None) -> str:
         else:
             shown = fmt.format(value)
         lines.append(f"| {label} | {shown} |")
+    if (stats.get("accepted_draft_tokens") or 0) >= (stats.get("generated_tokens") or 0) > 0:
+        lines.append("\n_Drafted and accepted count every verified draft, also those past the "
+                     "end of the reply (a stop token or the length limit), which are not "
+                     "shown._")
     return "\n".join(lines)
 
 

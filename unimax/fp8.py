@@ -27,7 +27,7 @@ from .ops.gemv import GEMV_ROWS, gemv_ref, small_m_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-MODES = ("fp8_gemv", "fp8_act", "fp8_tensorwise", "weight_only", "emulated", "emulated_act")
+FP8_KERNELS = ("fp8_gemv", "fp8_act", "fp8_tensorwise", "weight_only", "emulated", "emulated_act")
 _warned: set[str] = set()
 
 
@@ -64,8 +64,9 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_scale_row", scale[None, :].contiguous())  # (1, N)
         self.mode = mode or default_mode(weight.device)
-        if self.mode not in MODES:
-            raise ValueError(f"unknown FP8 mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.mode not in FP8_KERNELS:
+            raise ValueError(f"unknown FP8 mode {self.mode!r}; use one of "
+                             f"{', '.join(FP8_KERNELS)}")
         self.rowwise = True  # _scaled_mm with (M,1) x (1,N) scales; off if the GPU lacks it
 
     @property

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
+from .modes import MODES
 from .settings import GenerationSettings, SettingsError, is_int
 
-MODES = ("bf16", "fp8", "verified")
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
 
 

@@ -23,7 +23,8 @@ from .chat import check_messages, encode_chat, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
 from .errors import RequestError
-from .presets import MODES, Preset
+from .modes import APP_MODES, MODES
+from .presets import Preset
 from .settings import GenerationSettings
 from .states import StateStore
 
@@ -130,7 +131,7 @@ class EngineService:
             self.store.forget(f"warm-up-{mode}")
             done = threading.Event()
             self.requests.put(_Task(lambda mode=mode: self._engine(mode).capture_graphs(
-                verified=mode == "verified"), done))
+                verified=APP_MODES[mode].verified), done))
             done.wait()
 
     # --- requests ------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class EngineService:
         settings = handle.settings
         if not isinstance(settings, GenerationSettings):
             raise RequestError("settings must be a unimax GenerationSettings")
-        if handle.mode == "verified" and not settings.sampling().is_greedy:
+        if APP_MODES[handle.mode].verified and not settings.sampling().is_greedy:
             raise RequestError("verified mode reproduces exact greedy decoding: set "
                                "temperature to 0, or pick bf16 / fp8 to sample")
         context = self.preset.max_context
@@ -236,10 +237,9 @@ class EngineService:
         if mode not in MODES:
             raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
         if mode not in self.engines:
-            p = self.preset
-            decode, draft = {"bf16": ("bf16", "tail"), "fp8": ("fp8", "tail"),
-                             "verified": ("fp8", p.draft)}[mode]
-            self.engines[mode] = build_engine(self.model, decode=decode, draft=draft,
+            p, spec = self.preset, APP_MODES[mode]
+            self.engines[mode] = build_engine(self.model, decode=spec.decode,
+                                              draft=spec.draft or p.draft,
                                               block_size=p.block_size,
                                               compile_step=p.compile_step)
         return self.engines[mode]
@@ -257,7 +257,7 @@ class EngineService:
         prompt = handle.prompt  # checked and tokenized by submit()
         max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))
         sampling = settings.sampling()
-        mode = "verified" if handle.mode == "verified" else "fast"
+        mode = APP_MODES[handle.mode].engine_mode
 
         ckpt = self.store.best_prefix(handle.conversation_id, prompt)
         if ckpt is not None:

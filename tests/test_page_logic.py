@@ -1,0 +1,45 @@
+"""The page's pure pieces (issue 12): Stop after a finished reply, how a reply's end is worded,
+the drafted-vs-generated note, Clear resetting the panels."""
+
+import threading
+
+from ui.page import Sessions, done_status
+from ui.panels import panel_markdown
+
+
+class Handle:
+    def __init__(self, finished):
+        self.finished, self.cancelled = threading.Event(), False
+        if finished:
+            self.finished.set()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_stop_after_a_finished_reply_cancels_nothing():
+    sessions = Sessions()
+    done = Handle(finished=True)
+    sessions.start("s", done)
+    assert sessions.cancel("s") is False and not done.cancelled
+    running = Handle(finished=False)
+    sessions.start("s", running)
+    assert sessions.cancel("s") is True and running.cancelled
+    assert sessions.cancel("nobody") is False
+
+
+def test_done_status_says_who_ended_the_reply():
+    assert done_status("stop") == "Done: the model ended its turn."
+    assert "max new tokens" in done_status("length")
+    assert done_status("cancelled") == "Stopped."
+
+
+def test_panels_explain_drafts_past_the_end_and_start_over_when_cleared():
+    stats = {"prefilled_tokens": 5, "generated_tokens": 13, "drafted_tokens": 16,
+             "accepted_draft_tokens": 16, "acceptance_rate": 1.0}
+    assert "past the end of the reply" in panel_markdown(stats)
+    assert "past the end" not in panel_markdown({**stats, "accepted_draft_tokens": 9})
+    sessions = Sessions()
+    sessions.set_stats("s", stats)
+    sessions.set_stats("s", {})  # what Clear does
+    assert panel_markdown(sessions.get_stats("s")).startswith("_No reply yet")
