@@ -75,6 +75,7 @@ class UniMaxEngine:
         self.device = self.exact_model.get_input_embeddings().weight.device
         if self.device != self.decode_graph.device:
             raise ValueError("exact and decode engines must live on the same device")
+        # False for the full-FP8 draft, whose states drift: it may draft, never decode alone.
         self.state_safe_draft = state_safe_draft
         self.exact_cache = self.exact_model.make_recurrent_cache()
         # Hybrid models: both engines run the same attention weights, so the KV the exact
@@ -85,7 +86,7 @@ class UniMaxEngine:
         # A fixed cache pair, validated once; each copy is then one fused launch.
         self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
         self.verifier = Verifier(self.exact_model, self.exact_cache, decode_graph,
-                                 self.bridge_copy, state_safe_draft, compile=compile_verifier)
+                                 self.bridge_copy, compile=compile_verifier)
 
     @property
     def block_size(self) -> int:

@@ -48,15 +48,13 @@ def allow_recompiles(limit: int = 512) -> None:
 class Verifier:
     def __init__(self, exact_model, exact_cache: RecurrentCache,
                  decoder: MaxTurboGraphDecoder, resync_draft: CacheCopier,
-                 state_safe_draft: bool, compile: bool = False):
+                 compile: bool = False):
         self.model = exact_model
         self.cache = exact_cache
         self.decoder = decoder
-        self.resync_draft = resync_draft  # exact cache -> the draft's cache
-        # True when the draft writes the exact states (BF16, FP8 tail); False for the full-FP8
-        # draft, whose states drift. Either way the draft's cache is resynced after each block:
-        # the exact cache has fed the bonus input the draft has not.
-        self.state_safe_draft = state_safe_draft
+        # exact cache -> the draft's cache, after every block: the exact cache has fed the
+        # draft's last token, which the draft has not (and a full-FP8 draft's states drift)
+        self.resync_draft = resync_draft
         self.block_size = decoder.block_size
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
