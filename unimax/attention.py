@@ -26,7 +26,7 @@ from torch import nn
 
 from .cache import AttentionLayerState
 from .config import GDNConfig
-from .layers import RMSNorm
+from .norms import RMSNorm
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

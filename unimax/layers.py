@@ -11,40 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
+from .norms import GatedRMSNorm, RMSNorm
 from .ops.conv import causal_conv1d, causal_conv1d_step
 from .ops.gated_delta import gated_delta_rule
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in fp32, scaled by (offset + w): offset 0 for fla, 1 for Qwen3.5's zero-centred."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.offset = offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (self.offset + self.weight.float())).to(x.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the mixer output, scaled by w and gated by act(z)."""
-
-    def __init__(self, dim: int, eps: float, activation: str):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.activation = F.silu if activation == "silu" else torch.sigmoid
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * self.activation(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNetMixer(nn.Module):
@@ -128,8 +100,6 @@ class GDNBlock(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_offset)
         if attention:
-            from .attention import GatedAttention  # imports this module: import here
-
             self.mixer = GatedAttention(config)
         else:
             self.mixer = GatedDeltaNetMixer(config)

@@ -9,7 +9,8 @@ from torch import nn
 
 from .cache import AttentionStateSpec, LayerStateSpec, RecurrentCache
 from .config import GDNConfig
-from .layers import GDNBlock, RMSNorm
+from .layers import GDNBlock
+from .norms import RMSNorm
 from .ops.gated_delta import gated_delta_rule
 from .tape import Tape
 
