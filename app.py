@@ -1,5 +1,6 @@
 """UNI MAX chat app: python app.py [--preset FILE] [--model PATH_OR_ID] [--mode M] [--host H]
-[--port P]. Loads the model once, captures the decode graphs, then serves the Gradio page."""
+[--port P] [--api-only]. Loads the model once, captures the decode graphs, then serves the
+Gradio page and the OpenAI-compatible API (/v1) from one server and one engine thread."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=MODES, help="override the preset's default mode")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--api-only", action="store_true",
+                        help="serve the OpenAI-compatible API (/v1) without the page")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="capture graphs on first use instead of at start-up")
     return parser.parse_args(argv)
@@ -65,8 +68,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("[unimax] no CUDA GPU here: running on the CPU (FP8 is emulated, graphs are off; "
               "fine for a smoke run, slow for real models)", flush=True)
-    from ui import build_demo
-    from ui.page import CSS
+    import uvicorn
+
     from unimax.service import EngineService
 
     start = step(f"loading {preset.model} (preset {preset.name})…")
@@ -87,12 +90,33 @@ def main(argv=None) -> int:
         start = step(f"warming up every mode ({what})…")
         service.warm_up()
         step(f"ready in {time.perf_counter() - start:.1f} s")
-    demo = build_demo(service, preset)
-    demo.queue(default_concurrency_limit=None)
-    step(f"serving on http://{args.host}:{args.port}")
-    demo.launch(server_name=args.host, server_port=args.port, show_error=True, css=CSS,
-                max_file_size=MAX_UPLOAD)
+    app = build_app(service, api_only=args.api_only)
+    url = f"http://{args.host}:{args.port}"
+    step(f"serving on {url}" + ("" if args.api_only else " (the page)") +
+         f"; OpenAI API at {url}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def build_app(service, api_only: bool = False):
+    """One server: the OpenAI API's routes, then (unless api_only) the Gradio page at /."""
+    from fastapi import FastAPI
+
+    from ui.openai_api import add_openai_api
+
+    app = FastAPI(title="UNI MAX")
+    add_openai_api(app, service)
+    if api_only:
+        return app
+    import gradio as gr
+
+    from ui import build_demo
+    from ui.page import CSS
+
+    demo = build_demo(service, service.preset)
+    demo.queue(default_concurrency_limit=None)
+    return gr.mount_gradio_app(app, demo, path="/", css=CSS, show_error=True,
+                               max_file_size=MAX_UPLOAD)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def running_app(*args: str, timeout: float = 120.0):
             if proc.poll() is not None:
                 raise RuntimeError(f"app exited early:\n{proc.stdout.read()}")
             try:
-                urllib.request.urlopen(url, timeout=2)
+                urllib.request.urlopen(url + "health", timeout=2)  # page or API only
                 break
             except OSError:
                 if time.time() > deadline:

@@ -49,6 +49,28 @@ def check_messages(messages: list[dict], max_chars: int) -> None:
                            "one")
 
 
+def check_text(text: str, max_chars: int) -> None:
+    """A raw prompt (the completions API): a non-empty string of valid Unicode, not too long."""
+    if not isinstance(text, str) or not text:
+        raise RequestError("the prompt is empty: send some text to continue")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(f"the prompt is not valid Unicode (a lone surrogate at character "
+                           f"{err.start}); send UTF-8 text") from None
+    if len(text) > max_chars:
+        raise RequestError(f"the prompt is {len(text)} characters, more than this model's "
+                           f"context can hold (at most {max_chars})")
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Ids of a raw prompt to continue: the tokenizer's own leading ids (a BOS) and the text as
+    plain text."""
+    prefix, _ = _added_special_ids(tokenizer)
+    body = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    return prefix + [int(i) for i in body]  # no trailing ids: an EOS would end the text
+
+
 def special_strings(tokenizer) -> list[str]:
     """Every string the tokenizer would turn into a control token."""
     found = set(getattr(tokenizer, "all_special_tokens", []) or [])

@@ -13,13 +13,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .build import build_engine
-from .chat import check_messages, encode_chat, stop_ids
+from .chat import check_messages, check_text, encode_chat, encode_text, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
 from .errors import RequestError
@@ -56,11 +56,15 @@ class RequestHandle:
         self.queue: queue.Queue[ServiceEvent] = queue.Queue()
         self.submitted_at = time.perf_counter()
         self.prompt: list[int] = []  # token ids, set by EngineService.submit
+        self.text: str | None = None  # a raw prompt to continue (submit_text), not a chat
+        self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def emit(self, kind: str, text: str = "", **data) -> None:
+        if kind in ("done", "error"):
+            self.outcome = (kind, {"text": text, **data})
         self.queue.put(ServiceEvent(kind, text, data))
         if kind in ("done", "error"):
             self.finished.set()
@@ -104,6 +108,8 @@ class EngineService:
         self.latest_stats: dict = {"mode": preset.mode}
         self.thread = threading.Thread(target=self._loop, name="unimax-engine", daemon=True)
         self.busy = threading.Event()
+        # Called on the engine thread with each request it ran, once it ended (metrics).
+        self.listeners: list[Callable[[RequestHandle], None]] = []
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -145,10 +151,23 @@ class EngineService:
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
+        return self._queue(handle)
+
+    def submit_text(self, conversation_id: str, text: str, mode: str | None = None,
+                    settings: GenerationSettings | None = None) -> RequestHandle:
+        """Queue a continuation of raw ``text`` (no chat template): base models, the
+        completions API. Otherwise as ``submit``."""
+        settings = settings if settings is not None else self.default_settings()
+        handle = RequestHandle(next(self.ids), str(conversation_id), [], mode or
+                               self.preset.mode, settings)
+        handle.text = text
+        return self._queue(handle)
+
+    def _queue(self, handle: RequestHandle) -> RequestHandle:
         try:
             handle.prompt = self.prepare(handle)
         except RequestError as err:
-            handle.emit("error", str(err))
+            handle.emit("error", str(err), reason="invalid_request")
             return handle
         with self.pending_lock:
             self.pending.append(handle)
@@ -168,9 +187,14 @@ class EngineService:
             raise RequestError("verified mode reproduces exact greedy decoding: set "
                                "temperature to 0, or pick bf16 / fp8 to sample")
         context = self.preset.max_context
-        check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context)
-        with self.tokenizer_lock:
-            prompt = self.render(handle.messages, settings.thinking)
+        if handle.text is not None:
+            check_text(handle.text, max_chars=MAX_CHARS_PER_TOKEN * context)
+            with self.tokenizer_lock:
+                prompt = encode_text(self.tokenizer, handle.text)
+        else:
+            check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context)
+            with self.tokenizer_lock:
+                prompt = self.render(handle.messages, settings.thinking)
         if len(prompt) >= context:
             raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
                                f"context setting of {context}; clear the chat, shorten the "
@@ -221,17 +245,24 @@ class EngineService:
                 else:
                     self._serve(handle)
             except RequestError as err:
-                handle.emit("error", str(err))
+                handle.emit("error", str(err), reason="invalid_request")
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 handle.emit("error", "the GPU ran out of memory during this reply; try fewer "
                                      "new tokens, a shorter conversation or a smaller model. "
-                                     "Other conversations are unaffected.")
+                                     "Other conversations are unaffected.",
+                            reason="out_of_memory")
             except Exception as err:  # the thread must outlive any one request
                 log.exception("request %s failed", handle.id)
-                handle.emit("error", f"internal error: {type(err).__name__}: {err}")
+                handle.emit("error", f"internal error: {type(err).__name__}: {err}",
+                            reason="internal")
             finally:
                 self.busy.clear()
+                for listener in self.listeners:
+                    try:
+                        listener(handle)
+                    except Exception:
+                        log.exception("a request listener failed")
 
     def _engine(self, mode: str):
         if mode not in MODES:

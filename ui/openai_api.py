@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP API beside the page: ``/v1/models``, ``/v1/chat/completions``,
+``/v1/completions``, ``/health`` and ``/metrics`` (Prometheus), as FastAPI routes on the app's
+own server. Requests go through the same EngineService as the page: one engine thread, one
+queue, the same kept-state reuse (a client that re-sends a conversation with one more turn
+prefills only the new tokens).
+
+Model ids: ``<name>`` (the preset's default mode) and ``<name>:bf16``, ``<name>:fp8``,
+``<name>:verified``. Each reply carries the UNI MAX figures in an extra ``unimax`` field (mode,
+acceptance_rate, bridge_ms, bridge_mib, decode_tok_s, prefill_tok_s, ttft_ms, prefilled_tokens,
+reused_tokens). Sampling defaults are the preset's (greedy in the shipped presets), not
+OpenAI's temperature 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from unimax.modes import MODES
+from unimax.service import EngineService, RequestHandle
+from unimax.settings import GenerationSettings, SettingsError
+
+from .api_metrics import Metrics
+
+# API clients share one pool of kept states: a conversation re-sent with one more turn finds
+# its earlier turns there by token prefix, whoever sends it.
+API_CONVERSATION = "openai-api"
+MAX_STOPS = 4
+# Fields that change the output and that UNI MAX does not implement: refused, not ignored.
+# Each maps to the values that mean "not used".
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+}
+SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
+                                                                        code, kind)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def model_name(preset_model: str) -> str:
+    return Path(preset_model.rstrip("/")).name or preset_model
+
+
+class StopMatcher:
+    """Stop strings on the decoded text: text is released only once no stop can start in it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent, self.hit = "", 0, False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        start = max(0, self.sent - self.hold)
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.hit = True
+            self.text = self.text[:min(found)]
+            return self.flush()
+        end = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def add_openai_api(app: FastAPI, service: EngineService) -> None:
+    """Mount the API's routes on ``app`` (before Gradio is mounted at /)."""
+    preset = service.preset
+    name = model_name(preset.model)
+    model_ids = {name: preset.mode, **{f"{name}:{m}": m for m in MODES}}
+    metrics = Metrics(service)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, err: APIError):
+        return err.response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "device": str(service.device),
+                "queue": len(service.pending)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "unimax",
+             "unimax_mode": mode} for model_id, mode in model_ids.items()]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _json(request)
+        model, mode = _model(body, model_ids)
+        messages = _messages(body.get("messages"))
+        settings, stops, stream, usage_chunk = _options(body, service)
+        handle = service.submit(API_CONVERSATION, messages, mode, settings)
+        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json(request)
+        model, mode = _model(body, model_ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string (one prompt per request)",
+                           "prompt")
+        settings, stops, stream, usage_chunk = _options(body, service)
+        handle = service.submit_text(API_CONVERSATION, prompt, mode, settings)
+        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=False)
+
+
+# --- request parsing -----------------------------------------------------------------------
+
+async def _json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for field, neutral in UNSUPPORTED.items():
+        if field in body and body[field] not in neutral:
+            raise APIError(400, f"{field} is not supported by UNI MAX; leave it out", field,
+                           "unsupported_parameter")
+    if body.get("n", 1) != 1:
+        raise APIError(400, "n must be 1: UNI MAX returns one choice per request", "n",
+                       "unsupported_parameter")
+    return body
+
+
+def _model(body: dict, model_ids: dict[str, str]) -> tuple[str, str]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "model is required: see GET /v1/models", "model")
+    if model not in model_ids:
+        raise APIError(404, f"the model {model!r} does not exist; this server has "
+                       f"{', '.join(model_ids)}", "model", "model_not_found")
+    return model, model_ids[model]
+
+
+def _messages(raw) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise APIError(400, "messages must be a non-empty list of {role, content}", "messages")
+    messages = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{index}] must be an object", "messages")
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and
+                       isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"messages[{index}].content: only text parts are "
+                               "supported", "messages")
+            content = "".join(p["text"] for p in content)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _options(body: dict, service: EngineService):
+    defaults = service.default_settings()
+
+    def given(key: str, field: str):  # a JSON null means "the default"
+        value = body.get(key)
+        return getattr(defaults, field) if value is None else value
+
+    values = {"max_new_tokens": given("max_completion_tokens", "max_new_tokens")
+              if body.get("max_completion_tokens") is not None
+              else given("max_tokens", "max_new_tokens"),
+              "temperature": given("temperature", "temperature"),
+              "top_p": given("top_p", "top_p"), "top_k": given("top_k", "top_k"),
+              "seed": given("seed", "seed"), "thinking": defaults.thinking}
+    try:
+        settings = GenerationSettings(**values)
+    except SettingsError as err:
+        raise APIError(400, f"{SETTING_PARAMS.get(err.field, err.field)}: {err}",
+                       SETTING_PARAMS.get(err.field, err.field)) from None
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS}",
+                       "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    return settings, stops, stream, bool(options.get("include_usage"))
+
+
+# --- responses -----------------------------------------------------------------------------
+
+async def _events(handle: RequestHandle, request: Request):
+    """The request's events without blocking the server; a client that goes away cancels it
+    (checked while waiting, so within one decode block)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.to_thread(handle.queue.get, True, 0.2)
+            except queue.Empty:
+                if await request.is_disconnected():
+                    handle.cancel()
+                    return
+                continue
+            yield event
+            if event.kind in ("done", "error"):
+                return
+    finally:
+        if not handle.finished.is_set():
+            handle.cancel()
+
+
+def _failure(handle: RequestHandle) -> APIError | None:
+    """A request refused before it ran (bad messages, over the context...)."""
+    if handle.outcome is None or handle.outcome[0] != "error":
+        return None
+    return _error_of(handle.outcome[1])
+
+
+def _error_of(data: dict) -> APIError:
+    reason = data.get("reason")
+    if reason == "invalid_request":
+        return APIError(400, data["text"])
+    if reason == "out_of_memory":
+        return APIError(503, data["text"], code="out_of_memory", kind="server_error")
+    return APIError(500, data["text"], kind="server_error")
+
+
+def _unimax_fields(stats: dict) -> dict:
+    keys = ("mode", "acceptance_rate", "bridge_ms", "bridge_mib", "decode_tok_s",
+            "prefill_tok_s", "ttft_ms", "prefilled_tokens", "reused_tokens", "drafted_tokens",
+            "accepted_draft_tokens")
+    return {k: stats.get(k) for k in keys}
+
+
+def _finish_reason(stopped: str | None, matcher: StopMatcher) -> str:
+    return "length" if stopped == "length" and not matcher.hit else "stop"
+
+
+async def _respond(request, handle, model, stops, stream, usage_chunk, chat: bool):
+    failure = _failure(handle)
+    if failure is not None:
+        raise failure
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    base = {"id": ident, "created": int(time.time()), "model": model}
+    matcher = StopMatcher(stops)
+    usage = {"prompt_tokens": len(handle.prompt)}
+
+    def choice(text: str, finish: str | None, first: bool = False) -> dict:
+        if not chat:
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        delta = {"role": "assistant", "content": text} if first else \
+            ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+    state = {"stats": {}, "stopped": None, "error": None}  # filled in as the reply ends
+
+    async def consume():
+        """Yields the reply's text pieces; ``state`` gets its stats, how it stopped, or its
+        error. After a stop string the request is cancelled and the rest dropped."""
+        async for event in _events(handle, request):
+            if event.kind == "delta" and not matcher.hit:
+                piece = matcher.feed(event.text)
+                if matcher.hit:
+                    handle.cancel()  # the engine ends within one block; stats still come
+                if piece:
+                    yield piece
+            elif event.kind == "done":
+                state["stats"] = event.data.get("stats") or {}
+                state["stopped"] = event.data.get("stopped")
+            elif event.kind == "error":
+                state["error"] = _error_of({"text": event.text, **event.data})
+        yield matcher.flush()
+
+    def usage_of() -> dict:
+        completion = int(state["stats"].get("generated_tokens") or 0)
+        return {**usage, "completion_tokens": completion,
+                "total_tokens": usage["prompt_tokens"] + completion}
+
+    if not stream:
+        text = "".join([piece async for piece in consume()])
+        if state["error"] is not None:
+            raise state["error"]
+        finish = _finish_reason(state["stopped"], matcher)
+        if chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish, "logprobs": None}]
+        else:
+            choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+        return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
+                             "choices": choices, "usage": usage_of(),
+                             "unimax": _unimax_fields(state["stats"])})
+
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def chunks():
+        if chat:
+            yield sse({**base, "object": kind, "choices": [choice("", None, first=True)]})
+        async for piece in consume():
+            if piece:
+                yield sse({**base, "object": kind, "choices": [choice(piece, None)]})
+        if state["error"] is not None:
+            yield sse(state["error"].body())
+        else:
+            yield sse({**base, "object": kind,
+                       "choices": [choice("", _finish_reason(state["stopped"], matcher))],
+                       "unimax": _unimax_fields(state["stats"])})
+            if usage_chunk:
+                yield sse({**base, "object": kind, "choices": [], "usage": usage_of()})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(chunks(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
