@@ -43,3 +43,14 @@ def test_panels_explain_drafts_past_the_end_and_start_over_when_cleared():
     sessions.set_stats("s", stats)
     sessions.set_stats("s", {})  # what Clear does
     assert panel_markdown(sessions.get_stats("s")).startswith("_No reply yet")
+
+
+def test_thinking_checkbox_only_for_templates_with_the_switch():
+    from ui.page import has_thinking_switch
+
+    class Tok:
+        def __init__(self, template):
+            self.chat_template = template
+
+    assert has_thinking_switch(Tok("{% if enable_thinking %}<think>{% endif %}"))
+    assert not has_thinking_switch(Tok("{{ messages }}")) and not has_thinking_switch(Tok(None))

@@ -210,3 +210,13 @@ def test_thinking_switch_reaches_the_chat_template(service):
     assert tok.decode(svc.render(msgs, thinking=False)) == "hi<nothink>"
     svc.preset = Preset(model="tiny-random")
     assert tok.decode(svc.render(msgs)) == "hi"
+
+
+def test_decode_curve_is_the_running_rate(service):
+    """The panel's curve: the decode rate so far at each block, ending at the reply's decode
+    tok/s (a short last block is no slowdown)."""
+    stats = run(service, "curve", [user("Tell me more")], max_new_tokens=22)[-1].data["stats"]
+    curve = stats["decode_curve"]
+    assert len(curve) >= 3 and [p[0] for p in curve] == sorted(p[0] for p in curve)
+    assert curve[-1][0] == stats["generated_tokens"]
+    assert abs(curve[-1][1] - stats["decode_tok_s"]) <= 0.02 * stats["decode_tok_s"] + 1

@@ -83,6 +83,12 @@ class Sessions:
             self.stats.pop(session, None)
 
 
+def has_thinking_switch(tokenizer) -> bool:
+    """Whether the chat template reads the thinking switch (Qwen3.5's enable_thinking)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "enable_thinking" in template
+
+
 def done_status(stopped: str | None) -> str:
     """The status line when a reply ends, by how it ended."""
     return {"cancelled": "Stopped.", "stop": "Done: the model ended its turn.",
@@ -152,14 +158,19 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             return
         history.append({"role": "user", "content": message})
         yield from reply(history, conversation_id, mode, system, temperature, top_p, top_k,
-                         max_new, seed, thinking, request, clear_box=True)
+                         max_new, seed, thinking, request, sent=message)
 
     def reply(history, conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-              thinking, request, clear_box=False):
-        box = "" if clear_box else gr.update()
+              thinking, request, sent: str | None = None):
+        """Stream a reply to ``history``. ``sent``: the message the user just sent; if the
+        request is refused, it leaves the chat and goes back into the box, so it cannot poison
+        the next Send or Regenerate."""
+        box = gr.update() if sent is None else ""
         try:
             settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking)
         except (TypeError, ValueError) as err:
+            if sent is not None:  # not sent after all: back into the box
+                history, box = history[:-1], sent
             yield history, box, f"⚠️ Bad setting: {err}"
             return
         messages = ([{"role": "system", "content": system}] if system and system.strip()
@@ -172,7 +183,10 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         for kind, text, data in stream(request.session_hash, conversation_id, messages, mode,
                                        settings):
             if sessions.epoch(request.session_hash) != epoch:
-                return  # the chat was cleared meanwhile: leave the page as Clear left it
+                # Cleared meanwhile. This event's outputs may land after Clear's: end on
+                # what Clear shows, so Clear wins whatever the order.
+                yield [], "", "Cleared."
+                return
             if kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
             elif kind == "started":
@@ -181,7 +195,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             elif kind == "delta":
                 history[-1] = {"role": "assistant", "content": history[-1]["content"] + text}
             elif kind == "error":
-                history = history[:-1]
+                refused = sent is not None and not history[-1]["content"]
+                history = history[:-2] if refused else history[:-1]
+                box = sent if refused else box
                 status = f"⚠️ {text}"
             elif kind == "done":
                 status = done_status(data.get("stopped"))
@@ -226,7 +242,13 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
     def panels(request: gr.Request):
         stats = sessions.get_stats(request.session_hash)
-        return panel_markdown(stats), curve_frame(stats)
+        frame = curve_frame(stats)
+        if frame.empty:
+            return panel_markdown(stats), gr.update(value=frame)
+        # Axes from zero: a reply of one or two blocks would get a degenerate, clipped axis.
+        return panel_markdown(stats), gr.update(
+            value=frame, x_lim=[0, float(frame["tokens"].max())],
+            y_lim=[0, float(frame["tok_s"].max()) * 1.25])
 
     # --- A/B -------------------------------------------------------------------------------
 
@@ -286,8 +308,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                                         value=min(g.max_new_tokens, preset.max_context), step=1,
                                         label="Max new tokens")
                     seed = gr.Number(g.seed, label="Seed (empty = random)", precision=0)
-                    thinking = gr.Checkbox(bool(preset.enable_thinking),
-                                           label="Thinking (chat templates with the switch)")
+                    thinking = gr.Checkbox(bool(preset.enable_thinking), label="Thinking",
+                                           visible=has_thinking_switch(service.tokenizer))
             with gr.Column(scale=5):
                 with gr.Tab("Chat"):
                     chatbot = gr.Chatbot(height=420, label="Chat", editable="user",
@@ -310,12 +332,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                         mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B")
                         ab_btn = gr.Button("Compare", variant="primary", elem_id="ab-run")
                     ab_status = gr.Markdown("", elem_id="ab-status")
-                    with gr.Row():
-                        with gr.Column():
+                    with gr.Row():  # side by side from ~1000 px wide windows
+                        with gr.Column(min_width=160):
                             gr.Markdown("**A**")
                             ab_text_a = gr.HTML(elem_id="ab-a")
                             ab_stats_a = gr.Markdown(elem_id="ab-stats-a")
-                        with gr.Column():
+                        with gr.Column(min_width=160):
                             gr.Markdown("**B**")
                             ab_text_b = gr.HTML(elem_id="ab-b")
                             ab_stats_b = gr.Markdown(elem_id="ab-stats-b")
@@ -323,7 +345,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 gr.Markdown("### Live panels")
                 panel = gr.Markdown(panel_markdown(None), elem_id="panel")
                 plot = gr.LinePlot(curve_frame(None), x="tokens", y="tok_s", height=200,
-                                   title="decode tok/s over the reply", elem_id="plot")
+                                   title="decode tok/s so far, over the reply", elem_id="plot")
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
                       thinking]
@@ -331,21 +353,27 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         # Stop and Clear cancel through the service (the reply ends within one block and its
         # generator finishes normally), not through Gradio's cancels=, which can leave the
         # outputs showing an error.
+        # The page's own events stay out of the API page (callable, undocumented): scripts use
+        # /chat and /stats below, or the OpenAI API.
+        page = dict(api_visibility="undocumented")
         send_btn.click(send, [message, chatbot, *gen_inputs], chat_outputs,
-                       concurrency_limit=None)
+                       concurrency_limit=None, **page)
         message.submit(send, [message, chatbot, *gen_inputs], chat_outputs,
-                       concurrency_limit=None)
-        regen_btn.click(regenerate, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None)
-        chatbot.edit(edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None)
-        stop_btn.click(stop, None, status, queue=False)
-        clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], queue=False)
-        export_btn.click(export, [chatbot, system, mode], export_file)
+                       concurrency_limit=None, **page)
+        regen_btn.click(regenerate, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
+                        **page)
+        chatbot.edit(edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
+                     **page)
+        stop_btn.click(stop, None, status, queue=False, **page)
+        clear_btn.click(clear, conversation_id, [chatbot, conversation_id, status], queue=False,
+                        **page)
+        export_btn.click(export, [chatbot, system, mode], export_file, **page)
         ab_btn.click(run_ab, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
                               seed, thinking],
                      [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
-                     concurrency_limit=None)
+                     concurrency_limit=None, **page)
         timer = gr.Timer(0.5)
-        timer.tick(panels, None, [panel, plot], queue=False, show_progress="hidden")
+        timer.tick(panels, None, [panel, plot], queue=False, show_progress="hidden", **page)
         def closed(request: gr.Request):  # the tab went away: cancel its request
             sessions.close(request.session_hash)
 
@@ -353,7 +381,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
         # --- stable script endpoints ---------------------------------------------------------
 
-        def chat(message: str, mode: str) -> Iterator[str]:
+        def chat(message: str, mode: str, request: gr.Request) -> Iterator[str]:
             """Stream the assistant's reply to a one-turn conversation. mode: bf16, fp8 or
             verified."""
             if mode not in MODES:
@@ -363,7 +391,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             conversation = f"api-{uuid.uuid4()}"
             text = ""
             try:
-                for kind, delta, _ in stream(f"api-{conversation}", conversation,
+                for kind, delta, _ in stream(request.session_hash, conversation,
                                                 [{"role": "user", "content": message}], mode,
                                                 service.default_settings()):
                     if kind == "delta":
@@ -375,10 +403,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             finally:
                 service.forget(conversation)
 
-        def stats() -> dict:
-            """The latest reply's stats: mode, bridge_mib, bridge_ms, acceptance_rate,
-            decode_tok_s, prefill_tok_s, ttft_ms, prefilled_tokens, ..."""
-            return service.stats_snapshot()
+        def stats(request: gr.Request) -> dict:
+            """This client's latest reply's stats: mode, bridge_mib, bridge_ms,
+            acceptance_rate, decode_tok_s, prefill_tok_s, ttft_ms, prefilled_tokens, ..."""
+            mine = sessions.get_stats(request.session_hash)  # nobody else's, no ids
+            mine.pop("conversation_id", None)
+            return mine or {"mode": None}
 
         gr.api(chat, api_name="chat", concurrency_limit=None)
         gr.api(stats, api_name="stats", queue=False)

@@ -306,9 +306,12 @@ class EngineService:
             now = time.perf_counter()
             if timing["first"] is None:
                 timing["first"] = now
-            elif timing["last"] is not None:
-                rate = len(tokens) / max(now - timing["last"], 1e-9)
-                curve.append([len(detok.tokens) + len(tokens), round(rate, 2)])
+            else:
+                # The running decode rate (tokens after the first over the time since it), the
+                # panel's decode tok/s as the reply grows: a short last block is not a slowdown.
+                emitted = len(detok.tokens) + len(tokens)
+                rate = (emitted - 1) / max(now - timing["first"], 1e-9)
+                curve.append([emitted, round(rate, 2)])
             timing["last"] = now
             delta = detok.add(tokens)
             if delta:
