@@ -236,7 +236,7 @@ def test_demo_model_answers_in_the_browser(playwright, tmp_path):
         wait_for(lambda: "tok/s" in page.inner_text("#panel"))
         page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
         page.get_by_role("tab", name="A/B").click()  # the README's A/B picture, demo model
-        page.fill("#ab-prompt textarea", "What does random.randint do?")
+        page.fill("#ab-prompt textarea", "What does json.loads do?")
         page.click("#ab-run")
         wait_for(lambda: "identical" in page.inner_text("#ab-status") or "diverge" in
                  page.inner_text("#ab-status"), timeout=120)
