@@ -22,7 +22,7 @@ from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
-from .panels import ab_summary, curve_frame, first_divergence, highlighted, panel_markdown
+from .panels import ab_summary, curve_frame, first_char_difference, highlighted, panel_markdown
 
 MODE_CHOICES = [(mode.label, mode.name) for mode in APP_MODES.values()]
 CSS = """
@@ -284,7 +284,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                        highlighted(texts["b"], None), panel_markdown(stats["a"]),
                        panel_markdown(stats["b"]))
             service.forget(conversation)
-        start = first_divergence(texts["a"], texts["b"])
+        start = first_char_difference(texts["a"], texts["b"])
         yield (ab_summary(mode_a, texts["a"], stats["a"], mode_b, texts["b"], stats["b"]),
                highlighted(texts["a"], start), highlighted(texts["b"], start),
                panel_markdown(stats["a"]), panel_markdown(stats["b"]))

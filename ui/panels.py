@@ -47,7 +47,7 @@ def curve_frame(stats: dict | None) -> pd.DataFrame:
         pd.DataFrame({"tokens": [], "tok_s": []})
 
 
-def first_divergence(a: str, b: str) -> int | None:
+def first_char_difference(a: str, b: str) -> int | None:
     """Index of the first differing character, or None when identical."""
     if a == b:
         return None
@@ -67,7 +67,7 @@ def highlighted(text: str, start: int | None) -> str:
 
 def ab_summary(mode_a: str, text_a: str, stats_a: dict, mode_b: str, text_b: str,
                stats_b: dict) -> str:
-    start = first_divergence(text_a, text_b)
+    start = first_char_difference(text_a, text_b)
     speed_a, speed_b = stats_a.get("decode_tok_s"), stats_b.get("decode_tok_s")
     if speed_a and speed_b:
         ratio = f"{mode_b} decodes at **{speed_b / speed_a:.2f}x** the speed of {mode_a} " \

@@ -1,6 +1,6 @@
 """Load a GDN checkpoint (config.json + safetensors) from a folder or a hub id, in either layout.
 
-Layouts (DESIGN.md, "Checkpoint layouts"):
+Layouts (docs/design.md, "Checkpoint layouts"):
 - flash-linear-attention ``gated_deltanet``: separate q/k/v/g/a/b projections and q/k/v convs,
   RMSNorms scaled by w;
 - Qwen3.5 text (``qwen3_5_text``, or ``qwen3_5`` VLM checkpoints under

@@ -18,7 +18,7 @@ from .cache import RecurrentCache, kv_tensors, state_tensors
 
 
 @dataclass
-class Checkpoint:
+class KeptState:
     tokens: tuple[int, ...]  # the exact token history this state has absorbed
     tensors: list[torch.Tensor]  # the fixed-size state, then (hybrid models) KV[:len] per layer
     last_used: int = 0
@@ -39,11 +39,11 @@ class StateStore:
     def __init__(self, gpu_budget_bytes: int, host_budget_bytes: int):
         self.gpu_budget = gpu_budget_bytes
         self.host_budget = host_budget_bytes
-        self.conversations: dict[str, list[Checkpoint]] = {}
+        self.conversations: dict[str, list[KeptState]] = {}
         self.clock = itertools.count(1)
         self.lock = threading.Lock()
 
-    def best_prefix(self, conversation_id: str, tokens: list[int]) -> Checkpoint | None:
+    def best_prefix(self, conversation_id: str, tokens: list[int]) -> KeptState | None:
         """The kept state with the longest history that is a strict prefix of ``tokens`` (at
         least one new token must remain: its logits give the first reply token)."""
         with self.lock:
@@ -62,7 +62,7 @@ class StateStore:
         state = [t.clone() for t in state_tensors(cache)]
         # Hybrid models: the attention KV written so far grows with the conversation.
         kv = [t[:, :, :len(tokens)].clone() for t in kv_tensors(cache)]
-        ckpt = Checkpoint(tuple(tokens), state + kv, last_used=next(self.clock),
+        ckpt = KeptState(tuple(tokens), state + kv, last_used=next(self.clock),
                           num_state=len(state))
         with self.lock:
             kept = [c for c in self.conversations.get(conversation_id, [])
@@ -71,7 +71,7 @@ class StateStore:
             self._enforce_budgets()
 
     @torch.inference_mode()
-    def restore(self, ckpt: Checkpoint, cache: RecurrentCache) -> None:
+    def restore(self, ckpt: KeptState, cache: RecurrentCache) -> None:
         n = ckpt.num_state
         for dst, src in zip(state_tensors(cache), ckpt.tensors[:n], strict=True):
             dst.copy_(src, non_blocking=True)
