@@ -43,6 +43,8 @@ def page(playwright, tmp_path_factory):
 def open_page(p, url):
     browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
     page = browser.new_page(viewport={"width": 1400, "height": 950})
+    page.console_messages = []
+    page.on("console", lambda message: page.console_messages.append(message.text))
     page.goto(url)
     page.wait_for_selector("#message textarea", timeout=60_000)
     return browser, page
@@ -235,6 +237,7 @@ def test_demo_model_answers_in_the_browser(playwright, tmp_path):
                      and "Done" in page.inner_text("#status"), timeout=120)
         wait_for(lambda: "tok/s" in page.inner_text("#panel"))
         page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
+        assert not [m for m in page.console_messages if "Infinite extent" in m]
         page.get_by_role("tab", name="A/B").click()  # the README's A/B picture, demo model
         page.fill("#ab-prompt textarea", "What does json.loads do?")
         page.click("#ab-run")

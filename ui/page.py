@@ -244,10 +244,10 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         stats = sessions.get_stats(request.session_hash)
         frame = curve_frame(stats)
         if frame.empty:
-            return panel_markdown(stats), gr.update(value=frame)
+            return panel_markdown(stats), gr.update(visible=False)
         # Axes from zero: a reply of one or two blocks would get a degenerate, clipped axis.
         return panel_markdown(stats), gr.update(
-            value=frame, x_lim=[0, float(frame["tokens"].max())],
+            value=frame, visible=True, x_lim=[0, float(frame["tokens"].max())],
             y_lim=[0, float(frame["tok_s"].max()) * 1.25])
 
     # --- A/B -------------------------------------------------------------------------------
@@ -344,8 +344,10 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             with gr.Column(scale=3, elem_id="panels"):
                 gr.Markdown("### Live panels")
                 panel = gr.Markdown(panel_markdown(None), elem_id="panel")
+                # Hidden while empty: the chart library warns about an empty plot's extents.
                 plot = gr.LinePlot(curve_frame(None), x="tokens", y="tok_s", height=200,
-                                   title="decode tok/s so far, over the reply", elem_id="plot")
+                                   title="decode tok/s so far, over the reply", elem_id="plot",
+                                   visible=False)
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
                       thinking]
