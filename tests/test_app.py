@@ -116,3 +116,12 @@ def test_exports_are_cleaned_up(tmp_path):
                           check=True, cwd=os.path.dirname(os.path.dirname(__file__))
                           ).stdout.strip()
     assert path.endswith(".json") and not os.path.exists(os.path.dirname(path))
+
+
+def test_api_page_lists_only_the_public_endpoints(client):
+    info = client.view_api(return_format="dict", print_info=False)
+    assert set(info["named_endpoints"]) == {"/chat", "/stats"}
+    assert not info["unnamed_endpoints"]
+    params = info["named_endpoints"]["/chat"]["parameters"]
+    assert [(p["parameter_name"], p["python_type"]["type"]) for p in params] == \
+        [("message", "str"), ("mode", "str")]

@@ -54,6 +54,12 @@ class Sessions:
         with self.lock:
             self.handles[session] = handle
 
+    def running(self, session: str) -> bool:
+        """Whether a reply started after the last Stop / Clear is in flight in this session."""
+        with self.lock:
+            handle = self.handles.get(session)
+        return handle is not None and not handle.finished.is_set()
+
     def cancel(self, session: str) -> bool:
         """Cancel this session's reply; False when none was running (it had finished)."""
         with self.lock:
@@ -133,7 +139,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
 
     def stream(session, conversation_id, messages, mode, settings) -> Iterator[tuple]:
         """Yields (kind, text, data) from one request; cancels it if the consumer goes away."""
-        handle = service.submit(conversation_id, messages, mode, settings)
+        # (before the page's load event has set the id, the tab's session stands in for it)
+        handle = service.submit(conversation_id or f"session-{session}", messages, mode,
+                                settings)
         sessions.start(session, handle)
         try:
             for event in handle.events():
@@ -183,9 +191,11 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         for kind, text, data in stream(request.session_hash, conversation_id, messages, mode,
                                        settings):
             if sessions.epoch(request.session_hash) != epoch:
-                # Cleared meanwhile. This event's outputs may land after Clear's: end on
-                # what Clear shows, so Clear wins whatever the order.
-                yield [], "", "Cleared."
+                # Cleared meanwhile. This event's outputs may land after Clear's: end on what
+                # Clear shows, so Clear wins whatever the order, unless the user has already
+                # sent something new (that reply owns the page now).
+                if not sessions.running(request.session_hash):
+                    yield [], "", "Cleared."
                 return
             if kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
@@ -294,7 +304,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     # delete_cache: Gradio's copies of served files (exports) older than 10 min go every 10 min.
     with gr.Blocks(title="UNI MAX", delete_cache=(600, 600)) as demo:
         gr.Markdown(info, elem_id="header")
-        conversation_id = gr.State(lambda: str(uuid.uuid4()))
+        conversation_id = gr.State()  # a new id per page load (demo.load below)
         with gr.Row():
             with gr.Column(scale=2):
                 mode = gr.Radio(MODE_CHOICES, value=preset.mode, label="Mode", elem_id="mode")
@@ -380,6 +390,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             sessions.close(request.session_hash)
 
         demo.unload(closed)
+        demo.load(lambda: str(uuid.uuid4()), None, conversation_id, api_visibility="undocumented")
 
         # --- stable script endpoints ---------------------------------------------------------
 
