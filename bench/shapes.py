@@ -1,5 +1,6 @@
 """The real model shapes the benchmarks run with random weights."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,14 +33,11 @@ QWEN35_0_8B = GDNConfig(vocab_size=248320, hidden_size=1024, num_hidden_layers=2
 GDN_4B = GDNConfig(vocab_size=248320, hidden_size=2560, num_hidden_layers=32, num_k_heads=16,
                    num_v_heads=32, head_k_dim=128, head_v_dim=128, intermediate_size=9216,
                    norm_offset=1.0, tie_word_embeddings=True, source_layout="qwen3_5")
-QWEN35_4B = GDNConfig(vocab_size=248320, hidden_size=2560, num_hidden_layers=32,
-                      num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
-                      intermediate_size=9216, norm_offset=1.0, tie_word_embeddings=True,
-                      source_layout="qwen3_5",
-                      layer_types=tuple("full_attention" if i % 4 == 3 else
-                                        "linear_attention" for i in range(32)),
-                      num_attention_heads=16, num_key_value_heads=4, attn_head_dim=256,
-                      rope_theta=1e7, partial_rotary_factor=0.25, max_context=2048)
+QWEN35_4B = dataclasses.replace(
+    GDN_4B, layer_types=tuple("full_attention" if i % 4 == 3 else "linear_attention"
+                              for i in range(32)),
+    num_attention_heads=16, num_key_value_heads=4, attn_head_dim=256, rope_theta=1e7,
+    partial_rotary_factor=0.25, max_context=2048)
 SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35_0_8B,
           "gdn-4b": GDN_4B, "qwen3.5-4b": QWEN35_4B}
 
