@@ -43,7 +43,7 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
         before = cache.empty_like(share_kv=True)
         unimax.copy_cache_(before, cache)
         tape = model.make_tape(8)
-        with cache.recording(tape.layers):
+        with cache.recording(tape):
             model.forward_unchecked(block, cache)  # the verifier's forward, k = 6
         for length in range(1, 7):
             model.rewind_unchecked(cache, before, tape, length)

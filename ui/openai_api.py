@@ -196,9 +196,9 @@ def _options(body: dict, service: EngineService):
         value = body.get(key)
         return getattr(defaults, field) if value is None else value
 
-    values = {"max_new_tokens": given("max_completion_tokens", "max_new_tokens")
-              if body.get("max_completion_tokens") is not None
-              else given("max_tokens", "max_new_tokens"),
+    newer = "max_completion_tokens"  # OpenAI's newer name for max_tokens
+    values = {"max_new_tokens": given(newer if body.get(newer) is not None else "max_tokens",
+                                      "max_new_tokens"),
               "temperature": given("temperature", "temperature"),
               "top_p": given("top_p", "top_p"), "top_k": given("top_k", "top_k"),
               "seed": given("seed", "seed"), "thinking": defaults.thinking}

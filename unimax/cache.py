@@ -182,15 +182,12 @@ class RecurrentCache:
         return found
 
     @contextlib.contextmanager
-    def recording(self, tapes: list | None):
-        """GDN layers record their recurrence inputs into ``tapes`` (one per layer, None for
-        attention layers; see unimax.tape) for the body of a with-block."""
-        if tapes is None:
-            yield
-            return
-        for layer, tape in zip(self.layers, tapes, strict=True):
+    def recording(self, tape):
+        """GDN layers record their recurrence inputs into ``tape`` (a unimax.tape.Tape) for the
+        body of a with-block."""
+        for layer, layer_tape in zip(self.layers, tape.layers, strict=True):
             if isinstance(layer, RecurrentLayerState):
-                layer.tape = tape
+                layer.tape = layer_tape
         try:
             yield
         finally:

@@ -186,7 +186,7 @@ class UniMaxEngine:
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
-        mode the verifier of each block size and the replay of each length) at start-up. The
+        mode the verifier of each block size and the rewind of each length) at start-up. The
         caches are left as they were. A no-op without graphs."""
         self.decode_graph.capture_blocks(sampled=sampled)
         if verified:

@@ -100,13 +100,9 @@ class GDNForCausalLM(nn.Module):
     def make_tape(self, max_tokens: int) -> Tape:
         """The verifier's tape (unimax.tape) for forwards of up to ``max_tokens`` tokens."""
         cfg = self.config
-        num_gdn = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
-        tape = Tape(num_gdn, max_tokens, cfg.conv_dim, cfg.num_k_heads, cfg.head_k_dim,
+        is_gdn = [not cfg.is_attention(i) for i in range(cfg.num_hidden_layers)]
+        return Tape(is_gdn, max_tokens, cfg.conv_dim, cfg.num_k_heads, cfg.head_k_dim,
                     cfg.num_v_heads, cfg.head_v_dim, self.dtype, self.device)
-        gdn = iter(tape.layers)
-        tape.layers = [None if cfg.is_attention(i) else next(gdn)
-                       for i in range(cfg.num_hidden_layers)]
-        return tape
 
     def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tape: Tape,
                          length: int) -> None:
@@ -116,20 +112,20 @@ class GDNForCausalLM(nn.Module):
         steps), attention layers by position (entries past it are never read). No weight is
         read, no host sync."""
         cfg = self.config
-        mixers = [b.mixer for b in self.layers if hasattr(b.mixer, "backend")]
-        if mixers:
-            n = len(mixers)
-            conv_shape = (n, cfg.conv_dim, cfg.conv_size)
-            rec_shape = (n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
-            with torch.no_grad():
+        n = tape.conv_input.shape[0]  # GDN layers, in the cache's flat-buffer order
+        with torch.no_grad():
+            if n:
+                conv_shape = (n, cfg.conv_dim, cfg.conv_size)
+                rec_shape = (n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
                 window = torch.cat([before.conv_buffer.view(conv_shape).to(tape.conv_input.dtype),
                                     tape.conv_input[:, :length].transpose(1, 2)], dim=-1)
                 cache.conv_buffer.view(conv_shape).copy_(window[..., -cfg.conv_size:])
+                backend = next(b.mixer.backend for b in self.layers
+                               if hasattr(b.mixer, "backend"))
                 _, recurrent = gated_delta_rule(*tape.recurrence_inputs(length),
                                                 before.recurrent_buffer.view(rec_shape),
-                                                backend=mixers[0].backend)
+                                                backend=backend)
                 cache.recurrent_buffer.view(rec_shape).copy_(recurrent)
-        with torch.no_grad():
             cache.position.copy_(before.position + length)
 
     @torch.inference_mode()

@@ -143,7 +143,8 @@ class EngineService:
     # --- requests ------------------------------------------------------------------------
 
     def submit(self, conversation_id: str, messages: list[dict], mode: str | None = None,
-               settings: GenerationSettings | None = None) -> RequestHandle:
+               settings: GenerationSettings | None = None, *,
+               text: str | None = None) -> RequestHandle:
         """Queue a reply to ``messages``. The request is checked and tokenized here, on the
         caller's thread, so a bad or huge message never holds up the engine thread: a request
         the user can fix ends at once with an error event."""
@@ -151,19 +152,7 @@ class EngineService:
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
-        return self._queue(handle)
-
-    def submit_text(self, conversation_id: str, text: str, mode: str | None = None,
-                    settings: GenerationSettings | None = None) -> RequestHandle:
-        """Queue a continuation of raw ``text`` (no chat template): base models, the
-        completions API. Otherwise as ``submit``."""
-        settings = settings if settings is not None else self.default_settings()
-        handle = RequestHandle(next(self.ids), str(conversation_id), [], mode or
-                               self.preset.mode, settings)
         handle.text = text
-        return self._queue(handle)
-
-    def _queue(self, handle: RequestHandle) -> RequestHandle:
         try:
             handle.prompt = self.prepare(handle)
         except RequestError as err:
@@ -175,6 +164,12 @@ class EngineService:
         handle.emit("queued", position=position)
         self.requests.put(handle)
         return handle
+
+    def submit_text(self, conversation_id: str, text: str, mode: str | None = None,
+                    settings: GenerationSettings | None = None) -> RequestHandle:
+        """Queue a continuation of raw ``text`` (no chat template): base models, the
+        completions API. Otherwise as ``submit``."""
+        return self.submit(conversation_id, [], mode, settings, text=text)
 
     def prepare(self, handle: RequestHandle) -> list[int]:
         """Every check a request can fail before it runs; returns its prompt ids."""

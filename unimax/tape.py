@@ -39,10 +39,11 @@ class Tape:
     so a rewind is one recurrence launch for all layers (the cache's states are flat buffers in
     the same layer order: unimax.cache)."""
 
-    def __init__(self, num_layers: int, max_tokens: int, conv_dim: int, num_k_heads: int,
+    def __init__(self, is_gdn: list[bool], max_tokens: int, conv_dim: int, num_k_heads: int,
                  head_k_dim: int, num_v_heads: int, head_v_dim: int, dtype: torch.dtype,
                  device: torch.device):
-        n, t = num_layers, max_tokens
+        """``is_gdn``: per model layer, whether it is a GDN layer (attention layers: no tape)."""
+        n, t = sum(is_gdn), max_tokens
         self.max_tokens = max_tokens
         self.conv_input = torch.zeros(n, t, conv_dim, dtype=dtype, device=device)
         self.q = torch.zeros(n, t, num_k_heads, head_k_dim, dtype=dtype, device=device)
@@ -50,7 +51,9 @@ class Tape:
         self.v = torch.zeros(n, t, num_v_heads, head_v_dim, dtype=dtype, device=device)
         self.g = torch.zeros(n, t, num_v_heads, dtype=torch.float32, device=device)
         self.beta = torch.zeros(n, t, num_v_heads, dtype=dtype, device=device)
-        self.layers = [LayerTape(self, i) for i in range(num_layers)]
+        # Per model layer: its LayerTape, or None for an attention layer.
+        index = iter(range(n))
+        self.layers = [LayerTape(self, next(index)) if gdn else None for gdn in is_gdn]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.conv_input, self.q, self.k, self.v, self.g, self.beta]

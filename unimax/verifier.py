@@ -89,7 +89,7 @@ class Verifier:
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
         forward = self.compiled if self.compiled and k == self.block_size else self.forward
-        with self.cache.recording(self.tape.layers):
+        with self.cache.recording(self.tape):
             logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
         self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
         agree = self.predictions[0, :k].eq(draft[0]).long()
