@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU test suite in one device call (run it first in a session), with fla's wheels carried
-# in .whl (see the device README):   run: bash bench/gpu_tests.sh   with carry [".whl"]
+# in .whl (see the device README; the device has no gradio/openai, so modules needing them are
+# skipped at collection):   run: bash bench/gpu_tests.sh   with carry [".whl"]
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$SECONDS
-UNIMAX_ALLOW_FLA=1 timeout 540 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+UNIMAX_ALLOW_FLA=1 timeout 540 python3 -m pytest -v -s -m gpu -p no:cacheprovider --continue-on-collection-errors \
   --durations=12 2>&1 | tr -d '\000' > "$OUT/pytest.log"
 grep -E "PASSED|FAILED|ERROR|passed|failed|s call|acceptance" "$OUT/pytest.log" | cut -c1-150 \
   | tail -40
