@@ -5,8 +5,9 @@ usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs com
        [--json FILE]
 Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
 inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
-linears through the Triton GEMV: unimax.fast_step). Random weights, batch 1; the state after a
-64-token prompt.
+linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
+draft of verified mode as the engine builds it: every linear FP8, then fla+gemv).
+Random weights, batch 1; the state after a 64-token prompt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 from unimax import GDNForCausalLM  # noqa: E402
 from unimax.fast_step import gemv_view  # noqa: E402
-from unimax.fp8 import shallow_view  # noqa: E402
+from unimax.fp8 import quantize_view, shallow_view  # noqa: E402
 from unimax.graph import MaxTurboGraphDecoder  # noqa: E402
 
 BLOCK = 8
@@ -34,6 +35,8 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    if variant == "draft":
+        variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model) if gemv == "gemv" else shallow_view(model)
     view.set_backend(backend)
@@ -70,7 +73,7 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     rows, busy, count = kernel_table(graph.replay)
     floor = decode_weight_bytes(model) / bandwidth
     return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
-            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:14]}
+            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:24]}
 
 
 def main() -> None:
@@ -102,8 +105,8 @@ def main() -> None:
         print(f"\n{row['shape']} {row['variant']}: {row['us_per_token']:.0f} us/token "
               f"({100 * row['of_floor']:.1f}% of floor), busy {row['busy_us']:.0f} us, "
               f"{row['kernels']:.0f} kernels/token")
-        for k in row["kernels_top"][:10]:
-            print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:80]}")
+        for k in row["kernels_top"][:18]:
+            print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:100]}")
 
 
 if __name__ == "__main__":

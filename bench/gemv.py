@@ -1,0 +1,133 @@
+"""The decode linears one at a time (GPU): each weight shape of a model at M = 1 (a decode step)
+and M = 9 (a verifier block of 8), BF16 and FP8 weights, through the Triton kernels of
+unimax.ops.gemv (as tuned now, and with the masked inner loop they had before), cuBLAS for BF16,
+in CUDA-graph replays over enough weight copies that L2 cannot serve them. Prints the time and
+the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
+
+usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_bandwidth  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+from unimax.fp8 import quantize_rows  # noqa: E402
+from unimax.ops import gemv as gemv_mod  # noqa: E402
+
+
+def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, calls per decode step) for a pure-GDN config."""
+    layers = cfg.num_hidden_layers
+    return {"in_proj": (sum(cfg.in_proj_sizes), cfg.hidden_size, layers),
+            "out_proj": (cfg.hidden_size, cfg.value_dim, layers),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size, layers),
+            "down": (cfg.hidden_size, cfg.intermediate_size, layers),
+            "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
+
+
+def graph_us(fn, copies: int, repeats: int = 5) -> float:
+    """Per-call time of fn(i) over weight copy i, from a captured graph of ``copies`` calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # warm-up: autotuning and per-shape choices happen here
+            fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
+    return sorted(times)[len(times) // 2]
+
+
+def clear_tuning() -> None:
+    for scaled in (False, True):
+        kernel = gemv_mod._gemv_kernel(scaled)[1]
+        getattr(kernel, "cache", {}).clear()
+
+
+def run_shape(name, n, k, m, kind, bandwidth) -> dict:
+    torch.manual_seed(0)
+    base = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    if kind == "fp8":
+        q, scale = quantize_rows(base)
+        weight_bytes = q.numel()
+        make = lambda: (q.clone(), scale.clone())  # noqa: E731
+    else:
+        weight_bytes = base.numel() * 2
+        make = lambda: (base.clone(), None)  # noqa: E731
+    copies = max(2, min(64, -(-400_000_000 // weight_bytes)))  # >= 400 MB: not from L2
+    weights = [make() for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    row = {"name": name, "kind": kind, "M": m, "N": n, "K": k, "MB": weight_bytes / 1e6}
+    variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
+    if m <= gemv_mod.PROGRAM_ROWS:  # the same call with MASK_ALWAYS set (below)
+        variants["triton_masked"] = variants["triton"]
+    if kind == "bf16":
+        variants["cublas"] = lambda i: F.linear(x, weights[i][0])
+    for label, fn in variants.items():
+        gemv_mod.MASK_ALWAYS = label == "triton_masked"
+        clear_tuning()
+        us = graph_us(fn, copies)
+        row[label + "_us"] = us
+        row[label + "_bw"] = weight_bytes / (us * 1e-6) / bandwidth
+    gemv_mod.MASK_ALWAYS = False
+    clear_tuning()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="gdn-4b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 9])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    shapes = linear_shapes(SHAPES[args.shape])
+    rows = []
+    for kind in ("fp8", "bf16"):
+        for m in args.rows:
+            for name, (n, k, calls) in shapes.items():
+                row = {**run_shape(name, n, k, m, kind, bandwidth), "calls": calls}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
+          "us per call (fraction of copy bandwidth)")
+    labels = ("triton", "triton_masked", "cublas")
+    print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
+    for r in rows:
+        cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r
+                        else f"{'-':>20}" for x in labels)
+        print(f"{r['kind']:5} {r['M']:>2} {r['name']:9} {r['MB']:>7.1f} {cells}")
+    for kind in ("fp8", "bf16"):
+        for m in args.rows:
+            sel = [r for r in rows if r["kind"] == kind and r["M"] == m]
+            total = {x: sum(r[x + "_us"] * r["calls"] for r in sel)
+                     for x in labels if all(x + "_us" in r for r in sel)}
+            print(f"per step, {kind} M={m}: " + ", ".join(f"{x} {v:.0f} us"
+                                                         for x, v in total.items()))
+
+
+if __name__ == "__main__":
+    main()
