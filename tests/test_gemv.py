@@ -33,6 +33,8 @@ for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130), (5, 70,
         err = float((y.float() - r.float()).norm() / r.float().norm())
         assert err < 1e-2, (m, n, k, err)
         assert torch.equal(small_m_linear(x, *args), y)  # the op runs the same kernel
+        d = gemv(x, *args, kernel="dot")  # the tensor-core kernel takes any M <= 16
+        assert float((d.float() - r.float()).norm() / r.float().norm()) < 1e-2
         print("ok", m, n, k, err)
 # the op has a fake kernel: a compiled function traces through it with no graph break
 traced = torch.compile(lambda x, w, s: small_m_linear(x, w, s) * 2, fullgraph=True,

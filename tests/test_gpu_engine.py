@@ -191,20 +191,28 @@ def test_rewind_on_gpu_equals_a_forward_over_the_prefix():
 
 
 def test_small_m_linear_picks_per_shape_and_graphs():
-    """The custom op: Triton or cuBLAS chosen once per shape outside capture; inside a captured
-    graph it replays what it chose; both agree with the plain twin."""
+    """The custom op: a kernel chosen once per shape outside capture (GEMV, tensor-core or cuBLAS
+    for BF16 weights; GEMV or the FP16 tensor-core kernel for FP8); inside a captured graph it
+    replays what it chose; every kernel agrees with the plain twin."""
+    from unimax.fp8 import quantize_rows
     from unimax.ops import gemv as ops
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    weight = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-    for m in (1, 8, 16):
-        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-        y = ops.small_m_linear(x, weight)
-        assert ops.CHOICES[(m, 3000, 1024, torch.bfloat16)] in ("triton", "cublas")
-        assert rel_err(y.float(), ops.gemv_ref(x, weight).float()) < 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.small_m_linear(x, weight)
-        x.copy_(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
-        graph.replay()
-        assert rel_err(out.float(), ops.gemv_ref(x, weight).float()) < 1e-2
+    bf16 = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fp8 = quantize_rows(bf16)
+    for weights in ((bf16,), fp8):
+        for m in (1, 8, 16):
+            x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = ops.gemv_ref(x, *weights).float()
+            y = ops.small_m_linear(x, *weights)
+            choice = ops.CHOICES[(m, 3000, 1024, weights[0].dtype)]
+            assert choice in ops.candidates(m, len(weights) == 2)
+            assert rel_err(y.float(), ref) < 1e-2
+            for kernel in ("rows", "dot") if m <= ops.PROGRAM_ROWS else ("dot",):
+                assert rel_err(ops.gemv(x, *weights, kernel=kernel).float(), ref) < 1e-2
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ops.small_m_linear(x, *weights)
+            x.copy_(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
+            graph.replay()
+            assert rel_err(out.float(), ops.gemv_ref(x, *weights).float()) < 1e-2

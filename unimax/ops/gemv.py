@@ -6,13 +6,15 @@ k-row products: the time is reading W. cuBLAS picks GEMM tiles built for larger 
 it read the 248k-row LM head in FP8 (``torch._scaled_mm``, which first quantizes the activation)
 barely faster than in BF16, and a compiled GDN step's BF16 projections at 1.4-2 TB/s of the
 card's ~4 (bench/RESULTS.md). Two Triton kernels stream the rows of W once and accumulate in
-fp32: for M <= 4 each row of x is a program of its own (a GEMV: the re-reads hit L2), for larger
-M one program multiplies all rows of x with a tile of W on the tensor cores.
+fp32: "rows", where each row of x (M <= 4) is a program of its own (a GEMV: the re-reads hit
+L2), and "dot", where one program multiplies all rows of x (padded to 16) with a tile of W on
+the tensor cores.
 
 ``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
 compiled step traces through it without a graph break. It also chooses, once per shape at first
-use (the warm-up before a graph is captured), between the Triton kernel and cuBLAS for BF16
-weights: some shapes favour cuBLAS (bench/RESULTS.md). ``gemv_ref`` is the plain-torch twin.
+use (the warm-up before a graph is captured), the fastest of the kernels that fit that M and
+weight (``candidates``: cuBLAS too for BF16), timed with L2 flushed. ``gemv_ref`` is the
+plain-torch twin.
 """
 
 import functools
@@ -95,14 +97,20 @@ def _gemv_kernel(scaled: bool):
 @functools.cache
 def _dot_kernel(scaled: bool):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
-    read once for the whole block (the verifier's k tokens)."""
+    read once for the whole block (the verifier's k tokens). FP8 weights (the draft's) are
+    multiplied in FP16: e4m3 -> f16 is one instruction per two weights, where the CUDA-core GEMV
+    spends ~2.5 per weight and is instruction-bound at ~3 TB/s on the H200 (bench/gemv.py); x is
+    clamped to FP16's range (a draft's numbers only cost acceptance, never exactness). BF16
+    weights (the exact verifier's) stay BF16."""
     import triton
     import triton.language as tl
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
                                   (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                                  (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))]
+                                  (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2),
+                                  (16, 1024, 4, 3), (32, 1024, 8, 3), (16, 512, 4, 5),
+                                  (32, 512, 4, 5))]
 
     @triton.jit
     def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -110,22 +118,25 @@ def _dot_kernel(scaled: bool):
                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
         rm = tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn_load = tl.minimum(rn, N - 1)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                         mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
+            w = tl.load(w_ptr + rn_load[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                        mask=rk[None, :] < K, other=0.0)
             # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
             if DOT_F32:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
                               input_precision="ieee")
+            elif HAS_SCALE:  # FP8 weights: exact in FP16
+                x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+                acc += tl.dot(x16, tl.trans(w.to(tl.float16)))
             else:
                 acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         if HAS_SCALE:
-            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+            acc = acc * tl.load(s_ptr + rn_load)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -135,10 +146,11 @@ def _dot_kernel(scaled: bool):
             {"DOT_F32": False})
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
-    ``gemv_ref``."""
+    ``gemv_ref``. ``kernel``: "rows" (the GEMV) or "dot" (tensor cores); by default rows for
+    M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -147,54 +159,66 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     m, k = x.shape
     if m > GEMV_ROWS:
         raise ValueError(f"gemv: at most {GEMV_ROWS} rows, got {m}")
+    kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
+    if kernel not in ("rows", "dot"):
+        raise ValueError(f"gemv: kernel must be 'rows' or 'dot', got {kernel!r}")
     x = x.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
-    if m <= PROGRAM_ROWS:
-        triton, kernel, fixed = _gemv_kernel(scaled)
+    if kernel == "rows":
+        triton, launch, fixed = _gemv_kernel(scaled)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
-        kernel[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
+        launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
     else:
-        triton, kernel, fixed = _dot_kernel(scaled)
+        triton, launch, fixed = _dot_kernel(scaled)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        kernel[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
+        launch[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed)
     return y
 
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------
 
-CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "triton" | "cublas"
+CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "rows" | "dot" | "cublas"
 
 
-def _time_us(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
+def _time_us(fn) -> float:
+    """Median time of one call with L2 flushed before each (Triton's do_bench): timed on one
+    weight over and over, a matrix that fits the 50 MB L2 would be read from it, and cuBLAS won
+    shapes there that the Triton kernel wins from memory (bench/gemv.py)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def candidates(m: int, scaled: bool) -> tuple[str, ...]:
+    """The kernels worth timing for M rows: the GEMV or the tensor-core kernel for FP8 weights
+    (cuBLAS would first dequantize them), the Triton kernel of that M or cuBLAS for BF16."""
+    if scaled:
+        return ("rows", "dot") if m <= PROGRAM_ROWS else ("dot",)
+    return ("rows" if m <= PROGRAM_ROWS else "dot", "cublas")
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
-    """The faster of the Triton kernel and cuBLAS for this shape, timed once (BF16 weights on
-    CUDA; FP8 weights always take the Triton kernel: cuBLAS would first dequantize them). A shape
-    first met while a CUDA graph is being captured cannot be timed: it takes Triton."""
+    """The fastest of ``candidates`` for this shape, timed once. Off CUDA, and for a shape first
+    met while a CUDA graph is being captured (it cannot be timed), the default Triton kernel."""
     key = (x.shape[0], *weight.shape, weight.dtype)
     if key not in CHOICES:
-        if scale is not None or not x.is_cuda or _interpreted():
-            return "triton"
-        if torch.cuda.is_current_stream_capturing():
-            return "triton"
-        triton_us = _time_us(lambda: gemv(x, weight))
-        cublas_us = _time_us(lambda: torch.nn.functional.linear(x, weight))
-        CHOICES[key] = "triton" if triton_us <= cublas_us else "cublas"
+        default = "rows" if x.shape[0] <= PROGRAM_ROWS else "dot"
+        if not x.is_cuda or _interpreted() or torch.cuda.is_current_stream_capturing():
+            return default
+        times = {name: _time_us(lambda name=name: _run(name, x, weight, scale))
+                 for name in candidates(x.shape[0], scale is not None)}
+        CHOICES[key] = min(times, key=times.get)
     return CHOICES[key]
+
+
+def _run(choice: str, x, weight, scale) -> torch.Tensor:
+    if choice == "cublas":
+        return torch.nn.functional.linear(x, weight)
+    return gemv(x, weight, scale, kernel=choice)
 
 
 @torch.library.custom_op("unimax::small_m_linear", mutates_args=())
@@ -202,9 +226,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                    scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
     # (Optional, not "| None": the op's schema is read from these annotations at import)
     """x (M <= GEMV_ROWS, K) @ weight^T (* scale): the Triton kernel or cuBLAS, per shape."""
-    if choose(x, weight, scale) == "cublas":
-        return torch.nn.functional.linear(x, weight)
-    return gemv(x, weight, scale)
+    return _run(choose(x, weight, scale), x, weight, scale)
 
 
 @small_m_linear.register_fake
