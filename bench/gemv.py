@@ -1,7 +1,6 @@
 """The decode linears one at a time (GPU): each weight shape of a model at M = 1 (a decode step)
 and M = 9 (a verifier block of 8), BF16 and FP8 weights, through the Triton kernels of
-unimax.ops.gemv (the default per M as tuned now; the GEMV with the masked inner loop it had
-before; the tensor-core kernel at M = 1), cuBLAS for BF16,
+unimax.ops.gemv (the default per M; the tensor-core kernel at M = 1 too), cuBLAS for BF16,
 in CUDA-graph replays over enough weight copies that L2 cannot serve them. Prints the time and
 the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
 
@@ -60,12 +59,6 @@ def graph_us(fn, copies: int, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def clear_tuning() -> None:
-    for scaled in (False, True):
-        kernel = gemv_mod._gemv_kernel(scaled)[1]
-        getattr(kernel, "cache", {}).clear()
-
-
 def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     torch.manual_seed(0)
     base = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -81,19 +74,14 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     row = {"name": name, "kind": kind, "M": m, "N": n, "K": k, "MB": weight_bytes / 1e6}
     variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
-    if m <= gemv_mod.PROGRAM_ROWS:  # the same call with MASK_ALWAYS set (below)
-        variants["triton_masked"] = variants["triton"]
+    if m <= gemv_mod.PROGRAM_ROWS:
         variants["dot"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="dot")
     if kind == "bf16":
         variants["cublas"] = lambda i: F.linear(x, weights[i][0])
     for label, fn in variants.items():
-        gemv_mod.MASK_ALWAYS = label == "triton_masked"
-        clear_tuning()
         us = graph_us(fn, copies)
         row[label + "_us"] = us
         row[label + "_bw"] = weight_bytes / (us * 1e-6) / bandwidth
-    gemv_mod.MASK_ALWAYS = False
-    clear_tuning()
     return row
 
 
@@ -116,7 +104,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
           "us per call (fraction of copy bandwidth)")
-    labels = ("triton", "triton_masked", "dot", "cublas")
+    labels = ("triton", "dot", "cublas")
     print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
     for r in rows:
         cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r
