@@ -13,8 +13,11 @@ acceptance: the draft block runs as always (same work), then its tokens are repl
 device by the exact greedy reference, each position independently corrupted with probability
 1 - rate; the verifier then accepts or rejects exactly as it would a real draft. Per-part times
 are CUDA-graph replays of the engine's own graphs: a BF16 step, a draft step, the verifier's
-forward over k + 1 tokens, a rewind after a rejection. Prints a table last; "floor%" is the
-weight bytes over the copy bandwidth.
+forward over k + 1 tokens, a rewind after a rejection. Rows at a fixed k (--block), then, after
+every graph is captured and timed (which calibrates unimax.draft_length), the same rows with the
+draft length chosen per block ("adaptive": the app's default; "mean k" per block). Prints a
+table last; "floor%" is the weight bytes over the copy bandwidth; "exact" says where a reply left
+the one-token reference and whether that was a near tie.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
-from unimax.reference import first_divergence  # noqa: E402
+from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
 
 @torch.no_grad()
@@ -56,8 +59,9 @@ class ForcedDrafts:
     the measurement (``excluded_s``, ``resyncs``)."""
 
     def __init__(self, engine, bf16_engine, ids, new: int, rate: float, stream: list[int],
-                 seed: int = 0):
+                 seed: int = 0, draft_block: int | None = None):
         self.engine, self.bf16, self.ids, self.new = engine, bf16_engine, ids, new
+        self.draft_block = draft_block
         vocab = engine.exact_model.config.vocab_size
         gen = torch.Generator().manual_seed(seed)
         self.wrong = (torch.rand(new + 64, generator=gen) >= rate).tolist()
@@ -99,17 +103,31 @@ class ForcedDrafts:
         self.reply, self.excluded_s, self.resyncs = [], 0.0, 0
         try:
             result = self.engine.generate(self.ids, self.new, mode="verified",
-                                          on_block=self.on_block)
+                                          on_block=self.on_block,
+                                          draft_block=self.draft_block)
         finally:
             graph.run_block = real
         result.decode_seconds -= self.excluded_s
         return result
 
 
-def timed_generate(engine, ids, new, mode) -> unimax.Generation:
-    engine.generate(ids, new, mode=mode)  # warm-up: graphs, compilation, autotuning
-    runs = [engine.generate(ids, new, mode=mode) for _ in range(2)]
+def timed_generate(engine, ids, new, mode, **kw) -> unimax.Generation:
+    engine.generate(ids, new, mode=mode, **kw)  # warm-up: graphs, compilation, autotuning
+    runs = [engine.generate(ids, new, mode=mode, **kw) for _ in range(2)]
     return min(runs, key=lambda r: r.decode_seconds)
+
+
+def exact_cell(row) -> str:
+    """yes; tie@i (left the reference at a near tie: two correct BF16 paths can); NO@i."""
+    if row["exact"]:
+        return "yes"
+    div = row["divergence"]
+    return f"{'tie' if is_near_tie(div) else 'NO'}@{div['index']}"
+
+
+def mean_k(result) -> float:
+    v = result.verify
+    return v.drafted_tokens / max(v.verifier_blocks, 1)
 
 
 def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict:
@@ -163,16 +181,31 @@ def bench_shape(shape, args, bandwidth) -> dict:
     start = time.perf_counter()
     engine = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                           compile_step=True)
-    natural = timed_generate(engine, ids, args.new, "verified")
+    natural = timed_generate(engine, ids, args.new, "verified", draft_block=k)
     emit({**row_of(f"verified-{args.draft}", natural, weight_bytes, bandwidth, reference, model,
                    ids), "warmup_s": time.perf_counter() - start})
-    for rate in args.acceptance:
-        forced = ForcedDrafts(engine, bf16, ids, args.new, rate, natural.tokens)
-        forced.run()  # warm-up
-        result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
-        emit({**row_of(f"verified-{args.draft} @{rate}", result, weight_bytes, bandwidth,
-                       reference, model, ids), "resyncs": forced.resyncs,
-              "same_as_natural": result.tokens == natural.tokens})
+    # Fixed k first; then every graph captured and timed, which calibrates the draft-length
+    # policy, and the same rows with k chosen per block ("adaptive", the app's default).
+    for draft_block in (k, None):
+        if draft_block is None:
+            engine.capture_graphs(verified=True)
+            parts["policy_costs_ms"] = {"draft": engine.draft_length.draft_ms,
+                                        "verify": engine.draft_length.verify_ms,
+                                        "rewind": engine.draft_length.rewind_ms}
+            engine.draft_length.forget()
+            result = timed_generate(engine, ids, args.new, "verified")
+            emit({**row_of(f"verified-{args.draft} adaptive", result, weight_bytes, bandwidth,
+                           reference, model, ids), "mean_k": mean_k(result)})
+        label = "" if draft_block else " adaptive"
+        for rate in args.acceptance:
+            engine.draft_length.forget()
+            forced = ForcedDrafts(engine, bf16, ids, args.new, rate, natural.tokens,
+                                  draft_block=draft_block)
+            forced.run()  # warm-up
+            result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
+            emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
+                           bandwidth, reference, model, ids), "resyncs": forced.resyncs,
+                  "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
     del bf16
 
     verifier = engine.verifier
@@ -224,15 +257,16 @@ def main() -> None:
             continue
         bf16 = data["rows"][0]["tok_s"]
         print(f"\n{shape} ({data['weight_bytes'] / 1e9:.2f} GB/token)")
-        print(f"{'mode':<24}{'tok/s':>8}{'x bf16':>8}{'floor%':>8}{'accept':>8}{'ms/blk':>8}"
-              f"{'exact':>7}")
+        print(f"{'mode':<30}{'tok/s':>7}{'x bf16':>7}{'floor%':>7}{'accept':>7}{'mean k':>7}"
+              f"{'ms/blk':>7}  exact")
         for r in data["rows"]:
-            print(f"{r['mode']:<24}{r['tok_s']:>8.0f}{r['tok_s'] / bf16:>8.2f}"
-                  f"{100 * r['of_floor']:>8.1f}{r.get('acceptance', float('nan')):>8.2f}"
-                  f"{r.get('ms_per_block', float('nan')):>8.2f}{str(r['exact']):>7}")
+            print(f"{r['mode']:<30}{r['tok_s']:>7.0f}{r['tok_s'] / bf16:>7.2f}"
+                  f"{100 * r['of_floor']:>7.1f}{r.get('acceptance', float('nan')):>7.2f}"
+                  f"{r.get('mean_k', float('nan')):>7.2f}"
+                  f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}")
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
-                                         if value is not None))
+                                         if isinstance(value, float)))
 
 
 if __name__ == "__main__":

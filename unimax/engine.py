@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CacheCopier, cache_payload_bytes
+from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
 from .sampling import SamplingParams, sample_from_logits
 from .verifier import Verifier, VerifyCounts
@@ -87,6 +88,8 @@ class UniMaxEngine:
         self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
         self.verifier = Verifier(self.exact_model, self.exact_cache, decode_graph,
                                  self.bridge_copy, compile=compile_verifier)
+        # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
+        self.draft_length = DraftLength(self.block_size)
 
     @property
     def block_size(self) -> int:
@@ -148,7 +151,9 @@ class UniMaxEngine:
     def decode_verified(self, first_token: torch.Tensor, recurrent_forwards: int, *,
                         draft_block: int | None = None) -> tuple[torch.Tensor, VerifyReport]:
         """Verify ``recurrent_forwards`` tokens after ``first_token``; ``prefill_exact`` must
-        have run just before, so both caches hold the same state."""
+        have run just before, so both caches hold the same state. ``draft_block``: drafts per
+        block (1..block_size); None lets the draft-length policy choose per block (after
+        ``capture_graphs`` has timed the graphs; before, every block drafts block_size)."""
         n = _count(recurrent_forwards)
         if first_token.shape[0] != 1:
             raise ValueError("verified decoding supports batch size 1 only")
@@ -191,19 +196,40 @@ class UniMaxEngine:
         self.decode_graph.capture_blocks(sampled=sampled)
         if verified:
             self.verifier.capture()
+            if self.decode_graph.use_graphs:
+                self._calibrate_draft_length()
 
-    def _verified_blocks(self, n: int, k_max: int, counts: VerifyCounts):
-        """Yields the tokens each block emits (list of ints). One host sync per block."""
+    def _calibrate_draft_length(self) -> None:
+        """The draft-length policy's costs: the captured graphs' own replay times."""
+        decoded = self.decode_graph.runner.replay_ms
+        checked = self.verifier.runner.replay_ms
+        verify: dict[int, list[float]] = {}
+        for key, ms in checked.items():
+            if key[0] == "verify":
+                verify.setdefault(key[1], []).append(ms)
+        rewinds = [ms for key, ms in checked.items() if key[0] == "rewind"]
+        self.draft_length.calibrate(
+            draft_ms={k: decoded[(k, False)] for k in range(1, self.block_size + 1)},
+            verify_ms={k: sum(v) / len(v) for k, v in verify.items()},  # mean over KV buckets
+            rewind_ms=sum(rewinds) / max(len(rewinds), 1))
+
+    def _verified_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
+        """Yields the tokens each block emits (list of ints). One host sync per block. Each
+        block drafts k_max tokens, or (k_max None) what the draft-length policy chooses."""
         graph = self.decode_graph
         remaining = n
         while remaining > 0:
             # A block emits at most k + 1 tokens: never more than are left, so the verifier
             # never writes KV past the context the caller checked.
-            k = min(k_max, remaining - 1)
+            if k_max is None:
+                k = self.draft_length.choose(remaining)
+            else:
+                k = min(k_max, remaining - 1)
             if k:
                 graph.static_token.copy_(self.verifier.current)
                 graph.run_block(k)
             emitted = self.verifier.check(k, counts)
+            self.draft_length.observe(k, len(emitted) - 1)
             remaining -= len(emitted)
             yield emitted
 
@@ -218,7 +244,8 @@ class UniMaxEngine:
         state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
         decided; returning False cancels after that block. Generation stops after a stop id.
         Afterwards the exact cache holds the state after the input and every emitted token,
-        and nothing decoded past the stop, so a chat continues from it."""
+        and nothing decoded past the stop, so a chat continues from it. ``draft_block``: as in
+        ``decode_verified``."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -349,9 +376,10 @@ def _count(n) -> int:
     return n
 
 
-def _block_arg(draft_block: int | None, default: int) -> int:
+def _block_arg(draft_block: int | None, default: int) -> int | None:
+    """A fixed draft length, or None: the draft-length policy chooses per block."""
     if draft_block is None:
-        return default
+        return None
     if not isinstance(draft_block, int) or not 1 <= draft_block <= default:
         raise ValueError(f"draft_block must be an integer in 1..{default} (the decoder's "
                          f"block size), got {draft_block!r}")

@@ -21,13 +21,16 @@ class GraphRunner:
 
     Capture needs warm-up runs (Triton autotuning, allocator growth), and those really execute:
     every cache the function writes is saved before and restored after, so capturing leaves no
-    trace in the state. All graphs of one runner share one memory pool.
+    trace in the state. All graphs of one runner share one memory pool. Each new graph is timed
+    (``replay_ms``, the median of a few replays, before the restore): verified mode chooses its
+    draft lengths from these costs (unimax.draft_length).
     """
 
     def __init__(self, device: torch.device, use_graphs: bool):
         self.device = device
         self.use_graphs = use_graphs
         self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
+        self.replay_ms: dict[object, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     def run(self, key, fn: Callable[[], None], writes: list[RecurrentCache],
@@ -42,9 +45,9 @@ class GraphRunner:
                 buffers: list[torch.Tensor] = ()) -> None:
         """Capture now (if graphs are on and this key has none yet), leaving no trace."""
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self.capture(fn, writes, buffers)
+            self.graphs[key], self.replay_ms[key] = self.capture(fn, writes, buffers)
 
-    def capture(self, fn, writes, buffers) -> torch.cuda.CUDAGraph:
+    def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float]:
         saved = [cache.empty_like() for cache in writes]
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(copy, cache)
@@ -58,11 +61,25 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
+        replay_ms = _median_replay_ms(graph)
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(cache, copy)
         for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
             buffer.copy_(saved_buffer)
-        return graph
+        return graph, replay_ms
+
+
+def _median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
+    graph.replay()  # the first replay uploads the graph
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
 
 
 class MaxTurboGraphDecoder:

@@ -12,8 +12,9 @@ rewound from the tape its forward recorded (unimax.tape: the convolution window 
 recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced from
 it (after an accepted block too: the draft never fed its last token). The verifier's forward and
 the rewind are captured as CUDA graphs, keyed by k (and by the KV bucket on hybrid models) and by
-m + 1; with ``compile=True`` the full-length block's forward runs the small-M linears and is
-compiled by inductor first, like the decode step.
+m + 1; with ``compile=True`` the forwards of the full-length block and of k = 0 run the small-M
+linears and are compiled by inductor first, like the decode step. Which k a block drafts is the
+engine's choice (unimax.draft_length).
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class Verifier:
         self.compiled = None
         if compile:
             # The exact model through the small-M linears (ops/gemv.py: Triton or cuBLAS per
-            # shape, W read once for the block), compiled by inductor. Only the full block
-            # length is compiled: shorter blocks end a reply, and each length is a compilation
-            # of the whole model (tens of seconds at 4B).
+            # shape, W read once for the block), compiled by inductor. Two lengths are
+            # compiled, each a compilation of the whole model (tens of seconds at 4B): the full
+            # block, and k = 0 (one exact step: the block the draft-length policy falls back to
+            # when drafts are poor, which must then cost what a BF16 step does). Other lengths
+            # run the plain forward in their graphs.
             from .fast_step import gemv_view
 
             allow_recompiles()
@@ -88,7 +91,8 @@ class Verifier:
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
-        forward = self.compiled if self.compiled and k == self.block_size else self.forward
+        compiled = self.compiled and k in (0, self.block_size)
+        forward = self.compiled if compiled else self.forward
         with self.cache.recording(self.tape):
             logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
         self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))

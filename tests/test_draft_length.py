@@ -1,0 +1,139 @@
+"""The draft-length policy of verified mode: its expected-throughput model against a simulation,
+its choices at high and low acceptance, probing, and an engine that drafts by it still emitting
+exactly the exact model's greedy tokens."""
+
+import random
+
+import pytest
+import torch
+from test_engine import CONFIG, erring_engine, prompt
+
+import unimax
+from helpers import write_qwen_checkpoint
+from unimax.draft_length import DraftLength
+
+# Costs shaped like the H200's 4B row (bench/RESULTS.md), in BF16 steps: a draft step 0.75, the
+# verifier 1.0 + 0.04 per draft, a rewind 0.05.
+K = 8
+DRAFT = {k: 0.75 * k for k in range(1, K + 1)}
+VERIFY = {k: 1.0 + 0.04 * k for k in range(K + 1)}
+
+
+def policy(**kw) -> DraftLength:
+    p = DraftLength(K, host_ms=0.0, **kw)
+    p.calibrate(DRAFT, VERIFY, rewind_ms=0.05)
+    return p
+
+
+def simulate(p: DraftLength, k: int, a: float, blocks: int = 40000) -> float:
+    """Tokens per ms of fixed-k blocks whose drafts agree with probability a each."""
+    rng = random.Random(0)
+    tokens = ms = 0.0
+    for _ in range(blocks):
+        m = 0
+        while m < k and rng.random() < a:
+            m += 1
+        tokens += m + 1
+        ms += DRAFT.get(k, 0.0) + VERIFY[k] + (0.05 if m < k else 0.0)
+    return tokens / ms
+
+
+@pytest.mark.parametrize("a", [0.3, 0.8, 0.97])
+@pytest.mark.parametrize("k", [0, 3, 8])
+def test_expected_throughput_matches_a_simulation(k, a):
+    p = policy()
+    model = p.expected_tokens(k, a) / p.expected_ms(k, a)
+    assert model == pytest.approx(simulate(p, k, a), rel=0.02)
+
+
+@pytest.mark.parametrize("a", [0.5, 0.8, 0.9, 0.95, 0.99])
+def test_adaptive_throughput_is_near_the_best_fixed_length(a):
+    """Drafts that agree with probability a each: the policy, learning a as it goes, gets within
+    3% of the best fixed draft length for that a (which it does not know)."""
+    p, rng, tokens, ms = policy(), random.Random(1), 0.0, 0.0
+    for _ in range(20000):
+        k = p.choose(1000)
+        m = 0
+        while m < k and rng.random() < a:
+            m += 1
+        p.observe(k, m)
+        tokens += m + 1
+        ms += DRAFT.get(k, 0.0) + VERIFY[k] + (0.05 if m < k else 0.0)
+    best_fixed = max(simulate(p, k, a, 20000) for k in range(K + 1))
+    assert tokens / ms >= 0.97 * best_fixed
+
+
+def test_uncalibrated_drafts_the_longest_block_that_fits():
+    p = DraftLength(K)
+    assert not p.calibrated
+    assert p.choose(100) == K and p.choose(5) == 4 and p.choose(1) == 0
+
+
+def test_learns_high_and_low_acceptance():
+    p = policy()
+    for _ in range(50):
+        p.observe(K, K)
+    high = p.acceptance
+    assert high > 0.95 and p.choose(100) >= 4
+    for _ in range(50):
+        p.observe(K, 0)
+    assert p.acceptance < 0.3 and p.choose(100) == 0
+    # each choice is the best length of a simulation at the estimated acceptance
+    for a in (high, p.acceptance):
+        rates = [simulate(p, k, a, 20000) for k in range(K + 1)]
+        assert rates[p.best(K, a)] >= max(rates) * 0.99
+
+
+def test_probes_after_a_run_of_exact_steps_and_recovers():
+    p = policy(probe_every=5)
+    for _ in range(50):
+        p.observe(K, 0)
+    ks = []
+    for _ in range(10):  # drafts still poor: every probe fails
+        ks.append(p.choose(100))
+        p.observe(ks[-1], 0)
+    assert ks == [0, 0, 0, 0, 1] * 2  # one one-token probe per five blocks
+    ks = []
+    for _ in range(40):  # the drafts got good: every draft is accepted
+        ks.append(p.choose(100))
+        p.observe(ks[-1], ks[-1])
+    # a probe, then probes twice as long while they pass, then the policy's own choice
+    assert ks[:7] == [0, 0, 0, 0, 1, 2, 4], ks
+    assert min(ks[7:]) >= 1 and ks[-1] >= 3, ks
+
+
+def test_observe_checks_its_input():
+    with pytest.raises(ValueError, match="accepted must be in 0..3"):
+        policy().observe(3, 4)
+    with pytest.raises(ValueError, match="k_max must be an integer >= 1"):
+        DraftLength(0)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("period", [2, 50])
+def test_engine_with_the_policy_is_exact(model, period):
+    """A draft that errs every 2nd step (the policy falls back to exact steps) or rarely (it
+    drafts long blocks): the tokens are the exact greedy ones either way, on pure and hybrid
+    models (whose verifier graphs are keyed by KV bucket too)."""
+    engine = erring_engine(model, block_size=K, period=period)
+    engine.draft_length.calibrate(DRAFT, VERIFY, rewind_ms=0.05)
+    x = prompt(9, seed=4) % model.config.vocab_size
+    got, report = engine.generate_verified(x, 60)
+    assert torch.equal(got, unimax.exact_greedy_tokens(model, x, 60))
+    lengths = report.drafted_tokens / report.verifier_blocks
+    if period == 2:  # mostly exact steps, a probe now and then
+        assert lengths < 1.0
+    else:
+        assert lengths > 2.0 and engine.draft_length.acceptance > 0.9
+
+
+@pytest.fixture(scope="module", params=["pure", "hybrid"])
+def model(request, tmp_path_factory):
+    if request.param == "pure":
+        m = unimax.GDNForCausalLM(CONFIG).eval()
+        m.init_random_weights(seed=3, std=0.1)
+        return m
+    path = tmp_path_factory.mktemp("hybrid")
+    write_qwen_checkpoint(path, seed=6, num_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+    return unimax.load_model(path, device="cpu", dtype="float32", max_context=96)

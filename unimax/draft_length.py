@@ -1,0 +1,119 @@
+"""How many tokens a verified block drafts: the length with the most tokens per millisecond, from
+the running acceptance and the measured cost of every block length.
+
+A block of k drafts emits the agreeing prefix and one exact token. If each draft agrees with
+probability a (given the ones before it did), it emits E(k) = 1 + a + ... + a^k tokens on
+average and costs draft(k) + verify(k) + (1 - a^k) * rewind (+ a fixed host cost): the policy
+picks k in 0..k_max maximising E(k) / cost(k). k = 0 is an exact step through the verifier, so
+when the drafts are poor verified mode runs at about BF16-only speed instead of below it; when
+they are good it drafts the longest block that pays.
+
+The acceptance is estimated from every block's outcome: a block that accepted m of k drafts
+checked m + 1 positions (m if m == k) and saw m agree. Counts decay per position checked, so the
+estimate follows the last few dozen drafts; a prior of a few positions starts it optimistic and
+keeps it below 1. A run of k = 0 blocks
+learns nothing, so every ``probe_every``-th of them drafts a probe of ``probe_length`` tokens
+instead; a probe accepted in full is followed at once by one twice as long, so drafts that got
+good are back in use a few blocks later while poor ones cost one draft step per probe_every
+tokens.
+
+The costs come from the engine's captured graphs (GraphRunner.replay_ms); without them (no CUDA
+graphs, or before capture) the policy is not calibrated and every block drafts k_max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftLength:
+    k_max: int
+    prior: float = 0.8  # acceptance assumed before any block ran
+    prior_positions: float = 2.0
+    decay: float = 0.95  # per position checked (at least one per block): a memory of ~20
+    probe_every: int = 32  # k = 0 blocks in a row before a probe
+    probe_length: int = 1  # the first probe block's drafts; doubled while probes pass
+    host_ms: float = 0.1  # per block: the host sync and bookkeeping
+    draft_ms: dict[int, float] = field(default_factory=dict)  # k -> a block of k draft steps
+    verify_ms: dict[int, float] = field(default_factory=dict)  # k -> verifying k drafts
+    rewind_ms: float = 0.0
+    agreed: float = 0.0
+    checked: float = 0.0
+    zero_run: int = 0
+    probe: int = 0  # the draft length of the probe block now running (0: none)
+    next_probe: int = 0  # a passed probe's doubled length, tried on the next block
+
+    def __post_init__(self):
+        if not isinstance(self.k_max, int) or self.k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+
+    @property
+    def calibrated(self) -> bool:
+        return all(k in self.verify_ms for k in range(self.k_max + 1)) and all(
+            k in self.draft_ms for k in range(1, self.k_max + 1))
+
+    def calibrate(self, draft_ms: dict[int, float], verify_ms: dict[int, float],
+                  rewind_ms: float) -> None:
+        self.draft_ms = {0: 0.0, **draft_ms}
+        self.verify_ms = dict(verify_ms)
+        self.rewind_ms = rewind_ms
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a draft agrees, given the drafts before it did."""
+        return ((self.agreed + self.prior * self.prior_positions)
+                / (self.checked + self.prior_positions))
+
+    def expected_tokens(self, k: int, a: float | None = None) -> float:
+        a = self.acceptance if a is None else a
+        return sum(a ** i for i in range(k + 1))
+
+    def expected_ms(self, k: int, a: float | None = None) -> float:
+        a = self.acceptance if a is None else a
+        return (self.draft_ms[k] + self.verify_ms[k] + (1.0 - a ** k) * self.rewind_ms
+                + self.host_ms)
+
+    def best(self, limit: int, a: float | None = None) -> int:
+        """The k in 0..limit with the most expected tokens per millisecond."""
+        return max(range(limit + 1),
+                   key=lambda k: self.expected_tokens(k, a) / self.expected_ms(k, a))
+
+    def choose(self, remaining: int) -> int:
+        """The next block's draft length; ``remaining`` tokens are left to emit (a block emits
+        at most k + 1)."""
+        limit = max(0, min(self.k_max, remaining - 1))
+        self.probe = 0
+        if not self.calibrated:
+            return limit
+        k = self.best(limit)
+        if k > 0 or limit == 0:
+            self.zero_run = self.next_probe = 0
+            return k
+        if self.next_probe:
+            self.probe = min(self.next_probe, limit)
+        else:
+            self.zero_run += 1
+            if self.zero_run >= self.probe_every:
+                self.zero_run = 0
+                self.probe = min(self.probe_length, limit)
+        return self.probe
+
+    def forget(self) -> None:
+        """Back to the prior (the costs stay)."""
+        self.agreed = self.checked = 0.0
+        self.zero_run = self.probe = self.next_probe = 0
+
+    def observe(self, k: int, accepted: int) -> None:
+        """A block drafted k tokens and the verifier kept the first ``accepted``."""
+        if not 0 <= accepted <= k:
+            raise ValueError(f"accepted must be in 0..{k}, got {accepted}")
+        if self.probe:
+            self.next_probe = min(2 * k, self.k_max) if accepted == k else 0
+            self.probe = 0
+        positions = accepted + (accepted < k)
+        keep = self.decay ** max(positions, 1)
+        self.agreed = self.agreed * keep + accepted
+        self.checked = self.checked * keep + positions
