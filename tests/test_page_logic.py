@@ -54,3 +54,17 @@ def test_thinking_checkbox_only_for_templates_with_the_switch():
 
     assert has_thinking_switch(Tok("{% if enable_thinking %}<think>{% endif %}"))
     assert not has_thinking_switch(Tok("{{ messages }}")) and not has_thinking_switch(Tok(None))
+
+
+def test_panels_say_when_every_block_was_an_exact_step():
+    """The draft-length policy may take exact steps only (poor drafts): no acceptance rate to
+    show, and the panel says why rather than "verified mode only"."""
+    stats = {"mode": "verified", "prefilled_tokens": 5, "generated_tokens": 12,
+             "drafted_tokens": 0, "accepted_draft_tokens": 0, "acceptance_rate": None,
+             "mean_draft_length": 0.0}
+    text = panel_markdown(stats)
+    assert "no drafts: every block was an exact step" in text
+    assert "| drafts per block (chosen per block) | 0.0 |" in text
+    bf16 = {"mode": "bf16", "prefilled_tokens": 5, "generated_tokens": 12,
+            "acceptance_rate": None}
+    assert "verified mode only" in panel_markdown(bf16)

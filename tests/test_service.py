@@ -113,6 +113,11 @@ def test_state_reuse_prefills_only_new_tokens(service, mode):
         expected = reference_reply(service, second, 12)
         assert service.tokenizer.decode(expected, skip_special_tokens=True) == \
             turn2[-1].data["reply"]
+    stats = turn2[-1].data["stats"]
+    if mode == "verified":  # drafts per block: the policy's choice (uncalibrated on the CPU)
+        assert 0 <= stats["mean_draft_length"] <= service.preset.block_size
+    else:
+        assert "mean_draft_length" not in stats
 
 
 def test_conversations_are_kept_apart(service):

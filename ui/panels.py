@@ -14,6 +14,7 @@ PANEL_ROWS = [  # key, label, unit / format
     ("drafted_tokens", "drafted", "{}"),
     ("accepted_draft_tokens", "accepted", "{}"),
     ("rejected_blocks", "rejected blocks", "{}"),
+    ("mean_draft_length", "drafts per block (chosen per block)", "{:.1f}"),
     ("decode_tok_s", "decode", "{:.1f} tok/s"),
     ("prefill_tok_s", "prefill", "{:.0f} tok/s"),
     ("ttft_ms", "time to first token", "{:.1f} ms"),
@@ -29,8 +30,11 @@ def panel_markdown(stats: dict | None) -> str:
     lines = ["| metric | value |", "|---|---|"]
     for key, label, fmt in PANEL_ROWS:
         value = stats.get(key)
-        if value is None:
-            shown = "—" if key not in ("acceptance_rate",) else "— (verified mode only)"
+        if value is None and key == "acceptance_rate":
+            shown = ("— (no drafts: every block was an exact step)"
+                     if stats.get("drafted_tokens") == 0 else "— (verified mode only)")
+        elif value is None:
+            shown = "—"
         else:
             shown = fmt.format(value)
         lines.append(f"| {label} | {shown} |")

@@ -44,6 +44,11 @@ class VerifyReport:
             return 1.0
         return self.accepted_draft_tokens / self.drafted_tokens
 
+    @property
+    def mean_draft_length(self) -> float:
+        """Drafts per verified block (the draft-length policy's choices; 0: exact steps)."""
+        return self.drafted_tokens / max(self.verifier_blocks, 1)
+
 
 @dataclass
 class Generation:

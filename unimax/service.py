@@ -353,7 +353,10 @@ class EngineService:
             stats["stopped"] = result.stopped
             if result.verify is not None:
                 stats.update({k: v for k, v in asdict(result.verify).items()})
-                stats["acceptance_rate"] = round(result.verify.acceptance_rate, 4)
+                # No drafts (the policy took exact steps only): no acceptance to show.
+                stats["acceptance_rate"] = (round(result.verify.acceptance_rate, 4)
+                                            if result.verify.drafted_tokens else None)
+                stats["mean_draft_length"] = round(result.verify.mean_draft_length, 2)
         stats.setdefault("acceptance_rate", None)
         stats.setdefault("prefill_tok_s", None)
         stats.setdefault("decode_tok_s", None)
