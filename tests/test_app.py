@@ -103,7 +103,7 @@ def test_exports_are_cleaned_up(tmp_path):
     import sys
     import time
 
-    from ui.page import Exports
+    from ui.chat_tab import Exports
 
     exports = Exports(max_age_s=60)
     first = exports.write({"a": 1})
@@ -111,7 +111,7 @@ def test_exports_are_cleaned_up(tmp_path):
     os.utime(first, (time.time() - 120, time.time() - 120))
     second = exports.write({"b": 2})
     assert not os.path.exists(first) and os.path.exists(second)
-    child = ("from ui.page import Exports; e = Exports(); print(e.write({'x': 1}))")
+    child = ("from ui.chat_tab import Exports; e = Exports(); print(e.write({'x': 1}))")
     path = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                           check=True, cwd=os.path.dirname(os.path.dirname(__file__))
                           ).stdout.strip()
@@ -123,5 +123,10 @@ def test_api_page_lists_only_the_public_endpoints(client):
     assert set(info["named_endpoints"]) == {"/chat", "/stats"}
     assert not info["unnamed_endpoints"]
     params = info["named_endpoints"]["/chat"]["parameters"]
-    assert [(p["parameter_name"], p["python_type"]["type"]) for p in params] == \
-        [("message", "str"), ("mode", "str")]
+    assert [p["parameter_name"] for p in params] == ["message", "mode"]
+    assert params[0]["python_type"]["type"] == "str"
+    assert all(m in params[1]["python_type"]["type"] for m in ("bf16", "fp8", "verified"))
+    # typed returns, not "Any": the reply text, and the stats object
+    returns = {name: [r["python_type"]["type"] for r in info["named_endpoints"][name]["returns"]]
+               for name in ("/chat", "/stats")}
+    assert returns == {"/chat": ["str"], "/stats": ["dict(str, Any)"]}, returns

@@ -3,8 +3,9 @@ the drafted-vs-generated note, Clear resetting the panels."""
 
 import threading
 
-from ui.page import Sessions, done_status
+from ui.chat_tab import done_status
 from ui.panels import panel_markdown
+from ui.sessions import Sessions
 
 
 class Handle:

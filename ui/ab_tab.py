@@ -1,0 +1,57 @@
+"""The A/B tab: one prompt through two modes with the same settings and seed, streamed side by
+side, then where the texts part and how fast each side was."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import gradio as gr
+
+from unimax.service import EngineService
+
+from .chat_tab import settings_from
+from .panels import ab_summary, first_char_difference, highlighted, panel_markdown
+from .sessions import Sessions, stream
+
+
+class ABTab:
+    def __init__(self, service: EngineService, sessions: Sessions):
+        self.service, self.sessions = service, sessions
+
+    def run(self, prompt, mode_a, mode_b, temperature, top_p, top_k, max_new, seed, thinking,
+            request: gr.Request):
+        """Yields (status, text A, text B, panel A, panel B)."""
+        if not prompt or not prompt.strip():
+            yield "⚠️ Empty prompt: type something to compare.", "", "", "", ""
+            return
+        try:
+            settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking)
+        except (TypeError, ValueError) as err:
+            yield f"⚠️ Bad setting: {err}", "", "", "", ""
+            return
+        if settings.seed is None:  # both sides must draw the same random numbers
+            settings = dataclasses.replace(settings, seed=0)
+        texts, stats = {"a": "", "b": ""}, {"a": {}, "b": {}}
+
+        def view(status, start=None):
+            return (status, highlighted(texts["a"], start), highlighted(texts["b"], start),
+                    panel_markdown(stats["a"]), panel_markdown(stats["b"]))
+
+        messages = [{"role": "user", "content": prompt}]
+        for side, mode in (("a", mode_a), ("b", mode_b)):
+            conversation = f"ab-{uuid.uuid4()}"
+            for kind, text, data in stream(self.service, self.sessions, request.session_hash,
+                                           conversation, messages, mode, settings):
+                if kind == "delta":
+                    texts[side] += text
+                elif kind == "stats":
+                    stats[side] = data["stats"]
+                elif kind == "error":
+                    yield view(f"⚠️ {mode}: {text}")
+                    return
+                yield view(f"Running {mode} ({side.upper()})…")
+            self.service.forget(conversation)
+        start = first_char_difference(texts["a"], texts["b"])
+        yield view(ab_summary(mode_a, texts["a"], stats["a"], mode_b, texts["b"], stats["b"]),
+                   start)

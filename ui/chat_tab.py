@@ -1,0 +1,198 @@
+"""The Chat tab's handlers: send, regenerate, edit, stop, clear, export, and the panels' timer.
+Each generation handler takes the page's settings widgets in one fixed order (``GEN_INPUTS`` in
+page.py) and bundles them into a ``Gen``."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import gradio as gr
+
+from unimax.presets import Preset
+from unimax.service import EngineService
+from unimax.settings import GenerationSettings
+
+from .panels import curve_frame, panel_markdown
+from .sessions import Sessions, stream
+
+
+class Gen(NamedTuple):
+    """The settings widgets' values, in the order the page passes them."""
+    conversation_id: str | None
+    mode: str
+    system: str
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new: int
+    seed: float | None
+    thinking: bool | None
+
+    def settings(self) -> GenerationSettings:
+        return settings_from(self.temperature, self.top_p, self.top_k, self.max_new, self.seed,
+                             self.thinking)
+
+
+def done_status(stopped: str | None) -> str:
+    """The status line when a reply ends, by how it ended."""
+    return {"cancelled": "Stopped.", "stop": "Done: the model ended its turn.",
+            "length": "Done: reached the max new tokens setting."}.get(
+                stopped, f"Done ({stopped}).")
+
+
+def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
+                  thinking=None) -> GenerationSettings:
+    seed = None if seed in (None, "") else int(seed)
+    return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                              top_p=float(top_p), top_k=int(top_k), seed=seed,
+                              thinking=None if thinking is None else bool(thinking))
+
+
+class Exports:
+    """Export files in one folder of the app's own, removed when the app exits; files older
+    than ``max_age_s`` go at each new export (Gradio serves its own copy of each, which its
+    cache clean-up removes: see build_demo)."""
+
+    def __init__(self, max_age_s: float = 600.0):
+        self.folder = Path(tempfile.mkdtemp(prefix="unimax-exports-"))
+        self.max_age_s = max_age_s
+        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
+
+    def write(self, data: dict) -> str:
+        now = time.time()
+        for old in self.folder.glob("*.json"):
+            if now - old.stat().st_mtime > self.max_age_s:
+                old.unlink(missing_ok=True)
+        path = self.folder / f"unimax-chat-{uuid.uuid4().hex[:12]}.json"
+        path.write_text(json.dumps(data, indent=1))
+        return str(path)
+
+
+class ChatTab:
+    def __init__(self, service: EngineService, sessions: Sessions, preset: Preset):
+        self.service, self.sessions, self.preset = service, sessions, preset
+        self.exports = Exports()
+
+    def send(self, message, history, conversation_id, mode, system, temperature, top_p, top_k,
+             max_new, seed, thinking, request: gr.Request):
+        history = list(history or [])
+        if not message or not message.strip():
+            yield history, message, "⚠️ Empty message: type something to send."
+            return
+        history.append({"role": "user", "content": message})
+        gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
+                  thinking)
+        yield from self.reply(history, gen, request.session_hash, sent=message)
+
+    def regenerate(self, history, conversation_id, mode, system, temperature, top_p, top_k,
+                   max_new, seed, thinking, request: gr.Request):
+        history = list(history or [])
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        if not history:
+            yield history, gr.update(), "Nothing to regenerate yet."
+            return
+        gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
+                  thinking)
+        yield from self.reply(history, gen, request.session_hash)
+
+    def edited(self, history, conversation_id, mode, system, temperature, top_p, top_k,
+               max_new, seed, thinking, edit: gr.EditData, request: gr.Request):
+        history = list(history or [])[: edit.index + 1]
+        history[-1] = {"role": "user", "content": edit.value}
+        gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
+                  thinking)
+        yield from self.reply(history, gen, request.session_hash)
+
+    def reply(self, history: list[dict], gen: Gen, session: str, sent: str | None = None):
+        """Stream a reply to ``history``. ``sent``: the message the user just sent; if the
+        request is refused, it leaves the chat and goes back into the box, so it cannot poison
+        the next Send or Regenerate."""
+        box = gr.update() if sent is None else ""
+        try:
+            settings = gen.settings()
+        except (TypeError, ValueError) as err:
+            if sent is not None:  # not sent after all: back into the box
+                history, box = history[:-1], sent
+            yield history, box, f"⚠️ Bad setting: {err}"
+            return
+        messages = ([{"role": "system", "content": gen.system}]
+                    if gen.system and gen.system.strip() else []) + [
+            {"role": m["role"], "content": _text(m["content"])} for m in history]
+        history = history + [{"role": "assistant", "content": ""}]
+        status = "Sending…"
+        yield history, box, status
+        epoch = self.sessions.epoch(session)
+        for kind, text, data in stream(self.service, self.sessions, session,
+                                       gen.conversation_id, messages, gen.mode, settings):
+            if self.sessions.epoch(session) != epoch:
+                # Cleared meanwhile. This event's outputs may land after Clear's: end on what
+                # Clear shows, so Clear wins whatever the order, unless the user has already
+                # sent something new (that reply owns the page now).
+                if not self.sessions.running(session):
+                    yield [], "", "Cleared."
+                return
+            if kind == "queued" and data.get("position"):
+                status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
+            elif kind == "started":
+                status = f"Generating ({gen.mode}) · prefilling {data['prefill_tokens']} new " \
+                         f"tokens, reusing {data['reused_tokens']} from the kept state…"
+            elif kind == "delta":
+                history[-1] = {"role": "assistant", "content": history[-1]["content"] + text}
+            elif kind == "error":
+                refused = sent is not None and not history[-1]["content"]
+                history = history[:-2] if refused else history[:-1]
+                box = sent if refused else box
+                status = f"⚠️ {text}"
+            elif kind == "done":
+                status = done_status(data.get("stopped"))
+            else:
+                continue
+            yield history, box, status
+
+    def clear(self, conversation_id, request: gr.Request):
+        session = request.session_hash
+        self.sessions.bump(session)
+        self.sessions.cancel(session)
+        self.sessions.set_stats(session, {})  # the panels start over too
+        self.service.forget(conversation_id)
+        return [], str(uuid.uuid4()), "Cleared."
+
+    def export(self, history, system, mode):
+        messages = [{"role": m["role"], "content": _text(m["content"])} for m in history or []]
+        data = {"model": self.preset.model, "mode": mode, "system": system,
+                "messages": messages}
+        return self.exports.write(data)
+
+    def stop(self, request: gr.Request):
+        if self.sessions.cancel(request.session_hash):
+            return "Stopped."
+        return "Nothing to stop: the reply had already finished."
+
+    def panels(self, request: gr.Request):
+        stats = self.sessions.get_stats(request.session_hash)
+        frame = curve_frame(stats)
+        if frame.empty:
+            return panel_markdown(stats), gr.update(visible=False)
+        # Axes from zero: a reply of one or two blocks would get a degenerate, clipped axis.
+        return panel_markdown(stats), gr.update(
+            value=frame, visible=True, x_lim=[0, float(frame["tokens"].max())],
+            y_lim=[0, float(frame["tok_s"].max()) * 1.25])
+
+
+def _text(content) -> str:
+    """Chatbot message content as plain text (Gradio may hand back structured content)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_text(part) for part in content)
+    if isinstance(content, dict):
+        return str(content.get("text") or content.get("content") or "")
+    return str(content)
