@@ -4,7 +4,7 @@ the drafted-vs-generated note, Clear resetting the panels."""
 import threading
 
 from ui.chat_tab import done_status
-from ui.panels import panel_markdown
+from ui.panels import curve_svg, nice_ceiling, panel_markdown
 from ui.sessions import Sessions
 
 
@@ -69,3 +69,21 @@ def test_panels_say_when_every_block_was_an_exact_step():
     bf16 = {"mode": "bf16", "prefilled_tokens": 5, "generated_tokens": 12,
             "acceptance_rate": None}
     assert "verified mode only" in panel_markdown(bf16)
+
+
+def test_curve_svg_axes_start_at_zero_and_end_round():
+    """A one-block reply (issue: "0000" / "8.000000" labels on the old plot) and a longer one:
+    axes from 0 to a round number, the last point where the reply's rate is."""
+    assert curve_svg({}) == "" and curve_svg(None) == ""
+    one = curve_svg({"decode_curve": [[8, 123.456]]})
+    labels = [part.split("<")[0] for part in one.split("'>")[1:] if part[:1].isdigit()]
+    assert labels == ["0", "100", "200", "0", "5", "10"], labels  # y: 123.5 x 1.1 -> 200
+    many = curve_svg({"decode_curve": [[8, 90.0], [16, 101.0], [22, 99.5]]}, width=320,
+                     height=170)
+    points = many.split("points='")[1].split("'")[0].split()
+    xs = [float(p.split(",")[0]) for p in points]
+    assert xs == sorted(xs) and len(xs) == 3
+    # x axis 0..25: the last point (22 tokens) at 22/25 of the plot's width from its left edge
+    assert abs(xs[-1] - (44 + 266 * 22 / 25)) < 0.1
+    assert [nice_ceiling(v) for v in (0.3, 1, 7, 12, 22, 240, 1000.5)] == \
+        [0.5, 1, 10, 20, 25, 250, 2000]

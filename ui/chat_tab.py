@@ -19,7 +19,7 @@ from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
-from .panels import curve_frame, panel_markdown
+from .panels import curve_svg, panel_markdown
 from .sessions import Sessions, stream
 
 
@@ -178,13 +178,7 @@ class ChatTab:
 
     def panels(self, request: gr.Request):
         stats = self.sessions.get_stats(request.session_hash)
-        frame = curve_frame(stats)
-        if frame.empty:
-            return panel_markdown(stats), gr.update(visible=False)
-        # Axes from zero: a reply of one or two blocks would get a degenerate, clipped axis.
-        return panel_markdown(stats), gr.update(
-            value=frame, visible=True, x_lim=[0, float(frame["tokens"].max())],
-            y_lim=[0, float(frame["tok_s"].max()) * 1.25])
+        return panel_markdown(stats), curve_svg(stats)
 
 
 def _text(content) -> str:

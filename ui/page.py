@@ -15,7 +15,7 @@ from unimax.service import EngineService
 
 from .ab_tab import ABTab
 from .chat_tab import ChatTab
-from .panels import curve_frame, panel_markdown
+from .panels import panel_markdown
 from .script_api import add_script_api
 from .sessions import Sessions
 
@@ -95,10 +95,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             with gr.Column(scale=3, elem_id="panels"):
                 gr.Markdown("### Live panels")
                 panel = gr.Markdown(panel_markdown(None), elem_id="panel")
-                # Hidden while empty: the chart library warns about an empty plot's extents.
-                plot = gr.LinePlot(curve_frame(None), x="tokens", y="tok_s", height=200,
-                                   title="decode tok/s so far, over the reply", elem_id="plot",
-                                   visible=False)
+                plot = gr.HTML("", elem_id="plot")  # the tok/s curve (panels.curve_svg)
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
                       thinking]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import html
-
-import pandas as pd
+import math
 
 PANEL_ROWS = [  # key, label, unit / format
     ("mode", "mode", "{}"),
@@ -45,10 +44,55 @@ def panel_markdown(stats: dict | None) -> str:
     return "\n".join(lines)
 
 
-def curve_frame(stats: dict | None) -> pd.DataFrame:
-    curve = (stats or {}).get("decode_curve") or []
-    return pd.DataFrame(curve, columns=["tokens", "tok_s"]) if curve else \
-        pd.DataFrame({"tokens": [], "tok_s": []})
+def nice_ceiling(value: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x 10^n at or above ``value`` (an axis end)."""
+    if value <= 0:
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1, 2, 2.5, 5, 10):
+        top = step * 10 ** exponent
+        if top >= value * (1 - 1e-9):
+            return float(top)
+    return float(10 ** (exponent + 1))
+
+
+def curve_svg(stats: dict | None, width: int = 320, height: int = 170) -> str:
+    """The decode rate so far over the reply (stats' ``decode_curve``: [tokens, tok/s] per
+    block) as a small inline SVG: axes from zero to a round number, a point per block. Drawn
+    here rather than by Gradio's plot component, whose chart library warns about its own spec
+    version in the browser console on every page. Empty when there is no curve."""
+    curve = [(float(t), float(r)) for t, r in (stats or {}).get("decode_curve") or []]
+    if not curve:
+        return ""
+    left, right, top, bottom = 44, 10, 22, 26
+    plot_w, plot_h = width - left - right, height - top - bottom
+    x_max = nice_ceiling(max(t for t, _ in curve))
+    y_max = nice_ceiling(max(r for _, r in curve) * 1.1)
+
+    def x(t):
+        return left + plot_w * t / x_max
+
+    def y(r):
+        return top + plot_h * (1 - r / y_max)
+
+    points = " ".join(f"{x(t):.1f},{y(r):.1f}" for t, r in curve)
+    dots = "".join(f"<circle cx='{x(t):.1f}' cy='{y(r):.1f}' r='2'/>" for t, r in curve)
+    grid = "".join(
+        f"<line x1='{left}' x2='{left + plot_w}' y1='{y(v):.1f}' y2='{y(v):.1f}' "
+        f"stroke='#ddd'/><text x='{left - 4}' y='{y(v) + 4:.1f}' text-anchor='end'>"
+        f"{v:g}</text>" for v in (0.0, y_max / 2, y_max))
+    x_ticks = "".join(
+        f"<text x='{x(v):.1f}' y='{top + plot_h + 14}' text-anchor='middle'>{v:g}</text>"
+        for v in (0.0, x_max / 2, x_max))
+    last_t, last_r = curve[-1]
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' class='tok-s-curve' width='{width}' "
+        f"height='{height}' font-size='10' font-family='sans-serif' role='img' "
+        f"aria-label='decode tok/s over the reply, now {last_r:.1f} tok/s at {last_t:g} "
+        f"tokens'><text x='{left}' y='12' font-size='11'>decode tok/s so far · tokens →"
+        f"</text>{grid}{x_ticks}<line x1='{left}' x2='{left}' y1='{top}' "
+        f"y2='{top + plot_h}' stroke='#999'/><polyline fill='none' stroke='#ff7c00' "
+        f"stroke-width='2' points='{points}'/><g fill='#ff7c00'>{dots}</g></svg>")
 
 
 def first_char_difference(a: str, b: str) -> int | None:
