@@ -235,11 +235,11 @@ def test_demo_model_answers_in_the_browser(playwright, tmp_path):
                      == turn + 1, timeout=60)
             wait_for(lambda expected=expected: expected in bot_text(page)
                      and "Done" in page.inner_text("#status"), timeout=120)
-        wait_for(lambda: "tok/s" in page.inner_text("#panel"))
+        wait_for(lambda: "tok/s" in page.inner_text("#panel")
+                 and page.locator("#plot svg polyline").count() == 1)
         page.screenshot(path=str(shots_dir(tmp_path) / "chat.png"))
         # the tok/s curve is drawn, and the page logs no warnings (the chart library Gradio's
         # plot used warned about its spec version on every page)
-        assert page.locator("#plot svg polyline").count() == 1
         assert not page.console_messages, page.console_messages
         page.get_by_role("tab", name="A/B").click()  # the README's A/B picture, demo model
         page.fill("#ab-prompt textarea", "What does json.loads do?")

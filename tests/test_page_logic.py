@@ -65,7 +65,7 @@ def test_panels_say_when_every_block_was_an_exact_step():
              "mean_draft_length": 0.0}
     text = panel_markdown(stats)
     assert "no drafts: every block was an exact step" in text
-    assert "| drafts per block (chosen per block) | 0.0 |" in text
+    assert "| drafts per block | 0.0 |" in text
     bf16 = {"mode": "bf16", "prefilled_tokens": 5, "generated_tokens": 12,
             "acceptance_rate": None}
     assert "verified mode only" in panel_markdown(bf16)

@@ -13,7 +13,7 @@ PANEL_ROWS = [  # key, label, unit / format
     ("drafted_tokens", "drafted", "{}"),
     ("accepted_draft_tokens", "accepted", "{}"),
     ("rejected_blocks", "rejected blocks", "{}"),
-    ("mean_draft_length", "drafts per block (chosen per block)", "{:.1f}"),
+    ("mean_draft_length", "drafts per block", "{:.1f}"),
     ("decode_tok_s", "decode", "{:.1f} tok/s"),
     ("prefill_tok_s", "prefill", "{:.0f} tok/s"),
     ("ttft_ms", "time to first token", "{:.1f} ms"),
