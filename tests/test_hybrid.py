@@ -1,6 +1,8 @@
 """Hybrid Qwen3.5 models (GDN layers with gated attention every few layers) against
 transformers' own Qwen3_5ForCausalLM, and the static KV cache."""
 
+import types
+
 import pytest
 import torch
 
@@ -232,3 +234,41 @@ def test_attend_window_limits_what_attention_reads(hybrid_model):
         windowed = hybrid_model.forward_unchecked(x, cache)
     assert torch.allclose(windowed, expected, atol=1e-5)
     assert torch.isnan(hybrid_model.forward_unchecked(x, poisoned_cache())).any()
+
+
+def test_eager_forwards_attend_causally_without_a_mask(hybrid_model, monkeypatch):
+    """Eager forwards (prefill, a prompt on kept KV, a one-token step) give SDPA its causal
+    kernels: is_causal on the new keys from an empty cache, a bottom-right causal bias on kept
+    KV, nothing for one token; captured forwards (a window) keep the explicit mask. The logits
+    agree with the masked computation either way."""
+    from torch.nn.attention.bias import CausalBias
+
+    import unimax.attention as attention
+
+    calls = []
+    real = attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((q.shape[2], k.shape[2], type(attn_mask).__name__, is_causal))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    # (a stand-in for the module attention.py calls through: replacing torch's own function
+    # would also change what CausalBias's __torch_function__ recognises)
+    functional = types.SimpleNamespace(**vars(attention.F))
+    functional.scaled_dot_product_attention = spy
+    monkeypatch.setattr(attention, "F", functional)
+    x = ids(40, seed=7)
+    cache = hybrid_model.make_recurrent_cache()
+    eager = [hybrid_model(x[:, :30], cache).logits, hybrid_model(x[:, 30:39], cache).logits,
+             hybrid_model(x[:, 39:], cache).logits]
+    assert calls == [(30, 30, "NoneType", True), (9, 39, CausalBias.__name__, False),
+                     (1, 40, "NoneType", False)]
+    calls.clear()
+    masked = hybrid_model.make_recurrent_cache()
+    parts = []
+    for start, end in ((0, 30), (30, 39), (39, 40)):
+        with masked.attending(64):  # a graph-style window: the explicit mask
+            parts.append(hybrid_model.forward_unchecked(x[:, start:end], masked))
+    assert [c[2] for c in calls] == ["Tensor"] * 3
+    for got, want in zip(eager, parts, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)

@@ -47,6 +47,7 @@ class AttentionLayerState:
         self.position = position  # the owning cache's (device scalar): tokens already stored
         self.has_previous_state = {0: False}
         self.window: int | None = None  # see RecurrentCache.set_window
+        self.window_exact = False  # the window ends at the forward's last token (eager)
 
     @property
     def max_length(self) -> int:
@@ -141,22 +142,26 @@ class RecurrentCache:
 
     MIN_WINDOW = 256
 
-    def set_window(self, length: int | None) -> None:
+    def set_window(self, length: int | None, exact: bool = False) -> None:
         """Forwards read the first ``length`` KV entries (None: the whole buffer) until reset.
-        The caller guarantees length >= tokens stored after the forward."""
+        The caller guarantees length >= tokens stored after the forward; ``exact``: equal to
+        it (an eager forward), so the queries are the window's last tokens and attention can
+        take the causal kernels instead of a mask (attention.py)."""
         for layer in self.layers:
             if isinstance(layer, AttentionLayerState):
                 if length is not None and not 0 < length <= layer.max_length:
                     raise ValueError(f"attend window {length} outside 1..{layer.max_length}")
                 layer.window = length
+                layer.window_exact = exact and length is not None
 
     @contextlib.contextmanager
-    def attending(self, length: int | None):
-        """``set_window(length)`` for the body of a with-block (a no-op without attention)."""
+    def attending(self, length: int | None, exact: bool = False):
+        """``set_window(length, exact)`` for the body of a with-block (a no-op without
+        attention)."""
         if not self.has_attention or length is None:
             yield
             return
-        self.set_window(length)
+        self.set_window(length, exact)
         try:
             yield
         finally:

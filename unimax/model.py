@@ -77,7 +77,7 @@ class GDNForCausalLM(nn.Module):
         if cache is None:
             return CausalLMOutput(self.forward_unchecked(input_ids, None, logits_to_keep), None)
         # Eager: attention reads exactly the KV entries stored after this call, no more.
-        with cache.attending(cache.seen_tokens + input_ids.shape[1]):
+        with cache.attending(cache.seen_tokens + input_ids.shape[1], exact=True):
             logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
         cache.seen_tokens += input_ids.shape[1]
         return CausalLMOutput(logits, cache)
