@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
-from unimax.ops.conv import causal_conv1d, causal_conv1d_step
+from unimax.ops.conv import causal_conv1d, causal_conv1d_long, causal_conv1d_step
 from unimax.ops.gated_delta import (
     chunk_gated_delta_rule_ref,
     gated_delta_rule,
@@ -80,3 +80,43 @@ def test_conv_matches_padded_conv_and_steps():
         steps.append(y_t)
     assert rel_err(torch.cat(steps, dim=1), expected) < 1e-6
     assert torch.equal(s, state)
+
+
+@pytest.mark.parametrize("length", [65, 300])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_long_conv_matches_the_block_form(length, fresh):
+    """The prompt form (a depthwise fp32 conv1d here; fla's kernel on CUDA, tests/test_gpu.py)
+    against the block form the steps agree with: same outputs to rounding, same state."""
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, 6, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(6, 4, generator=gen).to(torch.bfloat16)
+    state = (torch.zeros(2, 6, 4) if fresh else torch.randn(2, 6, 4, generator=gen)
+             ).to(torch.bfloat16)
+    y, new_state = causal_conv1d_long(x, weight, state, backend="torch")
+    y_ref, state_ref = causal_conv1d(x, weight, state)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert rel_err(y.float(), y_ref.float()) < 1e-2  # BF16 outputs of fp32 sums
+    assert torch.equal(new_state, state_ref)
+    with pytest.raises(ValueError, match="unknown conv backend 'cuda'"):
+        causal_conv1d_long(x, weight, state, backend="cuda")
+
+
+def test_mixer_takes_the_long_conv_for_prompts(monkeypatch):
+    """A GDN layer sends a prompt of more than LONG tokens through the long form, a block of
+    at most LONG through the step-exact one."""
+    import unimax.layers as layers
+    from unimax import GDNForCausalLM
+    from unimax.tiny import TINY_CONFIG
+
+    used = []
+    for name in ("causal_conv1d", "causal_conv1d_long"):
+        real = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, real=real, name=name, **k:
+                            used.append(name) or real(*a, **k))
+    model = GDNForCausalLM(TINY_CONFIG).eval()
+    model.init_random_weights(seed=0)
+    for length in (layers.LONG, layers.LONG + 1):
+        used.clear()
+        model(input_ids=torch.zeros(1, length, dtype=torch.long),
+              past_key_values=model.make_recurrent_cache())
+        assert set(used) == {"causal_conv1d" if length <= layers.LONG else "causal_conv1d_long"}

@@ -15,7 +15,7 @@ from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .norms import GatedRMSNorm, RMSNorm
-from .ops.conv import causal_conv1d, causal_conv1d_step
+from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step
 from .ops.gated_delta import gated_delta_rule
 
 
@@ -45,7 +45,8 @@ class GatedDeltaNetMixer(nn.Module):
             conv_state, recurrent_state = state.conv_states[0], state.recurrent_states[0]
             if torch.is_grad_enabled():  # autograd saves what it reads; the cache is overwritten
                 conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
-        conv = causal_conv1d_step if seq_len == 1 else causal_conv1d
+        conv = (causal_conv1d_step if seq_len == 1 else
+                causal_conv1d if seq_len <= LONG else causal_conv1d_long)
         conv_input = mixed
         mixed, new_conv_state = conv(mixed, self.conv_weight, conv_state)
 
