@@ -144,6 +144,9 @@ class ChatTab:
             elif kind == "started":
                 status = f"Generating ({gen.mode}) · prefilling {data['prefill_tokens']} new " \
                          f"tokens, reusing {data['reused_tokens']} from the kept state…"
+            elif kind == "prefill":
+                status = f"Generating ({gen.mode}) · prefilling: {data['done']} of " \
+                         f"{data['total']} prompt tokens…"
             elif kind == "delta":
                 history[-1] = {"role": "assistant", "content": history[-1]["content"] + text}
             elif kind == "error":

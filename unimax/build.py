@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from .engine import UniMaxEngine
+from .engine import PREFILL_CHUNK, UniMaxEngine
 from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
@@ -17,7 +17,8 @@ FAST_STEP_BACKEND = "auto"
 
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
                  use_graphs: bool | None = None, fp8_mode: str | None = None,
-                 compile_step: bool | str = False) -> UniMaxEngine:
+                 compile_step: bool | str = False,
+                 prefill_chunk: int = PREFILL_CHUNK) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only).
@@ -31,7 +32,11 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     exact model's (fused kernels), so BF16 fast decoding may take the other side of a near-tie;
     verified mode stays exact. Prefill and verification run the exact model, untouched. Off
     CUDA, or without Triton, True is ignored with a warning that says why; "auto" turns it on
-    exactly where it can run, silently."""
+    exactly where it can run, silently.
+
+    prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact)."""
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):
         raise TypeError(f"{type(model).__name__} has no recurrent cache (make_recurrent_cache); "
                         "UNI MAX runs recurrent GDN models from unimax.load_model")
@@ -56,5 +61,7 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
                                  compile=compile_step)
     # The verifier's k-token forward of the exact model is compiled like the step: one weight
     # read per block is its floor, and uncompiled it pays the elementwise launches too.
-    return UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
-                        compile_verifier=compile_step)
+    engine = UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
+                          compile_verifier=compile_step)
+    engine.prefill_chunk = prefill_chunk
+    return engine

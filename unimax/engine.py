@@ -50,6 +50,11 @@ class VerifyReport:
         return self.drafted_tokens / max(self.verifier_blocks, 1)
 
 
+# Prompt tokens per prefill forward (prefill_exact). At 8k the 0.8B shape's activations are
+# ~0.1 GB and a forward is large enough to keep the GPU busy (bench/prefill.py).
+PREFILL_CHUNK = 8192
+
+
 @dataclass
 class Generation:
     """What one ``generate`` call produced and what it cost."""
@@ -95,6 +100,7 @@ class UniMaxEngine:
                                  self.bridge_copy, compile=compile_verifier)
         # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
         self.draft_length = DraftLength(self.block_size)
+        self.prefill_chunk = PREFILL_CHUNK
 
     @property
     def block_size(self) -> int:
@@ -122,16 +128,32 @@ class UniMaxEngine:
         return report
 
     @torch.inference_mode()
-    def prefill_exact(self, input_ids: torch.Tensor, keep_state: bool = False):
+    def prefill_exact(self, input_ids: torch.Tensor, keep_state: bool = False,
+                      on_progress: Callable[[int, int], bool] | None = None):
         """Exact prefill (from a fresh state, or on top of the kept one), argmax first token,
-        bridge. Returns (first_token (1, 1), output, BridgeReport)."""
+        bridge. Returns (first_token (1, 1), output, BridgeReport), or None when
+        ``on_progress(done, total)`` (called after each chunk of ``prefill_chunk`` tokens)
+        returned False: cancelled, the exact cache part-way through the prompt.
+
+        A long prompt goes in chunks, each on top of the state the last one left (the GDN
+        state and the KV written so far): memory stays that of one chunk at any length, and a
+        chat can show progress and cancel between chunks. The result is the state one forward
+        over the whole prompt gives, to rounding."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"UNI MAX engines run batch size 1: input_ids must have shape "
                              f"(1, T), got {tuple(input_ids.shape)}")
         if not keep_state:
             self.exact_cache.reset()
-        out = self.exact_model(input_ids=input_ids, past_key_values=self.exact_cache,
-                               use_cache=True, logits_to_keep=1)
+        total = int(input_ids.shape[1])
+        if total == 0:
+            raise ValueError("input_ids is empty: the prompt needs at least one token")
+        for start in range(0, total, self.prefill_chunk):
+            out = self.exact_model(input_ids=input_ids[:, start:start + self.prefill_chunk],
+                                   past_key_values=self.exact_cache, use_cache=True,
+                                   logits_to_keep=1)
+            done = min(start + self.prefill_chunk, total)
+            if on_progress is not None and not on_progress(done, total) and done < total:
+                return None
         first = torch.argmax(out.logits[:, -1, :], dim=-1, keepdim=True)
         bridge = self._bridge()
         self.decode_graph.static_token.copy_(first)
@@ -244,13 +266,16 @@ class UniMaxEngine:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "fast",
                  stop_ids: Iterable[int] = (), sampling: SamplingParams | None = None,
                  keep_state: bool = False, draft_block: int | None = None,
-                 on_block: Callable[[list[int]], bool] | None = None) -> Generation:
+                 on_block: Callable[[list[int]], bool] | None = None,
+                 on_prefill: Callable[[int, int], bool] | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (new tokens on top of the kept
         state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
         decided; returning False cancels after that block. Generation stops after a stop id.
         Afterwards the exact cache holds the state after the input and every emitted token,
         and nothing decoded past the stop, so a chat continues from it. ``draft_block``: as in
-        ``decode_verified``."""
+        ``decode_verified``. ``on_prefill(done, total)``: progress through a long prompt (see
+        ``prefill_exact``); returning False cancels before any token (stopped "cancelled", no
+        tokens, and the exact cache holds no state worth keeping)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -277,7 +302,12 @@ class UniMaxEngine:
         _sync(self.device)
         start = time.perf_counter()
         state_before = self.exact_cache.seen_tokens if keep_state else 0
-        first, out, result.bridge = self.prefill_exact(input_ids, keep_state=keep_state)
+        prefilled = self.prefill_exact(input_ids, keep_state=keep_state, on_progress=on_prefill)
+        if prefilled is None:
+            result.stopped = "cancelled"
+            result.prefill_seconds = time.perf_counter() - start
+            return result
+        first, out, result.bridge = prefilled
         if not sampling.is_greedy:  # the first token is sampled from the exact logits too
             self.decode_graph.set_sampling(sampling)
             first = self._sample_first(out.logits[:, -1])

@@ -27,6 +27,7 @@ class Preset:
     draft: str = "tail"  # verified mode's draft: tail (state-safe) or full (every linear FP8)
     compile_step: bool | str = "auto"  # the fast step: auto = on where CUDA and Triton run
     max_context: int = 4096  # the longest conversation (prompt + reply) in tokens
+    prefill_chunk: int = 8192  # prompt tokens per prefill forward: bounds prefill memory
     state_memory_mib: int = 1024  # kept conversation states on the GPU; beyond it, host memory
     host_state_memory_mib: int = 8192  # beyond this, the oldest kept states are dropped
     system_prompt: str = ""
@@ -52,6 +53,8 @@ class Preset:
         _check(is_int(self.max_context) and MIN_CONTEXT <= self.max_context <= MAX_CONTEXT,
                "max_context", self.max_context,
                f"an integer in {MIN_CONTEXT}..{MAX_CONTEXT} (tokens)")
+        _check(is_int(self.prefill_chunk) and 1 <= self.prefill_chunk <= MAX_CONTEXT,
+               "prefill_chunk", self.prefill_chunk, f"an integer in 1..{MAX_CONTEXT} (tokens)")
         for key in ("state_memory_mib", "host_state_memory_mib"):
             value = getattr(self, key)
             _check(is_int(value) and value >= 1, key, value, "an integer >= 1 (MiB)")

@@ -36,7 +36,8 @@ MAX_CHARS_PER_TOKEN = 16
 
 @dataclass
 class ServiceEvent:
-    kind: str  # queued, started, delta, stats, done, error
+    kind: str  # queued, started, prefill (progress through a long prompt), delta, stats, done,
+    # error
     text: str = ""
     data: dict = field(default_factory=dict)
 
@@ -267,7 +268,8 @@ class EngineService:
             self.engines[mode] = build_engine(self.model, decode=spec.decode,
                                               draft=spec.draft or p.draft,
                                               block_size=p.block_size,
-                                              compile_step=p.compile_step)
+                                              compile_step=p.compile_step,
+                                              prefill_chunk=p.prefill_chunk)
         return self.engines[mode]
 
     def render(self, messages: list[dict], thinking: bool | None = None) -> list[int]:
@@ -315,10 +317,15 @@ class EngineService:
                           started, timing)
             return not handle.cancelled.is_set()
 
+        def on_prefill(done: int, total: int) -> bool:
+            if done < total:  # a long prompt, between chunks: progress, and Stop works here
+                handle.emit("prefill", done=done, total=total)
+            return not handle.cancelled.is_set()
+
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
-                                 on_block=on_block)
+                                 on_block=on_block, on_prefill=on_prefill)
         tail = detok.flush()
         if tail:
             handle.emit("delta", tail)
