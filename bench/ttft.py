@@ -1,0 +1,146 @@
+"""Time to first token (GPU): UNI MAX's exact prefill against transformers' own Qwen3.5 forward
+(with fla's kernels, as transformers uses them when fla is installed), side by side in one run,
+on the same random weights, at several prompt lengths; and a short prompt on kept state.
+
+usage: python bench/ttft.py [--shapes qwen3.5-0.8b] [--lengths 128 512 4096 16384 65536]
+       [--repeats 5] [--json FILE]
+
+The weights are made by transformers (Qwen3_5ForCausalLM, random), saved, and loaded by
+unimax.load_model, so both sides run the same numbers; the last position's logits are compared
+in the same run (rel. error). UNI MAX's time is ``prefill_exact`` (prefill in chunks of
+prefill_chunk, argmax, the bridge copy into the decoder): what a reply waits for. transformers'
+is ``model(input_ids, use_cache=True, logits_to_keep=1)`` with a fresh cache (use_cache=False on
+pure GDN shapes: its cache needs an attention layer, so it keeps no state there). "kept" rows: 128
+new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES  # noqa: E402
+
+import unimax  # noqa: E402
+from unimax import build_engine  # noqa: E402
+from unimax.cache import copy_cache_  # noqa: E402
+
+
+def transformers_config(cfg):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        layer_types=list(cfg.layer_types or ["linear_attention"] * cfg.num_hidden_layers),
+        linear_num_key_heads=cfg.num_k_heads, linear_num_value_heads=cfg.num_v_heads,
+        linear_key_head_dim=cfg.head_k_dim, linear_value_head_dim=cfg.head_v_dim,
+        linear_conv_kernel_dim=cfg.conv_size, tie_word_embeddings=cfg.tie_word_embeddings,
+        num_attention_heads=cfg.num_attention_heads or 8,
+        num_key_value_heads=cfg.num_key_value_heads or 2, head_dim=cfg.attn_head_dim or 256,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 1e7,
+                         "partial_rotary_factor": cfg.partial_rotary_factor or 0.25},
+        rms_norm_eps=cfg.norm_eps, max_position_embeddings=max(cfg.max_context or 0, 262144))
+
+
+def median_ms(fn, repeats: int, before=None) -> float:
+    times = []
+    for i in range(repeats + 2):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def bench_shape(shape: str, lengths: list[int], repeats: int) -> list[dict]:
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = dataclasses.replace(SHAPES[shape], max_context=max(lengths) + 4096 + 256)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        theirs = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        theirs.save_pretrained(folder)
+        ours = unimax.load_model(folder, device="cuda", dtype="bfloat16",
+                                 max_context=cfg.max_context)
+    engine = build_engine(ours, decode="bf16")
+    # transformers' cache needs an attention layer (get_seq_length): pure GDN runs uncached
+    cached = cfg.has_attention
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (1, length), device="cuda", generator=gen)
+        ours_ms = median_ms(lambda ids=ids: engine.prefill_exact(ids), repeats)
+        theirs_ms = median_ms(lambda ids=ids: theirs(input_ids=ids, use_cache=cached,
+                                                     logits_to_keep=1), repeats)
+        _, out, _ = engine.prefill_exact(ids)
+        ref = theirs(input_ids=ids, use_cache=cached, logits_to_keep=1).logits[:, -1].float()
+        err = float((out.logits[:, -1].float() - ref).norm() / ref.norm())
+        rows.append({"shape": shape, "tokens": length, "unimax_ms": ours_ms,
+                     "transformers_ms": theirs_ms, "speedup": theirs_ms / ours_ms,
+                     "last_logits_rel_err": err})
+        print(json.dumps(rows[-1]), flush=True)
+    # 128 new tokens on a kept state of 4096
+    ids = torch.randint(0, cfg.vocab_size, (1, 4096 + 128), device="cuda", generator=gen)
+    engine.prefill_exact(ids[:, :4096])
+    kept = engine.exact_cache.empty_like()
+    copy_cache_(kept, engine.exact_cache)
+
+    def restore():
+        copy_cache_(engine.exact_cache, kept)
+
+    kept_ms = median_ms(lambda: engine.prefill_exact(ids[:, 4096:], keep_state=True), repeats,
+                        before=restore)
+    rows.append({"shape": shape, "tokens": 128, "kept": 4096, "unimax_ms": kept_ms})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["qwen3.5-0.8b"], choices=list(SHAPES))
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        default=[128, 512, 4096, 16384, 65536])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for shape in args.shapes:
+        try:
+            rows += bench_shape(shape, args.lengths, args.repeats)
+        except Exception as err:  # record, go on with the next shape
+            rows.append({"shape": shape, "error": repr(err)[:400]})
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\n{'shape':<14}{'tokens':>8}{'unimax ms':>11}{'transf. ms':>11}{'x':>7}{'err':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:<14} error {r['error'][:80]}")
+        elif "kept" in r:
+            print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
+                  f"   (on a kept state of {r['kept']})")
+        else:
+            print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
+                  f"{r['transformers_ms']:>11.2f}{r['speedup']:>7.2f}"
+                  f"{r['last_logits_rel_err']:>9.1e}")
+
+
+if __name__ == "__main__":
+    main()
