@@ -149,6 +149,24 @@ def test_triton_gemv_on_gpu(model):
     assert torch.equal(graphs.generate_fast(prompt_ids, 40), eager.generate_fast(prompt_ids, 40))
 
 
+@pytest.mark.parametrize("draft", ["tail", "full"])
+def test_verified_sampling_on_gpu(model, draft):
+    """Speculative sampling in captured graphs (the draft's recorded distributions, the
+    sampled verifier, the rewind): the eager engine's tokens for the same seed, a seed
+    reproduces, and the drafts are both kept and refused. (Its distribution is tested on the
+    CPU, tests/test_speculative.py.)"""
+    x = prompt(60, seed=5)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    graphs = build_engine(model, decode="fp8", draft=draft, block_size=8)
+    graphs.capture_graphs(verified=True, sampled=True)
+    eager = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
+    got = graphs.generate(x, 48, mode="verified", sampling=params)
+    assert got.tokens == eager.generate(x, 48, mode="verified", sampling=params).tokens
+    assert got.tokens == graphs.generate(x, 48, mode="verified", sampling=params).tokens
+    assert 0 < got.verify.accepted_draft_tokens < got.verify.drafted_tokens
+    print(draft, "sampled acceptance", got.verify.acceptance_rate)
+
+
 def test_compiled_verifier_is_exact(model):
     """Verified mode with the fast step: compiled draft step, the verifier's full block compiled
     through the small-M linears, rejections rewound from the tape with fla's kernel: exact

@@ -115,7 +115,6 @@ def test_seeds_reproduce_samples(client):
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400, None),
-    ({"model": f"{MODEL}:verified", "temperature": 0.7}, 400, None),
 ])
 def test_errors_in_openai_shape(client, kwargs, status, param):
     args = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **kwargs}

@@ -81,8 +81,10 @@ def test_bad_requests_get_clear_errors(service):
     assert "unknown mode 'turbo'" in run(service, "bad", [user("x")], mode="turbo")[-1].text
     huge = run(service, "bad", [user("w" * 5000)])[-1]
     assert huge.kind == "error" and "over this model's context setting of 4096" in huge.text
-    sampled = run(service, "bad", [user("x")], mode="verified", temperature=0.8)[-1]
-    assert "set temperature to 0" in sampled.text
+    # verified mode samples too (speculative sampling): a seed reproduces the reply
+    sampled = [run(service, f"sampled-{i}", [user("x")], mode="verified", temperature=0.8,
+                   seed=7, max_new_tokens=12)[-1] for i in range(2)]
+    assert sampled[0].kind == "done" and sampled[0].data["reply"] == sampled[1].data["reply"]
 
 
 def reference_reply(service, messages, n):

@@ -144,6 +144,7 @@ class UniMaxEngine:
                              f"(1, T), got {tuple(input_ids.shape)}")
         if not keep_state:
             self.exact_cache.reset()
+        self.decode_graph.set_sampling(None)  # greedy unless generate() samples this reply
         total = int(input_ids.shape[1])
         if total == 0:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
@@ -218,11 +219,14 @@ class UniMaxEngine:
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
-        mode the verifier of each block size and the rewind of each length) at start-up. The
-        caches are left as they were. A no-op without graphs."""
+        mode the verifier of each block size and the rewind of each length; ``sampled``: the
+        sampling variants too) at start-up. The caches are left as they were. A no-op without
+        graphs."""
         self.decode_graph.capture_blocks(sampled=sampled)
         if verified:
-            self.verifier.capture()
+            if sampled:
+                self.decode_graph.capture_blocks(record=True)
+            self.verifier.capture(sampled=sampled)
             if self.decode_graph.use_graphs:
                 self._calibrate_draft_length()
 
@@ -232,7 +236,7 @@ class UniMaxEngine:
         checked = self.verifier.runner.replay_ms
         verify: dict[int, list[float]] = {}
         for key, ms in checked.items():
-            if key[0] == "verify":
+            if key[0] == "verify" and len(key) == 3:  # the greedy graphs
                 verify.setdefault(key[1], []).append(ms)
         rewinds = [ms for key, ms in checked.items() if key[0] == "rewind"]
         self.draft_length.calibrate(
@@ -242,8 +246,10 @@ class UniMaxEngine:
 
     def _verified_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
         """Yields the tokens each block emits (list of ints). One host sync per block. Each
-        block drafts k_max tokens, or (k_max None) what the draft-length policy chooses."""
+        block drafts k_max tokens, or (k_max None) what the draft-length policy chooses. With
+        the decoder's sampling on (set_sampling), blocks are checked by speculative sampling."""
         graph = self.decode_graph
+        sampled = not graph.sampling.is_greedy
         remaining = n
         while remaining > 0:
             # A block emits at most k + 1 tokens: never more than are left, so the verifier
@@ -254,8 +260,8 @@ class UniMaxEngine:
                 k = min(k_max, remaining - 1)
             if k:
                 graph.static_token.copy_(self.verifier.current)
-                graph.run_block(k)
-            emitted = self.verifier.check(k, counts)
+                graph.run_block(k, record=sampled)
+            emitted = self.verifier.check(k, counts, sampled=sampled)
             self.draft_length.observe(k, len(emitted) - 1)
             remaining -= len(emitted)
             yield emitted
@@ -285,9 +291,6 @@ class UniMaxEngine:
         if n < 1:  # no reply means no prefill: the cache would not hold this request's state
             raise ValueError(f"max_new_tokens must be >= 1, got {n}")
         sampling = sampling or SamplingParams()
-        if mode == "verified" and not sampling.is_greedy:
-            raise ValueError("verified mode reproduces exact greedy decoding; set temperature "
-                             "to 0, or use fast mode to sample")
         stops = set(int(s) for s in stop_ids)
         if self.exact_cache.has_attention:  # the KV buffers hold max_context tokens
             total = (self.exact_cache.seen_tokens if keep_state else 0) + \

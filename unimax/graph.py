@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
-from .sampling import SamplingParams, sample_from_logits
+from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
 
 class GraphRunner:
@@ -113,6 +113,8 @@ class MaxTurboGraphDecoder:
         self.top_k = torch.zeros(1, **long)
         self.top_p = torch.ones(1, device=self.device)
         self.uniforms = torch.zeros(block_size, device=self.device)
+        # Verified sampling: the distribution each draft token was drawn from (speculative.py)
+        self.draft_probs = torch.zeros(block_size, model.config.vocab_size, device=self.device)
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
         self.runner = GraphRunner(self.device, use_graphs)
@@ -147,11 +149,15 @@ class MaxTurboGraphDecoder:
     def _step_eager(self, token: torch.Tensor) -> torch.Tensor:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
-    def _block(self, n: int, sampled: bool) -> None:
+    def _block(self, n: int, sampled: bool, record: bool = False) -> None:
         token = self.static_token
         for i in range(n):
             logits = self._step(token)
-            if sampled:
+            if record:  # a draft of verified sampling: keep the distribution it drew from
+                token, probs = sample_with_probs(logits, self.temperature, self.top_k,
+                                                 self.top_p, self.uniforms[i:i + 1])
+                self.draft_probs[i:i + 1].copy_(probs)
+            elif sampled:
                 token = sample_from_logits(logits, self.temperature, self.top_k, self.top_p,
                                            self.uniforms[i:i + 1])
             else:
@@ -159,26 +165,36 @@ class MaxTurboGraphDecoder:
             self.out_tokens[:, i:i + 1].copy_(token)
         self.static_token.copy_(token)
 
-    @torch.inference_mode()
-    def capture_blocks(self, sampled: bool = False) -> None:
-        """Capture the block graphs of every size 1..block_size now (start-up), not at first
-        use in the middle of a reply."""
-        for n in range(1, self.block_size + 1):
-            self.runner.prepare((n, sampled), lambda n=n: self._block(n, sampled),
-                                writes=[self.cache], buffers=[self.static_token, self.out_tokens])
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.static_token, self.out_tokens, self.draft_probs]
+
+    @staticmethod
+    def _key(n: int, sampled: bool, record: bool):
+        return (n, "record") if record else (n, sampled)
 
     @torch.inference_mode()
-    def run_block(self, n: int) -> torch.Tensor:
+    def capture_blocks(self, sampled: bool = False, record: bool = False) -> None:
+        """Capture the block graphs of every size 1..block_size now (start-up), not at first
+        use in the middle of a reply. ``record``: the sampled blocks of verified sampling."""
+        for n in range(1, self.block_size + 1):
+            self.runner.prepare(self._key(n, sampled, record),
+                                lambda n=n: self._block(n, sampled or record, record),
+                                writes=[self.cache], buffers=self._buffers())
+
+    @torch.inference_mode()
+    def run_block(self, n: int, record: bool = False) -> torch.Tensor:
         """Feed ``static_token`` and n - 1 produced tokens; returns a view of the n produced
-        tokens (valid until the next block). No host sync."""
+        tokens (valid until the next block). No host sync. ``record`` (sampling only): also
+        write each token's warped distribution to ``draft_probs``."""
         if not 1 <= n <= self.block_size:
             raise ValueError(f"a block has 1..{self.block_size} steps, got {n}")
         sampled = not self.sampling.is_greedy
+        record = record and sampled
         if sampled:
             self.uniforms[:n].copy_(torch.rand(n, generator=self.generator, device=self.device))
         seen = self.cache.seen_tokens
-        self.runner.run((n, sampled), lambda: self._block(n, sampled), writes=[self.cache],
-                        buffers=[self.static_token, self.out_tokens])
+        self.runner.run(self._key(n, sampled, record), lambda: self._block(n, sampled, record),
+                        writes=[self.cache], buffers=self._buffers())
         self.cache.seen_tokens = seen + n  # Python-side bookkeeping is not part of a graph
         return self.out_tokens[:, :n]
 

@@ -35,10 +35,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """logits (1, V); temperature, top_p (1,) float; top_k (1,) long (0 = off); uniform (1,)
-    in [0, 1). Returns the token (1, 1). No host sync, fixed shapes: graph-safe."""
+def _warp_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p over logits (N, V): the kept probabilities in descending order
+    (not renormalized; zeros for filtered tokens) and the order (token ids)."""
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -48,15 +48,44 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     probs = sorted_logits.softmax(dim=-1)
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
     before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs.masked_fill(before >= top_p, 0.0), order
+
+
+def _draw_sorted(probs: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     target = (uniform * cdf[:, -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1)
+    index = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
     return order.gather(-1, index)
 
 
-def sample_reference(logits: torch.Tensor, params: SamplingParams, uniform: float) -> int:
-    """The plain definition, one token: filter, renormalize, invert the CDF at ``uniform``."""
+def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """logits (1, V); temperature, top_p (1,) float; top_k (1,) long (0 = off); uniform (1,)
+    in [0, 1). Returns the token (1, 1). No host sync, fixed shapes: graph-safe."""
+    return _draw_sorted(*_warp_sorted(logits, temperature, top_k, top_p), uniform)
+
+
+def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution ``sample_from_logits`` draws from, in token order: (N, V) -> (N, V)."""
+    probs, order = _warp_sorted(logits, temperature, top_k, top_p)
+    return torch.zeros_like(probs).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
+
+
+def sample_with_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, uniform: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_from_logits`` (the same token for the same uniform) and the ``warped_probs`` it
+    drew from, with one sort: what a draft of verified sampling records."""
+    probs, order = _warp_sorted(logits, temperature, top_k, top_p)
+    token = _draw_sorted(probs, order, uniform)
+    return token, torch.zeros_like(probs).scatter_(-1, order,
+                                                   probs / probs.sum(-1, keepdim=True))
+
+
+def _kept_reference(logits: torch.Tensor, params: SamplingParams
+                    ) -> tuple[list[int], torch.Tensor]:
+    """The tokens the warps keep, most likely first, and the tempered probabilities."""
     probs = torch.softmax(logits.double().flatten() / params.temperature, dim=0)
     ranked = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
     if params.top_k:
@@ -68,6 +97,20 @@ def sample_reference(logits: torch.Tensor, params: SamplingParams, uniform: floa
             break
         kept.append(i)
         mass += float(probs[i])
+    return kept, probs
+
+
+def warped_probs_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The plain definition of the distribution ``sample_reference`` draws from (float64)."""
+    kept, probs = _kept_reference(logits, params)
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def sample_reference(logits: torch.Tensor, params: SamplingParams, uniform: float) -> int:
+    """The plain definition, one token: filter, renormalize, invert the CDF at ``uniform``."""
+    kept, probs = _kept_reference(logits, params)
     weights = [float(probs[i]) for i in kept]
     threshold, running = uniform * sum(weights), 0.0
     for i, w in zip(kept, weights, strict=True):

@@ -179,9 +179,6 @@ class EngineService:
         settings = handle.settings
         if not isinstance(settings, GenerationSettings):
             raise RequestError("settings must be a unimax GenerationSettings")
-        if APP_MODES[handle.mode].verified and not settings.sampling().is_greedy:
-            raise RequestError("verified mode reproduces exact greedy decoding: set "
-                               "temperature to 0, or pick bf16 / fp8 to sample")
         context = self.preset.max_context
         if handle.text is not None:
             check_text(handle.text, max_chars=MAX_CHARS_PER_TOKEN * context)

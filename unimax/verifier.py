@@ -14,17 +14,21 @@ it (after an accepted block too: the draft never fed its last token). The verifi
 the rewind are captured as CUDA graphs, keyed by k (and by the KV bucket on hybrid models) and by
 m + 1; with ``compile=True`` the forwards of the full-length block and of k = 0 run the small-M
 linears and are compiled by inductor first, like the decode step. Which k a block drafts is the
-engine's choice (unimax.draft_length).
+engine's choice (unimax.draft_length). With sampling on, the block keeps drafts by the
+speculative rule instead of by agreement (unimax.speculative): same forward, same rewind.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder
+from .sampling import warped_probs
+from .speculative import speculative_step
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Verifier:
         self.inputs = torch.zeros(1, self.block_size + 1, **long)
         self.predictions = torch.zeros(1, self.block_size + 1, **long)
         self.num_accepted = torch.zeros((), **long)
+        # verified sampling (unimax.speculative): its uniforms, drawn per block on the host
+        self.u_accept = torch.zeros(self.block_size, device=exact_cache.device)
+        self.u_final = torch.zeros(1, device=exact_cache.device)
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs)
         self.forward = exact_model.forward_unchecked
         self.compiled = None
@@ -84,9 +91,10 @@ class Verifier:
 
     # --- graph bodies --------------------------------------------------------------------
 
-    def _verify(self, k: int) -> None:
-        """Snapshot, score [current, draft] exactly (recording the tape), count the agreeing
-        prefix. Reads the draft from the decoder's static output buffer."""
+    def _verify(self, k: int, sampled: bool = False) -> None:
+        """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
+        the agreeing prefix; sampled: the speculative rule, its token in every prediction
+        slot. Reads the draft (and its distributions) from the decoder's static buffers."""
         self.take_snapshot()
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
@@ -95,6 +103,14 @@ class Verifier:
         forward = self.compiled if compiled else self.forward
         with self.cache.recording(self.tape):
             logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
+        if sampled:
+            d = self.decoder
+            p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p)
+            m, token = speculative_step(p, d.draft_probs[:k], draft[0], self.u_accept[:k],
+                                        self.u_final)
+            self.num_accepted.copy_(m)
+            self.predictions[0, :k + 1].copy_(token.expand(k + 1))
+            return
         self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
         agree = self.predictions[0, :k].eq(draft[0]).long()
         self.num_accepted.copy_(agree.cumprod(dim=0).sum())
@@ -106,33 +122,47 @@ class Verifier:
         self.resync_draft()
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.predictions, self.num_accepted]
+        return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final]
 
     # --- start-up and per block ----------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, sampled: bool = False) -> None:
         """Every verifier graph a reply can meet: each block length in each KV bucket, each
-        rewind length. The caches are left as they were."""
+        rewind length (``sampled``: the verified-sampling graphs too). The caches are left as
+        they were."""
         caches = [self.cache, self.snapshot]
         for window in self.cache.windows():  # hybrid models: one set per KV bucket
             with self.cache.attending(window):
-                for k in range(self.block_size + 1):
-                    self.runner.prepare(("verify", k, window), lambda k=k: self._verify(k),
+                for k, s in itertools.product(range(self.block_size + 1),
+                                              (False, True) if sampled else (False,)):
+                    self.runner.prepare(self._key(k, window, s),
+                                        lambda k=k, s=s: self._verify(k, s),
                                         writes=caches, buffers=self._buffers())
         for length in range(1, self.block_size + 1):
             self.runner.prepare(("rewind", length), lambda n=length: self._rewind(n),
                                 writes=caches + [self.decoder.cache])
 
-    def check(self, k: int, counts: VerifyCounts) -> list[int]:
+    @staticmethod
+    def _key(k: int, window, sampled: bool):
+        return ("verify", k, window, "sampled") if sampled else ("verify", k, window)
+
+    def check(self, k: int, counts: VerifyCounts, sampled: bool = False) -> list[int]:
         """Check the k drafts the decoder just wrote (k = 0: none); returns the tokens the block
-        emits (the agreeing drafts and the exact token after them). One host sync."""
+        emits (the kept drafts and the exact model's token after them). One host sync.
+        ``sampled``: speculative sampling (the decoder recorded its distributions, and its
+        sampling settings and seeded generator are the reply's)."""
         seen = self.cache.seen_tokens
+        if sampled:
+            uniforms = torch.rand(k + 1, generator=self.decoder.generator,
+                                  device=self.u_accept.device)
+            self.u_accept[:k].copy_(uniforms[:k])
+            self.u_final.copy_(uniforms[k:])
         # The verifier's block ends at seen + k + 1: it reads the KV bucket holding that many
         # entries (its graphs are keyed by it; None: pure GDN).
         window = self.cache.window_for(seen + k + 1)
         with self.cache.attending(window):
-            self.runner.run(("verify", k, window), lambda: self._verify(k),
+            self.runner.run(self._key(k, window, sampled), lambda: self._verify(k, sampled),
                             writes=[self.cache, self.snapshot], buffers=self._buffers())
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
         counts.drafted += k

@@ -1,0 +1,171 @@
+"""Verified sampling: the speculative rule against its plain twin on fixed p, q and uniforms;
+the warped distribution against the sampler's definition; and end to end, with a deliberately
+distorted draft, verified samples distributed as the exact model's (a chi-square test over many
+seeds) where the draft's own samples are not; seeds reproduce."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import unimax
+from unimax import GDNConfig, GDNForCausalLM, SamplingParams
+from unimax.sampling import sample_reference, warped_probs, warped_probs_reference
+from unimax.speculative import speculative_reference, speculative_step
+
+
+def random_dist(rows, vocab, gen, sparse=False):
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 2
+    if sparse:  # some tokens impossible, as top-k / top-p make them
+        logits[torch.rand(rows, vocab, generator=gen) < 0.4] = -math.inf
+        logits[:, 0] = 1.0  # at least one left in every row
+    return logits.softmax(-1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_speculative_step_matches_the_rule(k, sparse):
+    gen = torch.Generator().manual_seed(k + 10 * sparse)
+    for case in range(200):
+        p = random_dist(k + 1, 7, gen, sparse)
+        q = random_dist(k, 7, gen, sparse)
+        # drafts sampled from q (as the draft does), sometimes one q gave no mass (distorted)
+        draft = torch.multinomial(q, 1, generator=gen)[:, 0] if k else torch.zeros(0, dtype=int)
+        u = torch.rand(k, generator=gen, dtype=torch.float64)
+        u_final = torch.rand(1, generator=gen, dtype=torch.float64)
+        m, token = speculative_step(p, q, draft, u, u_final)
+        want = speculative_reference(p, q, draft.tolist(), u.tolist(), float(u_final))
+        assert (int(m), int(token)) == want, (case, p, q, draft, u, u_final)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.3, top_k=4),
+                                    SamplingParams(temperature=1.0, top_p=0.6),
+                                    SamplingParams(temperature=0.9, top_k=5, top_p=0.8)])
+def test_warped_probs_is_what_the_sampler_draws_from(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 11, generator=gen) * 2
+    probs = warped_probs(logits, torch.tensor([params.temperature]),
+                         torch.tensor([params.top_k]), torch.tensor([params.top_p]))
+    for row in range(3):
+        want = warped_probs_reference(logits[row], params)
+        assert torch.allclose(probs[row].double(), want, atol=1e-6)
+        # inverse-CDF sampling of the reference lands on tokens with mass, in proportion
+        hits = torch.zeros(11, dtype=torch.float64)
+        for u in torch.linspace(0.0005, 0.9995, 1000).tolist():
+            hits[sample_reference(logits[row], params, u)] += 1
+        assert torch.allclose(hits / 1000, want, atol=2.5e-3)
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+VOCAB = 5
+CONFIG = GDNConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_k_heads=2,
+                   num_v_heads=2, head_k_dim=8, head_v_dim=8, intermediate_size=48)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = GDNForCausalLM(CONFIG).eval()
+    m.init_random_weights(seed=2, std=0.35)  # peaked enough that the joint is far from uniform
+    return m
+
+
+class DistortedDraft(torch.nn.Module):
+    """The exact model with its logits bent: halved and shifted towards token 0 (a draft whose
+    distribution differs a lot from p, so rejections and residual draws happen often)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+    def forward_unchecked(self, input_ids, cache, logits_to_keep=0):
+        logits = self.model.forward_unchecked(input_ids, cache, logits_to_keep)
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+        bias[0] = 2.0
+        return logits * 0.5 + bias
+
+
+def distorted_engine(model, block_size=3):
+    draft = DistortedDraft(model)
+    return unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, block_size))
+
+
+PARAMS = SamplingParams(temperature=1.0, top_k=4)
+PROMPT = torch.tensor([[1, 3, 2, 4]])
+NEW = 3
+
+
+@torch.inference_mode()
+def joint(model_like, params) -> dict[tuple, float]:
+    """P(the next NEW tokens) under model_like's warped distribution, by enumeration."""
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        prob = 1.0
+        for i in range(NEW):
+            ids = torch.cat([PROMPT, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
+            logits = model_like.forward_unchecked(ids, None)[0, -1]
+            prob *= float(warped_probs_reference(logits, params)[seq[i]])
+        out[seq] = prob
+    return out
+
+
+def chi_square(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic with cells of expected count < 5 pooled; (statistic, dof)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0.0, 0.0, 0
+    for key, prob in expected.items():
+        e, o = prob * n, counts.get(key, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat, cells = stat + (o - e) ** 2 / e, cells + 1
+    if pooled_exp > 0:
+        stat, cells = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells + 1
+    return stat, cells - 1
+
+
+def chi_square_limit(dof: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(dof) at z (3.719: a false failure once in
+    10,000 runs)."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def test_verified_samples_follow_the_exact_distribution(model):
+    engine = distorted_engine(model)
+    runs, counts, drafted, accepted = 3000, {}, 0, 0
+    for seed in range(runs):
+        params = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)
+        result = engine.generate(PROMPT, NEW, mode="verified", sampling=params)
+        key = tuple(result.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += result.verify.drafted_tokens
+        accepted += result.verify.accepted_draft_tokens
+    assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts both kept and rejected
+    exact = joint(model, PARAMS)
+    stat, dof = chi_square(counts, exact, runs)
+    assert stat < chi_square_limit(dof), (stat, dof)
+    # the test has power: the draft's own distribution is far outside the same bound
+    draft_joint = joint(DistortedDraft(model), PARAMS)
+    expected_draft_counts = {key: prob * runs for key, prob in draft_joint.items()}
+    stat_draft, _ = chi_square(expected_draft_counts, exact, runs)
+    assert stat_draft > 5 * chi_square_limit(dof), stat_draft
+
+
+def test_verified_sampling_reproduces_with_a_seed(model):
+    engine = distorted_engine(model, block_size=4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+    x = torch.tensor([[1, 2, 3, 4, 0, 1, 2]])
+    first = engine.generate(x, 20, mode="verified", sampling=params).tokens
+    again = engine.generate(x, 20, mode="verified", sampling=params).tokens
+    assert first == again and len(first) == 20
+    other = engine.generate(x, 20, mode="verified",
+                            sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=99)).tokens
+    assert other != first
