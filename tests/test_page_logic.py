@@ -4,7 +4,7 @@ the drafted-vs-generated note, Clear resetting the panels."""
 import threading
 
 from ui.chat_tab import done_status
-from ui.panels import curve_svg, nice_ceiling, panel_markdown
+from ui.panels import ab_summary, curve_svg, nice_ceiling, panel_markdown
 from ui.sessions import Sessions
 
 
@@ -87,3 +87,13 @@ def test_curve_svg_axes_start_at_zero_and_end_round():
     assert abs(xs[-1] - (44 + 266 * 22 / 25)) < 0.1
     assert [nice_ceiling(v) for v in (0.3, 1, 7, 12, 22, 240, 1000.5)] == \
         [0.5, 1, 10, 20, 25, 250, 2000]
+
+
+def test_ab_summary_when_sampling_speaks_of_distributions():
+    fast = {"decode_tok_s": 100.0}
+    same = ab_summary("bf16", "abc", fast, "verified", "abd", fast, temperature=0.7)
+    assert "Same distribution." in same and "diverge" not in same
+    other = ab_summary("bf16", "abc", fast, "fp8", "abd", fast, temperature=0.7)
+    assert "Not the same distribution." in other
+    greedy = ab_summary("bf16", "abc", fast, "verified", "abd", fast)
+    assert "first diverge at character 2" in greedy

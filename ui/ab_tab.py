@@ -53,5 +53,5 @@ class ABTab:
                 yield view(f"Running {mode} ({side.upper()})…")
             self.service.forget(conversation)
         start = first_char_difference(texts["a"], texts["b"])
-        yield view(ab_summary(mode_a, texts["a"], stats["a"], mode_b, texts["b"], stats["b"]),
-                   start)
+        yield view(ab_summary(mode_a, texts["a"], stats["a"], mode_b, texts["b"], stats["b"],
+                              settings.temperature), start)

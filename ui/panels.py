@@ -114,7 +114,9 @@ def highlighted(text: str, start: int | None) -> str:
 
 
 def ab_summary(mode_a: str, text_a: str, stats_a: dict, mode_b: str, text_b: str,
-               stats_b: dict) -> str:
+               stats_b: dict, temperature: float = 0.0) -> str:
+    """The A/B verdict: the speed ratio, and whether the texts agree; when sampling, texts are
+    not comparable one to one, so it says which distribution each side samples from."""
     start = first_char_difference(text_a, text_b)
     speed_a, speed_b = stats_a.get("decode_tok_s"), stats_b.get("decode_tok_s")
     if speed_a and speed_b:
@@ -124,4 +126,13 @@ def ab_summary(mode_a: str, text_a: str, stats_a: dict, mode_b: str, text_b: str
         ratio = "Speed ratio: not enough tokens to measure."
     same = "The two outputs are **identical**." if start is None else \
         f"The outputs **first diverge at character {start}** (highlighted)."
+    if temperature > 0:
+        exact = {"bf16": "the exact model's", "verified": "the exact model's (speculative "
+                 "sampling: FP8 drafts, exact distribution)", "fp8": "the FP8 tail's"}
+        same = (f"Both sides sample at temperature {temperature:g} with the same seed, so "
+                f"texts may differ by chance: {mode_a} draws from {exact.get(mode_a, mode_a)} "
+                f"distribution, {mode_b} from {exact.get(mode_b, mode_b)}. "
+                + ("Same distribution." if exact.get(mode_a, "").startswith("the exact") and
+                   exact.get(mode_b, "").startswith("the exact") else
+                   "Not the same distribution."))
     return f"{ratio} {same}"
