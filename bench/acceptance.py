@@ -4,7 +4,13 @@ fast, and verified mode with the FP8-tail and full-FP8 drafts. Also checks every
 against the exact one-token reference, and prints sample answers (stopping at the end of turn).
 
 usage: python bench/acceptance.py MODEL_DIR CORPUS.jsonl [--prompts 50] [--new 128]
-       [--samples 5] [--json FILE]
+       [--samples 5] [--temperatures 0.7 1.0] [--device cuda] [--json FILE]
+
+--temperatures adds verified rows that sample (speculative sampling, top-k/top-p off, seed = the
+prompt's index): the acceptance of sampled drafts next to the greedy one. Their tokens are not
+compared with a reference (sampled text has no single right answer: tests/test_speculative.py
+holds its distribution to the exact model's). On the CPU (--device cpu) FP8 is emulated: the
+acceptance is the model's, the speed is not a GPU's.
 """
 
 from __future__ import annotations
@@ -38,20 +44,29 @@ def heldout_questions(corpus: str, count: int) -> list[str]:
 def prompt_ids(tokenizer, question: str) -> torch.Tensor:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                         add_generation_prompt=True, return_dict=False)
-    return torch.tensor([ids], device="cuda")
+    return torch.tensor([ids], device=DEVICE)
+
+
+DEVICE = "cuda"
 
 
 @torch.inference_mode()
-def run_mode(model, mode_spec, prompts, new, references) -> dict:
+def run_mode(model, mode_spec, prompts, new, references, temperature=0.0) -> dict:
     name, decode, draft, mode, fp8_mode = mode_spec
     engine = unimax.build_engine(model, decode=decode, draft=draft, block_size=8,
                                  fp8_mode=fp8_mode)
-    for ids in prompts[:2]:  # capture every graph size these runs meet
-        engine.generate(ids, new, mode=mode)
+
+    def sampling(i):
+        return unimax.SamplingParams(temperature=temperature, seed=i) if temperature else None
+
+    for i, ids in enumerate(prompts[:2]):  # capture every graph size these runs meet
+        engine.generate(ids, new, mode=mode, sampling=sampling(i))
+    if temperature:
+        name, references = f"{name} @T{temperature:g}", []
     tokens = seconds = drafted = accepted = rejected = equal = 0
     first_divergences = []
     for i, ids in enumerate(prompts):
-        result = engine.generate(ids, new, mode=mode)
+        result = engine.generate(ids, new, mode=mode, sampling=sampling(i))
         tokens += len(result.tokens) - 1  # the first token comes from the prefill
         seconds += result.decode_seconds
         if i < len(references):
@@ -94,9 +109,13 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=None,
                         help="compare with the eager one-token reference on the first N prompts "
                              "only (it is slow); default all")
+    parser.add_argument("--temperatures", type=float, nargs="*", default=[])
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    model = unimax.load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    global DEVICE
+    DEVICE = args.device
+    model = unimax.load_model(args.model, device=args.device, dtype=torch.bfloat16)
     tokenizer = unimax.load_tokenizer(args.model)
     questions = heldout_questions(args.corpus, args.prompts)
     prompts = [prompt_ids(tokenizer, q) for q in questions]
@@ -109,16 +128,21 @@ def main() -> None:
     for spec in VARIANTS:
         rows.append(run_mode(model, spec, prompts, args.new, references))
         print(json.dumps(rows[-1]), flush=True)
+        if spec[3] == "verified":
+            for temperature in args.temperatures:
+                rows.append(run_mode(model, spec, prompts, args.new, references, temperature))
+                print(json.dumps(rows[-1]), flush=True)
     answers = samples(model, tokenizer, questions[:args.samples])
     for a in answers:
         print(json.dumps(a, ensure_ascii=False), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+        device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+        args.json.write_text(json.dumps({"device": device,
                                          "rows": rows, "samples": answers}, indent=1))
     base = rows[0]["decode_tok_s"]
-    print(f"\n{'mode':<16}{'tok/s':>8}{'vs bf16':>8}{'accept':>8}{'==exact':>9}")
+    print(f"\n{'mode':<26}{'tok/s':>8}{'vs bf16':>8}{'accept':>8}{'==exact':>9}")
     for r in rows:
-        print(f"{r['mode']:<16}{r['decode_tok_s']:>8.0f}{r['decode_tok_s'] / base:>8.2f}"
+        print(f"{r['mode']:<26}{r['decode_tok_s']:>8.0f}{r['decode_tok_s'] / base:>8.2f}"
               f"{r.get('acceptance', float('nan')):>8.3f}{r['equal_to_exact']:>5}/{r['checked']}")
 
 
