@@ -1,6 +1,7 @@
 """The decode linears one at a time (GPU): each weight shape of a model at M = 1 (a decode step)
 and M = 9 (a verifier block of 8), BF16 and FP8 weights, through the Triton kernels of
-unimax.ops.gemv (the default per M; the tensor-core kernel at M = 1 too), cuBLAS for BF16,
+unimax.ops.gemv (the default per M; the tensor-core kernel at M = 1 too; the GEMV with FP16
+products for FP8), cuBLAS for BF16,
 in CUDA-graph replays over enough weight copies that L2 cannot serve them. Prints the time and
 the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
 
@@ -76,6 +77,8 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
     if m <= gemv_mod.PROGRAM_ROWS:
         variants["dot"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="dot")
+        if kind == "fp8":
+            variants["rows16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="rows16")
     if kind == "bf16":
         variants["cublas"] = lambda i: F.linear(x, weights[i][0])
     for label, fn in variants.items():
@@ -104,7 +107,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
           "us per call (fraction of copy bandwidth)")
-    labels = ("triton", "dot", "cublas")
+    labels = ("triton", "rows16", "dot", "cublas")
     print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
     for r in rows:
         cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r

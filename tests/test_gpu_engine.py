@@ -226,7 +226,10 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             choice = ops.CHOICES[(m, 3000, 1024, weights[0].dtype)]
             assert choice in ops.candidates(m, len(weights) == 2)
             assert rel_err(y.float(), ref) < 1e-2
-            for kernel in ("rows", "dot") if m <= ops.PROGRAM_ROWS else ("dot",):
+            kernels = ("rows", "dot") if m <= ops.PROGRAM_ROWS else ("dot",)
+            if len(weights) == 2 and m <= ops.PROGRAM_ROWS:
+                kernels += ("rows16",)
+            for kernel in kernels:
                 assert rel_err(ops.gemv(x, *weights, kernel=kernel).float(), ref) < 1e-2
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

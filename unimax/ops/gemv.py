@@ -41,9 +41,17 @@ def _interpreted() -> bool:
 
 
 @functools.cache
-def _gemv_kernel(scaled: bool):
+def _gemv_kernel(scaled: bool, f16: bool = False):
     """Rows of x as programs. One autotuned kernel per weight kind (FP8 with scales, BF16
-    without): the best tile for a (N, K) differs between 1- and 2-byte weights."""
+    without): the best tile for a (N, K) differs between 1- and 2-byte weights.
+
+    ``f16`` ("rows16", FP8 weights): products and the per-lane running sums in FP16. The fp32
+    GEMV spends ~2.5 instructions per FP8 weight (convert to f16, to f32, FMA) and streams only
+    ~3 TB/s on the H200 (bench/gemv.py); e4m3 -> f16 is exact and packed two at a time, and f16
+    multiply-adds are packed too. Each lane sums K / BLOCK_K products in FP16 (a few dozen at
+    most), the lanes are summed in fp32; x is scaled by 1/64 first (exact) so that products of
+    weights up to 448 overflow only past |x| ~ 9000. For drafts and the FP8 tail, whose FP8
+    weights already round at ~2^-4; never for the exact model."""
     import triton
     import triton.language as tl
 
@@ -54,24 +62,32 @@ def _gemv_kernel(scaled: bool):
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    F16: tl.constexpr):
         row = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                         mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
             x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
+            if F16:
+                x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
+                acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]
+            else:
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc.to(tl.float32), axis=1)
+        if F16:
+            y = y * 64.0
         if HAS_SCALE:
             y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
         tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
     if _interpreted():
-        return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64}
-    return triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel), {}
+        return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "F16": f16}
+    return (triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel),
+            {"F16": f16})
 
 
 @functools.cache
@@ -120,8 +136,8 @@ def _dot_kernel(scaled: bool):
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
-    ``gemv_ref``. ``kernel``: "rows" (the GEMV) or "dot" (tensor cores); by default rows for
-    M <= PROGRAM_ROWS."""
+    ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
+    weights only) or "dot" (tensor cores); by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -131,14 +147,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if m > GEMV_ROWS:
         raise ValueError(f"gemv: at most {GEMV_ROWS} rows, got {m}")
     kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
-    if kernel not in ("rows", "dot"):
-        raise ValueError(f"gemv: kernel must be 'rows' or 'dot', got {kernel!r}")
+    if kernel not in ("rows", "rows16", "dot"):
+        raise ValueError(f"gemv: kernel must be 'rows', 'rows16' or 'dot', got {kernel!r}")
+    if kernel == "rows16" and scale is None:
+        raise ValueError("gemv: rows16 (FP16 products) is for FP8 weights only")
     x = x.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
-    if kernel == "rows":
-        triton, launch, fixed = _gemv_kernel(scaled)
+    if kernel in ("rows", "rows16"):
+        triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16")
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
@@ -152,7 +170,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------
 
-CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "rows" | "dot" | "cublas"
+CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "rows" | "rows16" | "dot" | "cublas"
 
 
 def _time_us(fn) -> float:
@@ -165,12 +183,13 @@ def _time_us(fn) -> float:
 
 
 def candidates(m: int, scaled: bool) -> tuple[str, ...]:
-    """The kernels worth timing for M rows: the Triton kernel of that M, and cuBLAS for BF16
-    weights (for FP8 it would first dequantize them). Measured and left out (bench/gemv.py, H200,
-    4B shapes, M = 1): the tensor-core kernel, 1.4x slower than the GEMV for FP8 weights with
-    FP16 products and 1.06x for BF16."""
-    default = "rows" if m <= PROGRAM_ROWS else "dot"
-    return (default,) if scaled else (default, "cublas")
+    """The kernels worth timing for M rows: the Triton kernel of that M, the GEMV with FP16
+    products for FP8 weights, and cuBLAS for BF16 weights (for FP8 it would first dequantize
+    them). Measured and left out (bench/gemv.py, H200, 4B shapes, M = 1): the tensor-core
+    kernel, 1.4x slower than the GEMV for FP8 weights with FP16 products and 1.06x for BF16."""
+    if m > PROGRAM_ROWS:
+        return ("dot",) if scaled else ("dot", "cublas")
+    return ("rows", "rows16") if scaled else ("rows", "cublas")
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
