@@ -3,7 +3,8 @@ decoding with FP8 drafts, at the draft's real acceptance and at forced acceptanc
 where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
-       [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--json FILE]
+       [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
+       [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -118,7 +119,10 @@ def timed_generate(engine, ids, new, mode, **kw) -> unimax.Generation:
 
 
 def exact_cell(row) -> str:
-    """yes; tie@i (left the reference at a near tie: two correct BF16 paths can); NO@i."""
+    """yes; tie@i (left the reference at a near tie: two correct BF16 paths can); NO@i; - for a
+    sampled row (no single right answer)."""
+    if row["exact"] is None:
+        return "-"
     if row["exact"]:
         return "yes"
     div = row["divergence"]
@@ -135,13 +139,13 @@ def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict
     per_token = result.decode_seconds / steps
     row = {"mode": name, "tok_s": 1 / per_token, "ms_per_token": per_token * 1e3,
            "of_floor": weight_bytes / bandwidth / per_token,
-           "exact": result.tokens == reference[:len(result.tokens)]}
+           "exact": None if reference is None else result.tokens == reference[:len(result.tokens)]}
     if result.verify is not None:
         v = result.verify
         row.update(acceptance=v.acceptance_rate, blocks=v.verifier_blocks,
                    rejected=v.rejected_blocks,
                    ms_per_block=result.decode_seconds / max(v.verifier_blocks, 1) * 1e3)
-    if not row["exact"]:
+    if row["exact"] is False:
         row["divergence"] = first_divergence(model, ids, result.tokens, reference)
     return row
 
@@ -206,6 +210,14 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
                            bandwidth, reference, model, ids), "resyncs": forced.resyncs,
                   "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
+    if args.temperature:  # sampled: BF16-only against verified (speculative sampling)
+        params = unimax.SamplingParams(temperature=args.temperature, seed=0)
+        for name, eng, mode in (("bf16", bf16, "fast"),
+                                (f"verified-{args.draft} adaptive", engine, "verified")):
+            result = timed_generate(eng, ids, args.new, mode, sampling=params)
+            row = row_of(f"{name} @T{args.temperature:g}", result, weight_bytes, bandwidth, None,
+                         model, ids)
+            emit({**row, "mean_k": mean_k(result)} if result.verify else row)
     del bf16
 
     verifier = engine.verifier
@@ -236,6 +248,8 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8])
     parser.add_argument("--no-peak", dest="peak", action="store_false",
                         help="keep the random LM head as it is (flat logits)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="also sampled rows (seed 0): BF16-only and verified, adaptive k")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
