@@ -167,6 +167,27 @@ def test_verified_sampling_on_gpu(model, draft):
     print(draft, "sampled acceptance", got.verify.acceptance_rate)
 
 
+def test_short_prefill_graphs_on_gpu(model):
+    """Short prompts through the captured bucket graphs (fla's chunk kernel over the padded
+    bucket, the masked rewind) against the eager prefill: logits and state agree to BF16
+    rounding, fresh and on kept state; longer prompts take the eager path."""
+    graphs = build_engine(model, decode="bf16", block_size=8)
+    assert graphs.short_prefill is not None
+    graphs.capture_graphs(verified=False)
+    eager = build_engine(model, decode="bf16", block_size=8, use_graphs=False)
+    assert eager.short_prefill is None
+    for keep, length in ((False, 5), (False, 16), (False, 17), (True, 100), (True, 300),
+                         (False, 600)):
+        x = prompt(length, seed=length)
+        _, a, _ = graphs.prefill_exact(x, keep_state=keep)
+        _, b, _ = eager.prefill_exact(x, keep_state=keep)
+        assert rel_err(a.logits[:, -1].float(), b.logits[:, -1].float()) < 2e-2, length
+        for la, lb in zip(graphs.exact_cache.layers, eager.exact_cache.layers, strict=True):
+            assert rel_err(la.recurrent_states[0].float(), lb.recurrent_states[0].float()) < 2e-2
+        assert graphs.exact_cache.seen_tokens == eager.exact_cache.seen_tokens
+        assert int(graphs.exact_cache.position) == int(eager.exact_cache.position)
+
+
 def test_compiled_verifier_is_exact(model):
     """Verified mode with the fast step: compiled draft step, the verifier's full block compiled
     through the small-M linears, rejections rewound from the tape with fla's kernel: exact

@@ -20,6 +20,7 @@ from .cache import CacheCopier, cache_payload_bytes
 from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
 from .sampling import SamplingParams, sample_from_logits
+from .short_prefill import ShortPrefill
 from .verifier import Verifier, VerifyCounts
 
 
@@ -101,6 +102,9 @@ class UniMaxEngine:
         # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
         self.draft_length = DraftLength(self.block_size)
         self.prefill_chunk = PREFILL_CHUNK
+        # Short prompts through captured graphs (with graphs only: eager, it is only slower)
+        self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
+                              if decode_graph.use_graphs else None)
 
     @property
     def block_size(self) -> int:
@@ -148,13 +152,20 @@ class UniMaxEngine:
         total = int(input_ids.shape[1])
         if total == 0:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
-        for start in range(0, total, self.prefill_chunk):
-            out = self.exact_model(input_ids=input_ids[:, start:start + self.prefill_chunk],
-                                   past_key_values=self.exact_cache, use_cache=True,
-                                   logits_to_keep=1)
-            done = min(start + self.prefill_chunk, total)
-            if on_progress is not None and not on_progress(done, total) and done < total:
-                return None
+        short = self.short_prefill
+        if short is not None and total <= self.prefill_chunk and short.bucket(total):
+            # a chat turn: one captured graph instead of hundreds of launches (short_prefill.py)
+            self.exact_model.check_input_ids(input_ids)
+            self.exact_model.check_room(self.exact_cache, total)
+            out = short(input_ids)
+        else:
+            for start in range(0, total, self.prefill_chunk):
+                out = self.exact_model(input_ids=input_ids[:, start:start + self.prefill_chunk],
+                                       past_key_values=self.exact_cache, use_cache=True,
+                                       logits_to_keep=1)
+                done = min(start + self.prefill_chunk, total)
+                if on_progress is not None and not on_progress(done, total) and done < total:
+                    return None
         first = torch.argmax(out.logits[:, -1, :], dim=-1, keepdim=True)
         bridge = self._bridge()
         self.decode_graph.static_token.copy_(first)
@@ -223,6 +234,8 @@ class UniMaxEngine:
         sampling variants too) at start-up. The caches are left as they were. A no-op without
         graphs."""
         self.decode_graph.capture_blocks(sampled=sampled)
+        if self.short_prefill is not None:
+            self.short_prefill.capture()
         if verified:
             if sampled:
                 self.decode_graph.capture_blocks(record=True)

@@ -83,17 +83,21 @@ class GDNForCausalLM(nn.Module):
         return CausalLMOutput(logits, cache)
 
     def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
-                          logits_to_keep: int = 0) -> torch.Tensor:
+                          logits_to_keep: int = 0,
+                          keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The forward with no validation, no host sync and no Python-side bookkeeping (the
         caller keeps ``cache.seen_tokens``): for graph capture, compilation and hot loops whose
-        inputs are known good (tokens the model itself produced)."""
+        inputs are known good (tokens the model itself produced). ``keep_rows`` (a device
+        index tensor): logits of those positions only (a padded prompt's last real token)."""
         hidden = self.embed_tokens(input_ids)
         for index, block in enumerate(self.layers):
             hidden = block(hidden, None if cache is None else cache.layers[index])
         if cache is not None:
             with torch.no_grad():
                 cache.position.add_(input_ids.shape[1])  # on the device: graph-safe
-        if logits_to_keep:
+        if keep_rows is not None:
+            hidden = hidden.index_select(1, keep_rows)
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(self.norm(hidden))
 
@@ -105,24 +109,40 @@ class GDNForCausalLM(nn.Module):
                     cfg.num_v_heads, cfg.head_v_dim, self.dtype, self.device)
 
     def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tape: Tape,
-                         length: int) -> None:
+                         length: int | torch.Tensor, span: int | None = None) -> None:
         """Set ``cache`` to the state after the first ``length`` tokens of the forward that
         recorded ``tape`` starting from the state ``before``: every GDN layer at once (layers
         as the batch: the conv window over the taped inputs, the recurrence over the taped
         steps), attention layers by position (entries past it are never read). No weight is
-        read, no host sync."""
+        read, no host sync.
+
+        ``length`` may be a device scalar (a graph per ``span``, not per length: the short
+        prefill's padded buckets): the recurrence then runs over the first ``span`` taped
+        steps with those at or past ``length`` masked out (g = 0 and beta = 0 leave a GDN state
+        exactly as it was), and the conv window is gathered at ``length``."""
         cfg = self.config
         n = tape.conv_input.shape[0]  # GDN layers, in the cache's flat-buffer order
+        on_device = isinstance(length, torch.Tensor)
+        span = span if on_device else length
         with torch.no_grad():
             if n:
                 conv_shape = (n, cfg.conv_dim, cfg.conv_size)
                 rec_shape = (n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
                 window = torch.cat([before.conv_buffer.view(conv_shape).to(tape.conv_input.dtype),
-                                    tape.conv_input[:, :length].transpose(1, 2)], dim=-1)
+                                    tape.conv_input[:, :span].transpose(1, 2)], dim=-1)
+                q, k, v, g, beta = tape.recurrence_inputs(span)
+                if on_device:
+                    # the window after `length` new inputs: entries length .. length + W - 1
+                    # of [the W before, the span new]
+                    index = length + torch.arange(cfg.conv_size, device=length.device)
+                    window = window.index_select(-1, index)
+                    live = torch.arange(span, device=length.device) < length
+                    g = g * live[None, :, None]
+                    beta = beta * live[None, :, None].to(beta.dtype)
                 cache.conv_buffer.view(conv_shape).copy_(window[..., -cfg.conv_size:])
                 backend = next(b.mixer.backend for b in self.layers
                                if hasattr(b.mixer, "backend"))
-                _, recurrent = gated_delta_rule(*tape.recurrence_inputs(length),
+                _, recurrent = gated_delta_rule(q, k, v, g, beta,
                                                 before.recurrent_buffer.view(rec_shape),
                                                 backend=backend)
                 cache.recurrent_buffer.view(rec_shape).copy_(recurrent)

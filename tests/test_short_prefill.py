@@ -1,0 +1,104 @@
+"""Short prompts through a padded bucket (unimax.short_prefill): the same first token, logits
+and state as the eager prefill, fresh and on kept state, at lengths around every bucket edge,
+on pure and hybrid models; whatever the padding holds never reaches the state. (Eager on the
+CPU: the same code the CUDA graphs capture; tests/test_gpu_engine.py replays the graphs.)"""
+
+import pytest
+import torch
+from test_engine import CONFIG
+
+import unimax
+from helpers import rel_err, write_qwen_checkpoint
+from unimax import build_engine
+from unimax.short_prefill import ShortPrefill
+
+
+@pytest.fixture(scope="module", params=["pure", "hybrid"])
+def model(request, tmp_path_factory):
+    if request.param == "pure":
+        m = unimax.GDNForCausalLM(CONFIG).eval()
+        m.init_random_weights(seed=3, std=0.1)
+        return m
+    path = tmp_path_factory.mktemp("hybrid")
+    write_qwen_checkpoint(path, seed=6, num_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+    return unimax.load_model(path, device="cpu", dtype="float32", max_context=300)
+
+
+def engines(model, buckets=(4, 16, 32, 64)):
+    plain = build_engine(model, decode="bf16", block_size=4)
+    short = build_engine(model, decode="bf16", block_size=4)
+    short.short_prefill = ShortPrefill(model, short.exact_cache, use_graphs=False,
+                                       buckets=buckets)
+    return plain, short
+
+
+def states(cache):
+    return [t for layer in cache.layers
+            for t in (*getattr(layer, "conv_states", {}).values(),
+                      *getattr(layer, "recurrent_states", {}).values())]
+
+
+def same_state(a, b):
+    for x, y in zip(states(a), states(b), strict=True):
+        assert rel_err(x, y) < 1e-4
+    assert a.seen_tokens == b.seen_tokens == int(a.position) == int(b.position)
+
+
+def ids(length, seed, vocab):
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kept", [0, 21])
+def test_short_prefill_equals_the_eager_prefill(model, kept):
+    vocab = model.config.vocab_size
+    plain, short = engines(model)
+    for length in (1, 3, 4, 5, 15, 16, 17, 31, 33, 64):
+        x = ids(length, length, vocab)
+        if kept:
+            history = ids(kept, 99, vocab)
+            plain.prefill_exact(history)
+            short.prefill_exact(history)  # 21 tokens: itself a short prefill (bucket 32)
+        first_a, out_a, _ = plain.prefill_exact(x, keep_state=bool(kept))
+        first_b, out_b, _ = short.prefill_exact(x, keep_state=bool(kept))
+        assert torch.equal(first_a, first_b), length
+        assert rel_err(out_b.logits[:, -1], out_a.logits[:, -1]) < 1e-4
+        same_state(short.exact_cache, plain.exact_cache)
+    # a reply after it is the exact greedy one
+    x = ids(10, 5, vocab)
+    assert short.generate(x, 12, mode="verified").tokens == \
+        unimax.exact_greedy_tokens(model, x, 12)[0].tolist()
+
+
+@torch.inference_mode()
+def test_padding_never_reaches_the_state(model):
+    vocab = model.config.vocab_size
+    _, short = engines(model)
+    prefill = short.short_prefill
+    x = ids(9, 1, vocab)  # bucket 16: 7 padded positions
+    results = []
+    for pad in (0, vocab - 1, 7):
+        short.exact_cache.reset()
+        prefill.inputs.fill_(pad)
+        prefill.inputs[:, :9].copy_(x)
+        prefill.length.fill_(9)
+        prefill._run(16, short.exact_cache.window_for(16))
+        results.append(([t.clone() for t in states(short.exact_cache)],
+                        prefill.logits.clone(), int(short.exact_cache.position)))
+    for got in results[1:]:
+        assert got[2] == results[0][2] == 9
+        assert torch.equal(got[1], results[0][1])
+        for a, b in zip(got[0], results[0][0], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_long_and_overflowing_prompts_take_the_chunked_path(model):
+    _, short = engines(model)
+    assert short.short_prefill.bucket(64) == 64 and short.short_prefill.bucket(65) is None
+    if short.exact_cache.has_attention:  # the padded KV must fit the buffers
+        short.exact_cache.seen_tokens = short.exact_cache.max_kv_length - 10
+        assert short.short_prefill.bucket(9) is None
+        short.exact_cache.seen_tokens = 0
+    with pytest.raises(ValueError, match="token id 999999"):
+        short.prefill_exact(torch.tensor([[1, 999999]]))

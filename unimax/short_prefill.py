@@ -1,0 +1,95 @@
+"""Short prompts through captured graphs: a chat turn on kept state is tens to hundreds of
+tokens, and an eager forward over them is hundreds of kernel launches, which cost more than the
+arithmetic (issue 15: the 512-token prefill's compute floor is under 2 ms on the H200).
+
+A prompt of T tokens runs in the graph of the smallest bucket B >= T (``BUCKETS``), padded: one
+forward over B tokens on the kept state, recording the verifier's kind of tape (unimax.tape),
+the logits of position T - 1 only, then the rewind to T tokens from the tape with T on the
+device (model.rewind_unchecked: steps past T masked out, the conv window gathered at T). Padding
+therefore never reaches the state: the GDN state and conv window are those after exactly T
+tokens, attention's KV past T is written but never read (the position says T), and no row
+before T sees a padded position (causal). The same mechanism as the verifier's k + 1 rows on
+kept state, with the length on the device so that one graph serves a whole bucket.
+Graphs are keyed by (B, KV window) and captured with the engine's (``capture``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import CacheCopier, RecurrentCache
+from .graph import GraphRunner
+from .model import CausalLMOutput
+
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+class ShortPrefill:
+    def __init__(self, model, cache: RecurrentCache, use_graphs: bool,
+                 buckets: tuple[int, ...] = BUCKETS):
+        self.model, self.cache, self.buckets = model, cache, tuple(sorted(buckets))
+        self.max_tokens = self.buckets[-1]
+        self.tape = model.make_tape(self.max_tokens)
+        self.snapshot = cache.empty_like(share_kv=True)
+        self.take_snapshot = CacheCopier(self.snapshot, cache)
+        long = dict(dtype=torch.long, device=cache.device)
+        self.inputs = torch.zeros(1, self.max_tokens, **long)
+        self.length = torch.zeros(1, **long)  # T, on the device
+        self.logits = torch.zeros(1, 1, model.config.vocab_size, dtype=model.dtype,
+                                  device=cache.device)
+        self.runner = GraphRunner(cache.device, use_graphs)
+
+    def bucket(self, tokens: int) -> int | None:
+        """The padded length for a prompt of ``tokens`` on the current state, or None when it
+        does not fit a bucket (or the padded KV would pass the buffers' end)."""
+        span = next((b for b in self.buckets if b >= tokens), None)
+        if span is None or tokens < 1:
+            return None
+        if self.cache.has_attention and self.cache.seen_tokens + span > self.cache.max_kv_length:
+            return None
+        return span
+
+    def _body(self, span: int) -> None:
+        self.take_snapshot()
+        with self.cache.recording(self.tape):
+            logits = self.model.forward_unchecked(self.inputs[:, :span], self.cache,
+                                                  keep_rows=self.length - 1)
+        self.logits.copy_(logits)
+        self.model.rewind_unchecked(self.cache, self.snapshot, self.tape, self.length[0], span)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.inputs, self.length, self.logits]
+
+    def _run(self, span: int, window) -> None:
+        with self.cache.attending(window):
+            self.runner.run(("prefill", span, window), lambda: self._body(span),
+                            writes=[self.cache, self.snapshot], buffers=self._buffers())
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        """Prefill ``input_ids`` (1, T) on the cache's state (``bucket(T)`` must not be None);
+        returns the last position's logits (1, 1, V), valid until the next call."""
+        tokens = int(input_ids.shape[1])
+        span = self.bucket(tokens)
+        if span is None:
+            raise ValueError(f"a short prefill takes 1..{self.max_tokens} tokens that fit the "
+                             f"KV buffers, got {tokens}")
+        seen = self.cache.seen_tokens
+        self.inputs[:, :tokens].copy_(input_ids)
+        self.inputs[:, tokens:span].zero_()
+        self.length.fill_(tokens)
+        self._run(span, self.cache.window_for(seen + span))
+        self.cache.seen_tokens = seen + tokens
+        return CausalLMOutput(self.logits, self.cache)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every (bucket, KV window) graph a short prompt can meet. Caches left as they were."""
+        for window in self.cache.windows():
+            for span in self.buckets:
+                if window is not None and span > window:
+                    continue
+                with self.cache.attending(window):
+                    self.runner.prepare(("prefill", span, window), lambda s=span: self._body(s),
+                                        writes=[self.cache, self.snapshot],
+                                        buffers=self._buffers())
