@@ -128,7 +128,8 @@ class EngineService:
     def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
         """Build every mode's engine and capture its graphs now, not on the first message:
         one short reply per mode (kernels autotuned, block graphs captured), then every other
-        graph a reply can meet."""
+        graph a reply can meet, the sampling ones included (a reply with a temperature would
+        otherwise capture them in its first blocks)."""
         for mode in modes:
             handle = self.submit(f"warm-up-{mode}", [{"role": "user", "content": "Hi"}], mode,
                                  GenerationSettings(max_new_tokens=2 * self.preset.block_size))
@@ -138,7 +139,7 @@ class EngineService:
             self.store.forget(f"warm-up-{mode}")
             done = threading.Event()
             self.requests.put(_Task(lambda mode=mode: self._engine(mode).capture_graphs(
-                verified=APP_MODES[mode].verified), done))
+                verified=APP_MODES[mode].verified, sampled=True), done))
             done.wait()
 
     # --- requests ------------------------------------------------------------------------
