@@ -272,3 +272,31 @@ def test_eager_forwards_attend_causally_without_a_mask(hybrid_model, monkeypatch
     assert [c[2] for c in calls] == ["Tensor"] * 3
     for got, want in zip(eager, parts, strict=True):
         assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 9, 16])
+def test_rows_attention_equals_sdpa(rows):
+    """The verifier-block attention as plain matmuls (grouped query heads, fp32 scores)
+    against SDPA with the same mask, GQA included."""
+    from unimax.attention import rows_attention
+
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(1, 8, rows, 32, generator=gen)
+    k, v = torch.randn(2, 1, 2, 70, 32, generator=gen)
+    positions = 40 + torch.arange(rows)
+    mask = torch.arange(70)[None, :] <= positions[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                            scale=0.2, enable_gqa=True)
+    assert torch.allclose(rows_attention(q, k, v, mask, 0.2), want, atol=1e-5)
+
+
+def test_verified_with_rows_attention_is_exact(hybrid_model, monkeypatch):
+    """With the verifier's blocks through rows_attention, verified decoding on a hybrid model
+    is still exact greedy decoding."""
+    import unimax.attention as attention
+
+    monkeypatch.setattr(attention, "ROWS_ATTENTION_MAX", 16)
+    engine = unimax.build_engine(hybrid_model, decode="fp8", draft="full", block_size=8)
+    x = ids(30, seed=8)
+    got, _ = engine.generate_verified(x, 24)
+    assert torch.equal(got, unimax.exact_greedy_tokens(hybrid_model, x, 24))

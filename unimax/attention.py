@@ -34,6 +34,27 @@ from .cache import AttentionLayerState
 from .config import GDNConfig
 from .norms import RMSNorm
 
+# A few query rows under a mask (the verifier's block in a graph's KV window) through
+# ``rows_attention`` instead of SDPA, whose masked multi-row case was the slow one (bench/
+# attention.py: 219 us for 8 rows over a 4k window where a 1-row step takes 19). Off (0) until
+# bench/attention.py's "rows" variant has been measured on the GPU; then the largest block
+# length it should take.
+ROWS_ATTENTION_MAX = 0
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Attention as two matmuls and a softmax, for few query rows: q (B, H, T, D) over k, v
+    (B, KVH, L, D) with a boolean mask (T, L). The g query heads of a KV head become g * T rows
+    against that head (no copy of K or V per query head); scores and softmax in fp32."""
+    batch, heads, rows, dim = q.shape
+    group = heads // k.shape[1]
+    grouped = q.reshape(batch, k.shape[1], group * rows, dim).float()
+    scores = (grouped @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
+    out = scores.softmax(dim=-1) @ v.float()
+    return out.reshape(batch, heads, rows, dim).to(q.dtype)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -100,13 +121,17 @@ class GatedAttention(nn.Module):
                                                      scale=scale, enable_gqa=gqa)
             else:
                 cached_k, cached_v = (state.key_cache[:, :, :length].to(q.dtype),
-                                 state.value_cache[:, :, :length].to(q.dtype))
+                                      state.value_cache[:, :, :length].to(q.dtype))
                 if state.window_exact:  # on kept KV: the queries are the last seq_len keys
                     mask = causal_lower_right(seq_len, length) if seq_len > 1 else None
                 else:  # a graph's window: entries past the position are not written yet
                     keys = torch.arange(length, device=x.device)
                     mask = keys[None, :] <= positions[:, None]  # (T, L)
-                out = F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask,
-                                                     scale=scale, enable_gqa=gqa)
+                if mask is not None and not state.window_exact and \
+                        1 < seq_len <= ROWS_ATTENTION_MAX:
+                    out = rows_attention(q, cached_k, cached_v, mask, scale)
+                else:
+                    out = F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask,
+                                                         scale=scale, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(batch, seq_len, heads * dim)
         return self.o_proj(out * torch.sigmoid(gate))
