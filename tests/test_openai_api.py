@@ -191,3 +191,14 @@ def test_api_only_serves_the_api_without_the_page():
         assert httpx.get(url, timeout=10).status_code == 404
         api = openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0)
         assert api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+
+
+def test_verified_mode_samples_reproducibly(client):
+    """A temperature in verified mode samples (speculative sampling): the same seed gives the
+    same reply."""
+    args = dict(model=f"{MODEL}:verified", messages=QUESTION, max_tokens=12, temperature=0.8,
+                seed=3)
+    first = client.chat.completions.create(**args)
+    again = client.chat.completions.create(**args)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens > 0

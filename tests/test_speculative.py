@@ -169,3 +169,36 @@ def test_verified_sampling_reproduces_with_a_seed(model):
     other = engine.generate(x, 20, mode="verified",
                             sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=99)).tokens
     assert other != first
+
+
+def states(cache):
+    return [t for layer in cache.layers
+            for t in (*getattr(layer, "conv_states", {}).values(),
+                      *getattr(layer, "recurrent_states", {}).values())]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("stop", [None, 2])
+def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop):
+    """After a sampled verified reply (rejections, a stop id or the length limit) the exact
+    cache holds the state a fresh prefill of prompt + reply gives, so the next turn continues
+    from it; a next turn on the kept state samples like one from scratch with the same seed."""
+    engine = distorted_engine(model, block_size=4)
+    params = SamplingParams(temperature=1.0, seed=5)
+    x = torch.tensor([[1, 3, 2, 4, 0, 3]])
+    result = engine.generate(x, 30, mode="verified", sampling=params,
+                             stop_ids=[stop] if stop is not None else [])
+    assert result.verify.rejected_blocks > 0
+    if stop is not None:
+        assert result.stopped == "stop" and result.tokens[-1] == stop
+    fresh = model.make_recurrent_cache()
+    model(input_ids=torch.cat([x, torch.tensor([result.tokens])], dim=1), past_key_values=fresh)
+    for got, want in zip(states(engine.exact_cache), states(fresh), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert engine.exact_cache.seen_tokens == x.shape[1] + len(result.tokens)
+    follow = torch.tensor([[4, 1]])
+    kept = engine.generate(follow, 8, mode="verified", sampling=params, keep_state=True).tokens
+    whole = torch.cat([x, torch.tensor([result.tokens]), follow], dim=1)
+    scratch = distorted_engine(model, block_size=4).generate(whole, 8, mode="verified",
+                                                             sampling=params).tokens
+    assert kept == scratch
