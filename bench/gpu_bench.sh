@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The measured steps of a GPU session, in calls that fit the device's 10-minute limit (run
+# bench/gpu_tests.sh first). With fla's wheels carried in .whl (see bench/gpu_tests.sh):
+#   run: bash bench/gpu_bench.sh kernels    gemv per shape (rows16), attention (rows), TTFT
+#   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
+#                                           sampled rows, per-part times
+# JSON results land in $OUT; each script prints its table last.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+quiet() { grep -v -E "Warning|originates|warn_once|^ *File |backend = |chunk, fused|^$"; }
+case "${1:-}" in
+  kernels)
+    timeout 200 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -22
+    timeout 100 python3 bench/attention.py --max-context 4096 32768 --json "$OUT/attn.json" \
+      2>&1 | quiet | tail -9
+    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --json "$OUT/ttft.json" 2>&1 \
+      | quiet | tail -9 ;;
+  verified)
+    timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 \
+      --temperature 0.7 --json "$OUT/verified.json" 2>&1 | quiet | tail -20 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified"; exit 2 ;;
+esac
