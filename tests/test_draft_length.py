@@ -137,3 +137,27 @@ def model(request, tmp_path_factory):
     write_qwen_checkpoint(path, seed=6, num_layers=4,
                           layer_types=["linear_attention", "full_attention"] * 2)
     return unimax.load_model(path, device="cpu", dtype="float32", max_context=96)
+
+
+def test_engine_calibrates_from_its_graph_timings(model):
+    """The policy's costs are the captured graphs' replay times: draft blocks per k, greedy
+    verify graphs averaged over KV buckets (sampled ones ignored), rewinds averaged; with a
+    draft block missing it stays uncalibrated."""
+    engine = erring_engine(model, block_size=3)
+    decoded = engine.decode_graph.runner.replay_ms
+    checked = engine.verifier.runner.replay_ms
+    decoded.update({(k, False): 0.7 * k for k in (1, 2)})
+    decoded.update({(k, True): 9.0 for k in (1, 2, 3)})
+    checked.update({("verify", k, w): 1.0 + 0.1 * k + (0.2 if w == 512 else 0.0)
+                    for k in range(4) for w in (256, 512)})
+    checked.update({("verify", k, 256, "sampled"): 50.0 for k in range(4)})
+    checked.update({("rewind", n): 0.04 + 0.02 * n for n in (1, 2, 3)})
+    engine._calibrate_draft_length()
+    assert not engine.draft_length.calibrated  # no (3, False) block yet
+    decoded[(3, False)] = 2.1
+    engine._calibrate_draft_length()
+    policy = engine.draft_length
+    assert policy.calibrated
+    assert policy.draft_ms == {0: 0.0, 1: 0.7, 2: 1.4, 3: 2.1}
+    assert policy.verify_ms[2] == pytest.approx(1.3)  # (1.2 + 1.4) / 2, sampled left out
+    assert policy.rewind_ms == pytest.approx(0.08)

@@ -233,7 +233,9 @@ class UniMaxEngine:
         mode the verifier of each block size and the rewind of each length; ``sampled``: the
         sampling variants too) at start-up. The caches are left as they were. A no-op without
         graphs."""
-        self.decode_graph.capture_blocks(sampled=sampled)
+        self.decode_graph.capture_blocks()  # greedy blocks: every reply may meet them
+        if sampled:
+            self.decode_graph.capture_blocks(sampled=True)
         if self.short_prefill is not None:
             self.short_prefill.capture()
         if verified:
@@ -252,6 +254,8 @@ class UniMaxEngine:
             if key[0] == "verify" and len(key) == 3:  # the greedy graphs
                 verify.setdefault(key[1], []).append(ms)
         rewinds = [ms for key, ms in checked.items() if key[0] == "rewind"]
+        if any((k, False) not in decoded for k in range(1, self.block_size + 1)):
+            return  # not every draft block was captured: stay uncalibrated (k = block_size)
         self.draft_length.calibrate(
             draft_ms={k: decoded[(k, False)] for k in range(1, self.block_size + 1)},
             verify_ms={k: sum(v) / len(v) for k, v in verify.items()},  # mean over KV buckets
