@@ -14,11 +14,11 @@ acceptance: the draft block runs as always (same work), then its tokens are repl
 device by the exact greedy reference, each position independently corrupted with probability
 1 - rate; the verifier then accepts or rejects exactly as it would a real draft. Per-part times
 are CUDA-graph replays of the engine's own graphs: a BF16 step, a draft step, the verifier's
-forward over k + 1 tokens, a rewind after a rejection. Rows at a fixed k (--block), then, after
-every graph is captured and timed (which calibrates unimax.draft_length), the same rows with the
-draft length chosen per block ("adaptive": the app's default; "mean k" per block). Prints a
-table last; "floor%" is the weight bytes over the copy bandwidth; "exact" says where a reply left
-the one-token reference and whether that was a near tie.
+forward over k + 1 tokens (the rollback included), a rewind alone. Rows at a fixed k (--block),
+then, after every graph is captured and timed (which calibrates unimax.draft_length), the same
+rows with the draft length chosen per block ("adaptive": the app's default; "mean k" per block).
+Prints a table last; "floor%" is the weight bytes over the copy bandwidth; "exact" says where a
+reply left the one-token reference and whether that was a near tie.
 """
 
 from __future__ import annotations
@@ -225,8 +225,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner, ("verify", k, window))
     length = k // 2
-    verifier.runner.prepare(("rewind", length), lambda: verifier._rewind(length),
-                            writes=[verifier.cache, verifier.snapshot, engine.decode_graph.cache])
+    # (the rollback runs inside each verify graph; timed alone here, as its own graph)
+    verifier.runner.prepare(("rewind", length), lambda: model.rewind_unchecked(
+        verifier.cache, verifier.snapshot, verifier.tape, length),
+                            writes=[verifier.cache, verifier.snapshot])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
     base = parts["bf16_step_ms"]
     parts.update({"draft_over_bf16": parts["draft_step_ms"] / base,

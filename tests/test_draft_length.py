@@ -141,8 +141,8 @@ def model(request, tmp_path_factory):
 
 def test_engine_calibrates_from_its_graph_timings(model):
     """The policy's costs are the captured graphs' replay times: draft blocks per k, greedy
-    verify graphs averaged over KV buckets (sampled ones ignored), rewinds averaged; with a
-    draft block missing it stays uncalibrated."""
+    verify graphs (which include the rollback) averaged over KV buckets, sampled ones ignored;
+    with a draft block missing it stays uncalibrated."""
     engine = erring_engine(model, block_size=3)
     decoded = engine.decode_graph.runner.replay_ms
     checked = engine.verifier.runner.replay_ms
@@ -151,7 +151,6 @@ def test_engine_calibrates_from_its_graph_timings(model):
     checked.update({("verify", k, w): 1.0 + 0.1 * k + (0.2 if w == 512 else 0.0)
                     for k in range(4) for w in (256, 512)})
     checked.update({("verify", k, 256, "sampled"): 50.0 for k in range(4)})
-    checked.update({("rewind", n): 0.04 + 0.02 * n for n in (1, 2, 3)})
     engine._calibrate_draft_length()
     assert not engine.draft_length.calibrated  # no (3, False) block yet
     decoded[(3, False)] = 2.1
@@ -160,4 +159,4 @@ def test_engine_calibrates_from_its_graph_timings(model):
     assert policy.calibrated
     assert policy.draft_ms == {0: 0.0, 1: 0.7, 2: 1.4, 3: 2.1}
     assert policy.verify_ms[2] == pytest.approx(1.3)  # (1.2 + 1.4) / 2, sampled left out
-    assert policy.rewind_ms == pytest.approx(0.08)
+    assert policy.rewind_ms == 0.0

@@ -253,13 +253,13 @@ class UniMaxEngine:
         for key, ms in checked.items():
             if key[0] == "verify" and len(key) == 3:  # the greedy graphs
                 verify.setdefault(key[1], []).append(ms)
-        rewinds = [ms for key, ms in checked.items() if key[0] == "rewind"]
         if any((k, False) not in decoded for k in range(1, self.block_size + 1)):
             return  # not every draft block was captured: stay uncalibrated (k = block_size)
+        # (the rollback runs inside each verify graph: its cost is in verify_ms)
         self.draft_length.calibrate(
             draft_ms={k: decoded[(k, False)] for k in range(1, self.block_size + 1)},
             verify_ms={k: sum(v) / len(v) for k, v in verify.items()},  # mean over KV buckets
-            rewind_ms=sum(rewinds) / max(len(rewinds), 1))
+            rewind_ms=0.0)
 
     def _verified_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
         """Yields the tokens each block emits (list of ints). One host sync per block. Each

@@ -7,15 +7,17 @@ and count the agreeing prefix m on the device. The block emits draft[:m] and the
 prediction at m: k + 1 tokens when every draft is accepted (the last one a bonus the exact model
 computed anyway), and always at least one exact token, so a block of k = 0 is an exact step.
 
-After a rejection the exact cache went k + 1 tokens ahead, but only m + 1 are accepted: it is
-rewound from the tape its forward recorded (unimax.tape: the convolution window and the
-recurrence over m + 1 recorded steps, no weight read), then the draft's cache is resynced from
-it (after an accepted block too: the draft never fed its last token). The verifier's forward and
-the rewind are captured as CUDA graphs, keyed by k (and by the KV bucket on hybrid models) and by
-m + 1; with ``compile=True`` the forwards of the full-length block and of k = 0 run the small-M
-linears and are compiled by inductor first, like the decode step. Which k a block drafts is the
-engine's choice (unimax.draft_length). With sampling on, the block keeps drafts by the
-speculative rule instead of by agreement (unimax.speculative): same forward, same rewind.
+The exact cache went k + 1 tokens ahead, but only m + 1 are kept: in the same graph, with m on
+the device (no host round trip between the check and the rollback), it is rewound from the tape
+its forward recorded (unimax.tape: the convolution window and the recurrence over the first
+m + 1 recorded steps, later ones masked out; no weight read; a full block rewinds to where it
+is), the draft's cache is resynced from it (the draft never fed its last token, and a full-FP8
+draft's states drift) and the next block's first token is set. One CUDA graph per k (and per KV
+bucket on hybrid models); with ``compile=True`` the forwards of the full-length block and of
+k = 0 run the small-M linears and are compiled by inductor first, like the decode step. Which k
+a block drafts is the engine's choice (unimax.draft_length). With sampling on, the block keeps
+drafts by the speculative rule instead of by agreement (unimax.speculative): same forward, same
+rewind.
 """
 
 from __future__ import annotations
@@ -110,28 +112,27 @@ class Verifier:
                                         self.u_final)
             self.num_accepted.copy_(m)
             self.predictions[0, :k + 1].copy_(token.expand(k + 1))
-            return
-        self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
-        agree = self.predictions[0, :k].eq(draft[0]).long()
-        self.num_accepted.copy_(agree.cumprod(dim=0).sum())
-
-    def _rewind(self, length: int) -> None:
-        """After a rejection: the exact state after the first ``length`` block inputs, from
-        the tape; then the draft's cache from it."""
-        self.model.rewind_unchecked(self.cache, self.snapshot, self.tape, length)
+        else:
+            self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
+            agree = self.predictions[0, :k].eq(draft[0]).long()
+            self.num_accepted.copy_(agree.cumprod(dim=0).sum())
+        if k:  # (k = 0 keeps its one input: nothing to roll back)
+            self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
+                                        self.num_accepted + 1, k + 1)
         self.resync_draft()
+        self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final]
+        return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
+                self.current]
 
     # --- start-up and per block ----------------------------------------------------------
 
     @torch.inference_mode()
     def capture(self, sampled: bool = False) -> None:
-        """Every verifier graph a reply can meet: each block length in each KV bucket, each
-        rewind length (``sampled``: the verified-sampling graphs too). The caches are left as
-        they were."""
-        caches = [self.cache, self.snapshot]
+        """Every verifier graph a reply can meet: each block length in each KV bucket
+        (``sampled``: the verified-sampling graphs too). The caches are left as they were."""
+        caches = [self.cache, self.snapshot, self.decoder.cache]
         for window in self.cache.windows():  # hybrid models: one set per KV bucket
             with self.cache.attending(window):
                 for k, s in itertools.product(range(self.block_size + 1),
@@ -139,9 +140,6 @@ class Verifier:
                     self.runner.prepare(self._key(k, window, s),
                                         lambda k=k, s=s: self._verify(k, s),
                                         writes=caches, buffers=self._buffers())
-        for length in range(1, self.block_size + 1):
-            self.runner.prepare(("rewind", length), lambda n=length: self._rewind(n),
-                                writes=caches + [self.decoder.cache])
 
     @staticmethod
     def _key(k: int, window, sampled: bool):
@@ -163,7 +161,8 @@ class Verifier:
         window = self.cache.window_for(seen + k + 1)
         with self.cache.attending(window):
             self.runner.run(self._key(k, window, sampled), lambda: self._verify(k, sampled),
-                            writes=[self.cache, self.snapshot], buffers=self._buffers())
+                            writes=[self.cache, self.snapshot, self.decoder.cache],
+                            buffers=self._buffers())
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
         counts.drafted += k
         counts.verifier_blocks += 1
@@ -172,16 +171,7 @@ class Verifier:
                           self.predictions[0, :k + 1]]).tolist()
         m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.accepted += m
-        if m == k:
-            # The exact cache took all k + 1 inputs; the draft's last token it never fed.
-            self.cache.seen_tokens = seen + k + 1
-            self.resync_draft()
-        else:
-            self.runner.run(("rewind", m + 1), lambda: self._rewind(m + 1),
-                            writes=[self.cache, self.snapshot, self.decoder.cache])
-            self.cache.seen_tokens = seen + m + 1
-            counts.rejected_blocks += 1
-        self.decoder.cache.seen_tokens = self.cache.seen_tokens
-        emitted = draft[:m] + [exact[m]]
-        self.current.fill_(emitted[-1])
-        return emitted
+        counts.rejected_blocks += m < k
+        # (the graph rolled the caches back to m + 1 inputs and set the next first token)
+        self.cache.seen_tokens = self.decoder.cache.seen_tokens = seen + m + 1
+        return draft[:m] + [exact[m]]
