@@ -91,3 +91,47 @@ def test_gemv_view_shares_weights_and_keeps_fp8_linears():
     assert not any(isinstance(m, GemvLinear) for m in model.modules())
     with pytest.raises(ValueError, match="bias-free"):
         GemvLinear(torch.nn.Linear(4, 4))
+
+
+PTX_CHILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import unimax.ops.gemv as g
+
+fn = g._gemv_kernel(True, True)[1].fn
+sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "N": "i32",
+       "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+       "HAS_SCALE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+       "F16": "constexpr"}
+for arch in (90, 89):  # H100/H200, L4
+    for f16 in (True, False):
+        consts = {"HAS_SCALE": True, "BLOCK_N": 8, "BLOCK_K": 512, "F16": f16}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+        print(arch, f16, ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("fma.rn.f16x2"),
+              ptx.count("fma.rn.f32"))
+"""
+
+
+def test_rows16_compiles_to_packed_f16_math():
+    """The reason rows16 exists, checked without a GPU: compiled for sm_90 and sm_89, its inner
+    loop is packed e4m3 -> f16 conversions and packed f16 FMAs (one instruction per two
+    weights each), where the fp32 GEMV converts the same way but then needs an fp32 FMA (and
+    a widening) per weight."""
+    site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
+    if not Path(site, "triton").is_dir():
+        pytest.skip("triton is not installed beside fla (.ci/run puts it in .deps/fla-site)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", PTX_CHILD], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.strip().splitlines()]
+    assert len(rows) == 4
+    for arch, f16, cvt, hfma2, ffma in rows:
+        assert int(cvt) > 0, (arch, f16)
+        if f16 == "True":
+            assert int(hfma2) > 0 and int(ffma) == 0, (arch, hfma2, ffma)
+        else:
+            assert int(hfma2) == 0 and int(ffma) > 0, (arch, hfma2, ffma)
