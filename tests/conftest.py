@@ -16,7 +16,8 @@ if os.environ.get("UNIMAX_ALLOW_FLA") != "1":
 
 # Test files whose tools the GPU machine's image lacks (the app's client, the browser driver):
 # not collected in a `-m gpu` run there; everywhere else a missing tool is an error, not a skip.
-APP_TOOLS = {"test_app.py": "gradio_client", "test_browser.py": "playwright"}
+APP_TOOLS = {"test_app.py": "gradio_client", "test_browser.py": "playwright",
+             "test_openai_api.py": "openai", "test_page_logic.py": "gradio"}
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -35,3 +36,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", params=["pure", "hybrid"])
+def pure_or_hybrid(request, tmp_path_factory):
+    """A small fp32 CPU model, each test twice: pure GDN (test_engine's CONFIG), and a hybrid
+    Qwen3.5 checkpoint written by transformers (GDN and attention layers alternating, KV
+    buffers of 300 tokens)."""
+    from test_engine import CONFIG
+
+    import unimax
+    from helpers import write_qwen_checkpoint
+
+    if request.param == "pure":
+        model = unimax.GDNForCausalLM(CONFIG).eval()
+        model.init_random_weights(seed=3, std=0.1)
+        return model
+    path = tmp_path_factory.mktemp("hybrid")
+    write_qwen_checkpoint(path, seed=6, num_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+    return unimax.load_model(path, device="cpu", dtype="float32", max_context=300)

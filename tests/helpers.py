@@ -13,6 +13,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cache_states(cache) -> list[torch.Tensor]:
+    """Every GDN layer's conv and recurrent state of a cache, in layer order."""
+    return [t for layer in cache.layers
+            for t in (*getattr(layer, "conv_states", {}).values(),
+                      *getattr(layer, "recurrent_states", {}).values())]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())

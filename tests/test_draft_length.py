@@ -6,10 +6,9 @@ import random
 
 import pytest
 import torch
-from test_engine import CONFIG, erring_engine, prompt
+from test_engine import erring_engine, prompt
 
 import unimax
-from helpers import write_qwen_checkpoint
 from unimax.draft_length import DraftLength
 
 # Costs shaped like the H200's 4B row (bench/RESULTS.md), in BF16 steps: a draft step 0.75, the
@@ -127,16 +126,9 @@ def test_engine_with_the_policy_is_exact(model, period):
         assert lengths > 2.0 and engine.draft_length.acceptance > 0.9
 
 
-@pytest.fixture(scope="module", params=["pure", "hybrid"])
-def model(request, tmp_path_factory):
-    if request.param == "pure":
-        m = unimax.GDNForCausalLM(CONFIG).eval()
-        m.init_random_weights(seed=3, std=0.1)
-        return m
-    path = tmp_path_factory.mktemp("hybrid")
-    write_qwen_checkpoint(path, seed=6, num_layers=4,
-                          layer_types=["linear_attention", "full_attention"] * 2)
-    return unimax.load_model(path, device="cpu", dtype="float32", max_context=96)
+@pytest.fixture(scope="module")
+def model(pure_or_hybrid):
+    return pure_or_hybrid
 
 
 def test_engine_calibrates_from_its_graph_timings(model):

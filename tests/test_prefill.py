@@ -3,31 +3,20 @@ cancel between chunks, on pure and hybrid models, through the engine and the ser
 
 import pytest
 import torch
-from test_engine import CONFIG, prompt
+from test_engine import prompt
 
 import unimax
-from helpers import rel_err, write_qwen_checkpoint
+from helpers import cache_states, rel_err
 from unimax import build_engine
 from unimax.presets import Preset
 from unimax.service import EngineService, GenerationSettings, RequestHandle
 
 
-@pytest.fixture(scope="module", params=["pure", "hybrid"])
-def model(request, tmp_path_factory):
-    if request.param == "pure":
-        m = unimax.GDNForCausalLM(CONFIG).eval()
-        m.init_random_weights(seed=3, std=0.1)
-        return m
-    path = tmp_path_factory.mktemp("hybrid")
-    write_qwen_checkpoint(path, seed=6, num_layers=4,
-                          layer_types=["linear_attention", "full_attention"] * 2)
-    return unimax.load_model(path, device="cpu", dtype="float32", max_context=160)
+@pytest.fixture(scope="module")
+def model(pure_or_hybrid):
+    return pure_or_hybrid
 
 
-def states(cache):
-    return [t for layer in cache.layers
-            for t in (*getattr(layer, "conv_states", {}).values(),
-                      *getattr(layer, "recurrent_states", {}).values())]
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 100])
@@ -43,7 +32,8 @@ def test_chunked_prefill_equals_one_prefill(model, chunk):
     assert progress == [(min(s + chunk, 100), 100) for s in range(0, 100, chunk)]
     assert torch.equal(first, first_whole)
     assert rel_err(out.logits[:, -1], out_whole.logits[:, -1]) < 1e-4
-    for got, want in zip(states(engine.exact_cache), states(whole.exact_cache), strict=True):
+    for got, want in zip(cache_states(engine.exact_cache), cache_states(whole.exact_cache),
+                         strict=True):
         assert rel_err(got, want) < 1e-4
     assert engine.exact_cache.seen_tokens == 100 == int(engine.exact_cache.position)
     # and the reply is the exact greedy one

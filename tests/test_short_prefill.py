@@ -5,24 +5,16 @@ CPU: the same code the CUDA graphs capture; tests/test_gpu_engine.py replays the
 
 import pytest
 import torch
-from test_engine import CONFIG
 
 import unimax
-from helpers import rel_err, write_qwen_checkpoint
+from helpers import cache_states, rel_err
 from unimax import build_engine
 from unimax.short_prefill import ShortPrefill
 
 
-@pytest.fixture(scope="module", params=["pure", "hybrid"])
-def model(request, tmp_path_factory):
-    if request.param == "pure":
-        m = unimax.GDNForCausalLM(CONFIG).eval()
-        m.init_random_weights(seed=3, std=0.1)
-        return m
-    path = tmp_path_factory.mktemp("hybrid")
-    write_qwen_checkpoint(path, seed=6, num_layers=4,
-                          layer_types=["linear_attention", "full_attention"] * 2)
-    return unimax.load_model(path, device="cpu", dtype="float32", max_context=300)
+@pytest.fixture(scope="module")
+def model(pure_or_hybrid):
+    return pure_or_hybrid
 
 
 def engines(model, buckets=(4, 16, 32, 64)):
@@ -33,14 +25,10 @@ def engines(model, buckets=(4, 16, 32, 64)):
     return plain, short
 
 
-def states(cache):
-    return [t for layer in cache.layers
-            for t in (*getattr(layer, "conv_states", {}).values(),
-                      *getattr(layer, "recurrent_states", {}).values())]
 
 
 def same_state(a, b):
-    for x, y in zip(states(a), states(b), strict=True):
+    for x, y in zip(cache_states(a), cache_states(b), strict=True):
         assert rel_err(x, y) < 1e-4
     assert a.seen_tokens == b.seen_tokens == int(a.position) == int(b.position)
 
@@ -84,7 +72,7 @@ def test_padding_never_reaches_the_state(model):
         prefill.inputs[:, :9].copy_(x)
         prefill.length.fill_(9)
         prefill._run(16, short.exact_cache.window_for(16))
-        results.append(([t.clone() for t in states(short.exact_cache)],
+        results.append(([t.clone() for t in cache_states(short.exact_cache)],
                         prefill.logits.clone(), int(short.exact_cache.position)))
     for got in results[1:]:
         assert got[2] == results[0][2] == 9

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import unimax
+from helpers import cache_states
 from unimax import GDNConfig, GDNForCausalLM, SamplingParams
 from unimax.sampling import sample_reference, warped_probs, warped_probs_reference
 from unimax.speculative import speculative_reference, speculative_step
@@ -171,10 +172,6 @@ def test_verified_sampling_reproduces_with_a_seed(model):
     assert other != first
 
 
-def states(cache):
-    return [t for layer in cache.layers
-            for t in (*getattr(layer, "conv_states", {}).values(),
-                      *getattr(layer, "recurrent_states", {}).values())]
 
 
 @torch.inference_mode()
@@ -193,7 +190,7 @@ def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop):
         assert result.stopped == "stop" and result.tokens[-1] == stop
     fresh = model.make_recurrent_cache()
     model(input_ids=torch.cat([x, torch.tensor([result.tokens])], dim=1), past_key_values=fresh)
-    for got, want in zip(states(engine.exact_cache), states(fresh), strict=True):
+    for got, want in zip(cache_states(engine.exact_cache), cache_states(fresh), strict=True):
         assert torch.allclose(got, want, atol=1e-5)
     assert engine.exact_cache.seen_tokens == x.shape[1] + len(result.tokens)
     follow = torch.tensor([[4, 1]])

@@ -7,27 +7,16 @@ import torch
 from test_engine import CONFIG, erring_engine
 
 import unimax
-from helpers import write_qwen_checkpoint
+from helpers import cache_states
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState
 
 
-@pytest.fixture(scope="module", params=["pure", "hybrid"])
-def model(request, tmp_path_factory):
-    if request.param == "pure":
-        m = GDNForCausalLM(CONFIG).eval()
-        m.init_random_weights(seed=3, std=0.1)
-        return m
-    path = tmp_path_factory.mktemp("hybrid")
-    write_qwen_checkpoint(path, seed=6, num_layers=4,
-                          layer_types=["linear_attention", "full_attention"] * 2)
-    return unimax.load_model(path, device="cpu", dtype="float32", max_context=96)
+@pytest.fixture(scope="module")
+def model(pure_or_hybrid):
+    return pure_or_hybrid
 
 
-def states(cache):
-    return [t.clone() for layer in cache.layers
-            for t in (*getattr(layer, "conv_states", {}).values(),
-                      *getattr(layer, "recurrent_states", {}).values())]
 
 
 @torch.inference_mode()
@@ -50,7 +39,7 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
             expected = model.make_recurrent_cache()
             model(input_ids=torch.cat([prompt, block[:, :length]], dim=1),
                   past_key_values=expected, use_cache=True)
-            for got, want in zip(states(cache), states(expected), strict=True):
+            for got, want in zip(cache_states(cache), cache_states(expected), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             assert int(cache.position) == 11 + length
             # attention reads exactly as a fresh prefill does: the next token's logits agree
