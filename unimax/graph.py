@@ -21,14 +21,15 @@ class GraphRunner:
 
     Capture needs warm-up runs (Triton autotuning, allocator growth), and those really execute:
     every cache the function writes is saved before and restored after, so capturing leaves no
-    trace in the state. All graphs of one runner share one memory pool. Each new graph is timed
-    (``replay_ms``, the median of a few replays, before the restore): verified mode chooses its
-    draft lengths from these costs (unimax.draft_length).
+    trace in the state. All graphs of one runner share one memory pool. With ``timed``, each new
+    graph is timed (``replay_ms``, the median of a few replays, before the restore): verified
+    mode chooses its draft lengths from the decoder's and the verifier's (unimax.draft_length).
     """
 
-    def __init__(self, device: torch.device, use_graphs: bool):
+    def __init__(self, device: torch.device, use_graphs: bool, timed: bool = False):
         self.device = device
         self.use_graphs = use_graphs
+        self.timed = timed
         self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
         self.replay_ms: dict[object, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -45,9 +46,11 @@ class GraphRunner:
                 buffers: list[torch.Tensor] = ()) -> None:
         """Capture now (if graphs are on and this key has none yet), leaving no trace."""
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key], self.replay_ms[key] = self.capture(fn, writes, buffers)
+            self.graphs[key], replay_ms = self.capture(fn, writes, buffers)
+            if replay_ms is not None:
+                self.replay_ms[key] = replay_ms
 
-    def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float]:
+    def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float | None]:
         saved = [cache.empty_like() for cache in writes]
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(copy, cache)
@@ -61,7 +64,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
-        replay_ms = _median_replay_ms(graph)
+        replay_ms = _median_replay_ms(graph) if self.timed else None
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(cache, copy)
         for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
@@ -117,7 +120,7 @@ class MaxTurboGraphDecoder:
         self.draft_probs = torch.zeros(block_size, model.config.vocab_size, device=self.device)
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
-        self.runner = GraphRunner(self.device, use_graphs)
+        self.runner = GraphRunner(self.device, use_graphs, timed=True)
         # torch.compile (inductor) fuses the step's many small elementwise kernels; the graphs
         # are still captured here, around the compiled step.
         self._step = torch.compile(self._step_eager, dynamic=False) if compile else \

@@ -75,7 +75,7 @@ class Verifier:
         # verified sampling (unimax.speculative): its uniforms, drawn per block on the host
         self.u_accept = torch.zeros(self.block_size, device=exact_cache.device)
         self.u_final = torch.zeros(1, device=exact_cache.device)
-        self.runner = GraphRunner(exact_cache.device, decoder.use_graphs)
+        self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
         self.forward = exact_model.forward_unchecked
         self.compiled = None
         if compile:
