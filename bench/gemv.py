@@ -23,6 +23,7 @@ from decode import copy_bandwidth  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
+from unimax.graph import median_replay_ms  # noqa: E402
 from unimax.ops import gemv as gemv_mod  # noqa: E402
 
 
@@ -47,17 +48,7 @@ def graph_us(fn, copies: int, repeats: int = 5) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+    return median_replay_ms(graph, repeats) * 1e3 / copies
 
 
 def run_shape(name, n, k, m, kind, bandwidth) -> dict:

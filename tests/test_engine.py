@@ -25,19 +25,28 @@ def prompt(length, seed=0):
     return torch.randint(0, 89, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-class ErringDraft(torch.nn.Module):
-    """Test-only draft: the exact model, except that every ``period``-th step it pushes the
-    logits towards a wrong token, so verification must reject, restore and replay."""
+class WrappedDraft(torch.nn.Module):
+    """Test-only draft around the exact model: everything is the model's but what a subclass
+    changes in ``forward_unchecked``."""
 
-    def __init__(self, model, period=4):
+    def __init__(self, model):
         super().__init__()
-        self.model, self.period, self.calls = model, period, 0
+        self.model = model
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.model, name)
+
+
+class ErringDraft(WrappedDraft):
+    """The exact model, except that every ``period``-th step it pushes the logits towards a
+    wrong token, so verification must reject, restore and replay."""
+
+    def __init__(self, model, period=4):
+        super().__init__(model)
+        self.period, self.calls = period, 0
 
     def forward_unchecked(self, input_ids, cache, logits_to_keep=0):
         logits = self.model.forward_unchecked(input_ids, cache, logits_to_keep)

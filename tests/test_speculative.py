@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_engine import WrappedDraft
 
 import unimax
 from helpers import cache_states
@@ -73,19 +74,9 @@ def model():
     return m
 
 
-class DistortedDraft(torch.nn.Module):
+class DistortedDraft(WrappedDraft):
     """The exact model with its logits bent: halved and shifted towards token 0 (a draft whose
     distribution differs a lot from p, so rejections and residual draws happen often)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     def forward_unchecked(self, input_ids, cache, logits_to_keep=0):
         logits = self.model.forward_unchecked(input_ids, cache, logits_to_keep)

@@ -64,7 +64,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
-        replay_ms = _median_replay_ms(graph) if self.timed else None
+        replay_ms = median_replay_ms(graph) if self.timed else None
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(cache, copy)
         for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
@@ -72,7 +72,8 @@ class GraphRunner:
         return graph, replay_ms
 
 
-def _median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
+def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
+    """The median time of a graph's replay in ms (CUDA events; after one untimed replay)."""
     graph.replay()  # the first replay uploads the graph
     times = []
     for _ in range(repeats):
