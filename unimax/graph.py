@@ -169,8 +169,10 @@ class MaxTurboGraphDecoder:
             self.out_tokens[:, i:i + 1].copy_(token)
         self.static_token.copy_(token)
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return [self.static_token, self.out_tokens, self.draft_probs]
+    def _buffers(self, record: bool) -> list[torch.Tensor]:
+        """What a block writes besides the cache (saved around a capture)."""
+        written = [self.static_token, self.out_tokens]
+        return written + [self.draft_probs] if record else written
 
     @staticmethod
     def _key(n: int, sampled: bool, record: bool):
@@ -183,7 +185,7 @@ class MaxTurboGraphDecoder:
         for n in range(1, self.block_size + 1):
             self.runner.prepare(self._key(n, sampled, record),
                                 lambda n=n: self._block(n, sampled or record, record),
-                                writes=[self.cache], buffers=self._buffers())
+                                writes=[self.cache], buffers=self._buffers(record))
 
     @torch.inference_mode()
     def run_block(self, n: int, record: bool = False) -> torch.Tensor:
@@ -195,10 +197,10 @@ class MaxTurboGraphDecoder:
         sampled = not self.sampling.is_greedy
         record = record and sampled
         if sampled:
-            self.uniforms[:n].copy_(torch.rand(n, generator=self.generator, device=self.device))
+            self.uniforms[:n].uniform_(generator=self.generator)
         seen = self.cache.seen_tokens
         self.runner.run(self._key(n, sampled, record), lambda: self._block(n, sampled, record),
-                        writes=[self.cache], buffers=self._buffers())
+                        writes=[self.cache], buffers=self._buffers(record))
         self.cache.seen_tokens = seen + n  # Python-side bookkeeping is not part of a graph
         return self.out_tokens[:, :n]
 

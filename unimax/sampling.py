@@ -68,7 +68,11 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor) -> torch.Tensor:
     """The distribution ``sample_from_logits`` draws from, in token order: (N, V) -> (N, V)."""
-    probs, order = _warp_sorted(logits, temperature, top_k, top_p)
+    return _in_token_order(*_warp_sorted(logits, temperature, top_k, top_p))
+
+
+def _in_token_order(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Sorted kept probabilities back in token order, renormalized."""
     return torch.zeros_like(probs).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
 
 
@@ -78,9 +82,7 @@ def sample_with_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     """``sample_from_logits`` (the same token for the same uniform) and the ``warped_probs`` it
     drew from, with one sort: what a draft of verified sampling records."""
     probs, order = _warp_sorted(logits, temperature, top_k, top_p)
-    token = _draw_sorted(probs, order, uniform)
-    return token, torch.zeros_like(probs).scatter_(-1, order,
-                                                   probs / probs.sum(-1, keepdim=True))
+    return _draw_sorted(probs, order, uniform), _in_token_order(probs, order)
 
 
 def _kept_reference(logits: torch.Tensor, params: SamplingParams

@@ -151,11 +151,9 @@ class Verifier:
         ``sampled``: speculative sampling (the decoder recorded its distributions, and its
         sampling settings and seeded generator are the reply's)."""
         seen = self.cache.seen_tokens
-        if sampled:
-            uniforms = torch.rand(k + 1, generator=self.decoder.generator,
-                                  device=self.u_accept.device)
-            self.u_accept[:k].copy_(uniforms[:k])
-            self.u_final.copy_(uniforms[k:])
+        if sampled:  # drawn into the graph's own buffers: no temporary, no copy
+            self.u_accept[:k].uniform_(generator=self.decoder.generator)
+            self.u_final.uniform_(generator=self.decoder.generator)
         # The verifier's block ends at seen + k + 1: it reads the KV bucket holding that many
         # entries (its graphs are keyed by it; None: pure GDN).
         window = self.cache.window_for(seen + k + 1)
