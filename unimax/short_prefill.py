@@ -34,7 +34,9 @@ class ShortPrefill:
         self.take_snapshot = CacheCopier(self.snapshot, cache)
         long = dict(dtype=torch.long, device=cache.device)
         self.inputs = torch.zeros(1, self.max_tokens, **long)
-        self.length = torch.zeros(1, **long)  # T, on the device
+        # T, on the device; 1 until a prompt sets it, because capture's warm-up runs the body on
+        # these buffers as they are (T = 0 would select row -1: a device-side assert on CUDA)
+        self.length = torch.ones(1, **long)
         self.logits = torch.zeros(1, 1, model.config.vocab_size, dtype=model.dtype,
                                   device=cache.device)
         self.runner = GraphRunner(cache.device, use_graphs)
