@@ -34,9 +34,7 @@ class ShortPrefill:
         self.take_snapshot = CacheCopier(self.snapshot, cache)
         long = dict(dtype=torch.long, device=cache.device)
         self.inputs = torch.zeros(1, self.max_tokens, **long)
-        # T, on the device; 1 until a prompt sets it, because capture's warm-up runs the body on
-        # these buffers as they are (T = 0 would select row -1: a device-side assert on CUDA)
-        self.length = torch.ones(1, **long)
+        self.length = torch.ones(1, **long)  # T, on the device (a valid T for every bucket)
         self.logits = torch.zeros(1, 1, model.config.vocab_size, dtype=model.dtype,
                                   device=cache.device)
         self.runner = GraphRunner(cache.device, use_graphs)
@@ -87,6 +85,9 @@ class ShortPrefill:
     @torch.inference_mode()
     def capture(self) -> None:
         """Every (bucket, KV window) graph a short prompt can meet. Caches left as they were."""
+        # the warm-up runs each body on the buffers as they are: after a 512-token prompt the
+        # length says 512, out of range for the 16-token bucket (a device-side assert)
+        self.length.fill_(1)
         for window in self.cache.windows():
             for span in self.buckets:
                 if window is not None and span > window:
