@@ -190,3 +190,19 @@ def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop):
     scratch = distorted_engine(model, block_size=4).generate(whole, 8, mode="verified",
                                                              sampling=params).tokens
     assert kept == scratch
+
+
+@torch.inference_mode()
+def test_a_seed_reproduces_under_the_adaptive_draft_length(model):
+    """With the draft-length policy on (calibrated costs, as after the app's warm-up), the same
+    seed gives the same reply again even after other replies moved the policy's running
+    acceptance: where the blocks are cut decides which tokens a seed draws."""
+    engine = distorted_engine(model, block_size=4)
+    engine.draft_length.calibrate({k: 0.75 * k for k in range(1, 5)},
+                                  {k: 1.0 + 0.04 * k for k in range(5)}, rewind_ms=0.0)
+    seeded = SamplingParams(temperature=1.0, top_k=4, seed=7)
+    first = engine.generate(PROMPT, 24, mode="verified", sampling=seeded).tokens
+    # another reply (greedy: the distorted draft is refused often) lowers the acceptance
+    engine.generate(PROMPT, 40, mode="verified")
+    assert engine.draft_length.checked > 0
+    assert engine.generate(PROMPT, 24, mode="verified", sampling=seeded).tokens == first

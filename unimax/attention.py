@@ -35,11 +35,12 @@ from .config import GDNConfig
 from .norms import RMSNorm
 
 # A few query rows under a mask (the verifier's block in a graph's KV window) through
-# ``rows_attention`` instead of SDPA, whose masked multi-row case was the slow one (bench/
-# attention.py: 219 us for 8 rows over a 4k window where a 1-row step takes 19). Off (0) until
-# bench/attention.py's "rows" variant has been measured on the GPU; then the largest block
-# length it should take.
-ROWS_ATTENTION_MAX = 0
+# ``rows_attention`` instead of SDPA, whose masked multi-row case is the slow one. Measured on
+# the H200 (bench/attention.py, 2026-11-30, 8 rows, Qwen3.5 heads): 63.7 us against SDPA's 66.7
+# over a 512-entry window, 259 against 414 over a 4k window in 32k buffers. Up to 9 rows: the
+# default block's verify (8 drafts + 1); longer blocks (and the short prefill's 16-token
+# bucket) keep SDPA until measured.
+ROWS_ATTENTION_MAX = 9
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -267,6 +267,13 @@ class UniMaxEngine:
         the decoder's sampling on (set_sampling), blocks are checked by speculative sampling."""
         graph = self.decode_graph
         sampled = not graph.sampling.is_greedy
+        if sampled and graph.sampling.seed is not None and k_max is None:
+            # Which tokens a seed draws depends on where the blocks are cut (a draft's uniform
+            # or a bonus token's), and the policy's running acceptance is what earlier replies
+            # left: a seeded reply starts from the prior, so the same seed, prompt and state
+            # give the same text again in this app. (Across restarts the graphs' measured times
+            # may tip a close choice; a fixed draft_block reproduces everywhere.)
+            self.draft_length.forget()
         remaining = n
         while remaining > 0:
             # A block emits at most k + 1 tokens: never more than are left, so the verifier
