@@ -3,7 +3,8 @@
 # bench/gpu_tests.sh first). With fla's wheels carried in .whl (see bench/gpu_tests.sh):
 #   run: bash bench/gpu_bench.sh kernels    gemv per shape (rows16), attention (rows), TTFT
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
-#                                           sampled rows, per-part times
+#                                           per-part times
+#   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 # JSON results land in $OUT; each script prints its table last.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -19,6 +20,11 @@ case "${1:-}" in
       | quiet | tail -9 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 \
-      --temperature 0.7 --json "$OUT/verified.json" 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified"; exit 2 ;;
+      --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
+    grep -v Assertion "$OUT/verified.log" | quiet | cut -c1-300 | tail -20 ;;
+  sampled)
+    timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
+      --json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1
+    grep -v Assertion "$OUT/sampled.log" | quiet | cut -c1-300 | tail -20 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled"; exit 2 ;;
 esac

@@ -210,12 +210,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
                            bandwidth, reference, model, ids), "resyncs": forced.resyncs,
                   "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
-    if args.temperature:  # sampled: BF16-only against verified (speculative sampling)
-        params = unimax.SamplingParams(temperature=args.temperature, seed=0)
+    for temperature in args.temperature:  # sampled: BF16-only against verified sampling
+        params = unimax.SamplingParams(temperature=temperature, seed=0)
         for name, eng, mode in (("bf16", bf16, "fast"),
                                 (f"verified-{args.draft} adaptive", engine, "verified")):
             result = timed_generate(eng, ids, args.new, mode, sampling=params)
-            row = row_of(f"{name} @T{args.temperature:g}", result, weight_bytes, bandwidth, None,
+            row = row_of(f"{name} @T{temperature:g}", result, weight_bytes, bandwidth, None,
                          model, ids)
             emit({**row, "mean_k": mean_k(result)} if result.verify else row)
     del bf16
@@ -247,11 +247,12 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--draft", default="full", choices=["full", "tail"])
-    parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8])
+    parser.add_argument("--acceptance", type=float, nargs="*", default=[1.0, 0.95, 0.9, 0.8])
     parser.add_argument("--no-peak", dest="peak", action="store_false",
                         help="keep the random LM head as it is (flat logits)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="also sampled rows (seed 0): BF16-only and verified, adaptive k")
+    parser.add_argument("--temperature", type=float, nargs="*", default=[],
+                        help="also sampled rows (seed 0) at each temperature: BF16-only and "
+                             "verified, adaptive k")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
