@@ -70,6 +70,7 @@ class RecurrentLayerState:
         self.is_recurrent_states_initialized = {0: True}
         self.has_previous_state = {0: False}
         self.tape = None  # a LayerTape while the verifier records (RecurrentCache.recording)
+        self.valid = None  # a padded forward's real length (RecurrentCache.counting)
 
 
 class RecurrentCache:
@@ -106,6 +107,7 @@ class RecurrentCache:
                     next(conv_views).view(batch_size, *spec.conv_shape),
                     next(rec_views).view(batch_size, *spec.recurrent_shape)))
         self.seen_tokens = 0
+        self.valid: torch.Tensor | None = None  # see counting
 
     def reset(self) -> None:
         self.conv_buffer.zero_()
@@ -185,6 +187,25 @@ class RecurrentCache:
             found.append(self.window_for(total))
             total = found[-1] + 1
         return found
+
+    @contextlib.contextmanager
+    def counting(self, valid: torch.Tensor):
+        """Forwards in the body of a with-block are padded: only their first ``valid`` tokens
+        count (a 0-d device tensor, so that one captured graph serves every length up to its
+        own). GDN layers leave the state as those tokens leave it (later steps masked, the conv
+        window taken at ``valid``) and the position advances by ``valid``; attention writes KV
+        for the padding too, past the position, where it is never read (unimax.short_prefill)."""
+        self.valid = valid
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayerState):
+                layer.valid = valid
+        try:
+            yield
+        finally:
+            self.valid = None
+            for layer in self.layers:
+                if isinstance(layer, RecurrentLayerState):
+                    layer.valid = None
 
     @contextlib.contextmanager
     def recording(self, tape):

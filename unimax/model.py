@@ -94,7 +94,8 @@ class GDNForCausalLM(nn.Module):
             hidden = block(hidden, None if cache is None else cache.layers[index])
         if cache is not None:
             with torch.no_grad():
-                cache.position.add_(input_ids.shape[1])  # on the device: graph-safe
+                # on the device: graph-safe (a padded forward counts its real tokens only)
+                cache.position.add_(input_ids.shape[1] if cache.valid is None else cache.valid)
         if keep_rows is not None:
             hidden = hidden.index_select(1, keep_rows)
         elif logits_to_keep:

@@ -3,13 +3,13 @@ tokens, and an eager forward over them is hundreds of kernel launches, which cos
 arithmetic (issue 15: the 512-token prefill's compute floor is under 2 ms on the H200).
 
 A prompt of T tokens runs in the graph of the smallest bucket B >= T (``BUCKETS``), padded: one
-forward over B tokens on the kept state, recording the verifier's kind of tape (unimax.tape),
-the logits of position T - 1 only, then the rewind to T tokens from the tape with T on the
-device (model.rewind_unchecked: steps past T masked out, the conv window gathered at T). Padding
-therefore never reaches the state: the GDN state and conv window are those after exactly T
-tokens, attention's KV past T is written but never read (the position says T), and no row
-before T sees a padded position (causal). The same mechanism as the verifier's k + 1 rows on
-kept state, with the length on the device so that one graph serves a whole bucket.
+forward over B tokens on the kept state that counts only the first T (RecurrentCache.counting,
+T on the device), keeping the logits of position T - 1 only. Padding therefore never reaches the
+state: in GDN layers the steps past T have g = 0 and beta = 0, which leave the recurrent state
+exactly as it was, and the conv window is taken after input T; the position advances by T, so
+attention's KV past it is written but never read; and no row before T sees a padded position
+(causal). One graph serves a whole bucket. (The verifier, which learns how many of its tokens
+count only after its forward, rewinds from a tape instead: unimax.tape.)
 Graphs are keyed by (B, KV window) and captured with the engine's (``capture``).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import CacheCopier, RecurrentCache
+from .cache import RecurrentCache
 from .graph import GraphRunner
 from .model import CausalLMOutput
 
@@ -29,9 +29,6 @@ class ShortPrefill:
                  buckets: tuple[int, ...] = BUCKETS):
         self.model, self.cache, self.buckets = model, cache, tuple(sorted(buckets))
         self.max_tokens = self.buckets[-1]
-        self.tape = model.make_tape(self.max_tokens)
-        self.snapshot = cache.empty_like(share_kv=True)
-        self.take_snapshot = CacheCopier(self.snapshot, cache)
         long = dict(dtype=torch.long, device=cache.device)
         self.inputs = torch.zeros(1, self.max_tokens, **long)
         self.length = torch.ones(1, **long)  # T, on the device (a valid T for every bucket)
@@ -50,12 +47,10 @@ class ShortPrefill:
         return span
 
     def _body(self, span: int) -> None:
-        self.take_snapshot()
-        with self.cache.recording(self.tape):
+        with self.cache.counting(self.length[0]):
             logits = self.model.forward_unchecked(self.inputs[:, :span], self.cache,
                                                   keep_rows=self.length - 1)
         self.logits.copy_(logits)
-        self.model.rewind_unchecked(self.cache, self.snapshot, self.tape, self.length[0], span)
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.length, self.logits]
@@ -63,7 +58,7 @@ class ShortPrefill:
     def _run(self, span: int, window) -> None:
         with self.cache.attending(window):
             self.runner.run(("prefill", span, window), lambda: self._body(span),
-                            writes=[self.cache, self.snapshot], buffers=self._buffers())
+                            writes=[self.cache], buffers=self._buffers())
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> CausalLMOutput:
@@ -94,5 +89,4 @@ class ShortPrefill:
                     continue
                 with self.cache.attending(window):
                     self.runner.prepare(("prefill", span, window), lambda s=span: self._body(s),
-                                        writes=[self.cache, self.snapshot],
-                                        buffers=self._buffers())
+                                        writes=[self.cache], buffers=self._buffers())
