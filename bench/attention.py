@@ -1,6 +1,7 @@
 """Decode-attention kernel choice (issue 6), GPU: one Qwen3.5-0.8B attention layer's attention
-(8 query heads, 2 KV heads of 256, BF16) for a 1-token step and an 8-token verify block over a
-static KV buffer, graph-timed, at several filled lengths and buffer sizes.
+(8 query heads, 2 KV heads of 256, BF16) for a 1-token step, an 8-token verify block and a
+128-token chat turn (the short prefill's graphs on kept state) over a static KV buffer,
+graph-timed, at several filled lengths and buffer sizes.
 
 Variants (all graph-capturable except where noted):
   full-mask   what unimax/attention.py does now: SDPA over the whole buffer, boolean mask from
@@ -72,7 +73,7 @@ def rows(max_context: int) -> list[dict]:
                     generator=gen)
     v = torch.randn_like(k)
     for length in sorted({512, 4096, 32768, max_context} & set(range(1, max_context + 1))):
-        for t in (1, 8):
+        for t in (1, 8, 128):
             if length + t > max_context:
                 continue
             q = torch.randn(1, HEADS, t, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -81,7 +82,7 @@ def rows(max_context: int) -> list[dict]:
             row = {"max_context": max_context, "length": length, "tokens": t,
                    "kv_mib_at_length": 2 * length * KV_HEADS * DIM * 2 / 2**20}
             full = attend(q, k, v, max_context, position)
-            if t > 1:  # rows_attention: the verifier's block
+            if t > 1:  # rows_attention: the verifier's block (and, if it wins, a short prompt)
                 got = attend(q, k, v, bucket, position, rows=True)
                 assert torch.allclose(got.float(), full.float(), atol=2e-2), "rows"
                 row["rows_us"] = time_graph(
