@@ -5,6 +5,8 @@
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
 #                                           per-part times
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
+#   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
+#                                           verify block (where the fixed part goes)
 # JSON results land in $OUT; each script prints its table last.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -26,5 +28,10 @@ case "${1:-}" in
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
       --json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1
     grep -v Assertion "$OUT/sampled.log" | quiet | cut -c1-300 | tail -20 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled"; exit 2 ;;
+  profile)
+    timeout 560 python3 bench/profile_step.py --shapes gdn-4b \
+      --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
+      > "$OUT/profile.log" 2>&1
+    grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile"; exit 2 ;;
 esac

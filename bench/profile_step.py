@@ -6,7 +6,11 @@ usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs com
 Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
 inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
 linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
-draft of verified mode as the engine builds it: every linear FP8, then fla+gemv).
+draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); engine-bf16,
+engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
+compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
+draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
+token, with the rollback inside).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -43,8 +47,9 @@ def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     return MaxTurboGraphDecoder(view, block_size=BLOCK, compile=True)
 
 
-def kernel_table(replay) -> tuple[list[dict], float, int]:
-    """Kernels of one replay, grouped by name: [{name, calls, us}] per token, busy us, count."""
+def kernel_table(replay, per: int = BLOCK) -> tuple[list[dict], float, int]:
+    """Kernels of one replay, grouped by name: [{name, calls, us}] per token (per ``per``
+    replayed steps), busy us, count."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -54,23 +59,42 @@ def kernel_table(replay) -> tuple[list[dict], float, int]:
     for event in prof.events():
         if event.device_type.name == "CUDA":
             groups[event.name].append(getattr(event, "device_time", None) or event.cuda_time)
-    rows = [{"name": name, "calls": len(t) / BLOCK, "us": sum(t) / BLOCK}
+    rows = [{"name": name, "calls": len(t) / per, "us": sum(t) / per}
             for name, t in groups.items()]
     rows.sort(key=lambda r: -r["us"])
     busy = sum(r["us"] for r in rows)
-    count = sum(len(t) for t in groups.values()) / BLOCK
+    count = sum(len(t) for t in groups.values()) / per
     return rows, busy, count
+
+
+def engine_graph(model, variant: str):
+    """(the captured graph, steps it replays) of the engine the app builds."""
+    import unimax
+
+    decode = "bf16" if variant == "engine-bf16" else "fp8"
+    engine = unimax.build_engine(model, decode=decode, draft="full", block_size=BLOCK,
+                                 compile_step=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
+    engine.generate(ids, 2 * BLOCK, mode="fast" if decode == "bf16" else "verified",
+                    draft_block=None if decode == "bf16" else BLOCK)
+    engine.capture_graphs(verified=decode != "bf16")
+    if variant == "engine-verify":
+        return engine.verifier.runner.graphs[("verify", BLOCK, None)], 1
+    return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
 @torch.inference_mode()
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
-    decoder = decoder_for(model, variant)
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
-    model.forward_unchecked(ids, decoder.cache)  # a real state to decode from
-    decoder.capture_blocks()
-    graph = decoder.runner.graphs[(BLOCK, False)]
-    seconds = median_device_seconds(graph.replay, 30, warmup=3) / BLOCK
-    rows, busy, count = kernel_table(graph.replay)
+    if variant.startswith("engine-"):
+        graph, per = engine_graph(model, variant)
+    else:
+        decoder = decoder_for(model, variant)
+        ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
+        model.forward_unchecked(ids, decoder.cache)  # a real state to decode from
+        decoder.capture_blocks()
+        graph, per = decoder.runner.graphs[(BLOCK, False)], BLOCK
+    seconds = median_device_seconds(graph.replay, 30, warmup=3) / per
+    rows, busy, count = kernel_table(graph.replay, per)
     floor = decode_weight_bytes(model) / bandwidth
     return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
             "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:24]}
