@@ -18,7 +18,7 @@ case "${1:-}" in
     timeout 200 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -22
     timeout 100 python3 bench/attention.py --max-context 4096 32768 --json "$OUT/attn.json" \
       2>&1 | quiet | tail -9
-    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --json "$OUT/ttft.json" 2>&1 \
+    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --fla-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 \

@@ -3,7 +3,7 @@
 on the same random weights, at several prompt lengths; and a short prompt on kept state.
 
 usage: python bench/ttft.py [--shapes qwen3.5-0.8b] [--lengths 128 512 4096 16384 65536]
-       [--repeats 5] [--json FILE]
+       [--repeats 5] [--fla-norms] [--json FILE]
 
 The weights are made by transformers (Qwen3_5ForCausalLM, random), saved, and loaded by
 unimax.load_model, so both sides run the same numbers; the last position's logits are compared
@@ -12,6 +12,8 @@ prefill_chunk, argmax, the bridge copy into the decoder): what a reply waits for
 is ``model(input_ids, use_cache=True, logits_to_keep=1)`` with a fresh cache (use_cache=False on
 pure GDN shapes: its cache needs an attention layer, so it keeps no state there). "kept" rows: 128
 new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
+--fla-norms: UNI MAX a second time with fla's fused norms and SwiGLU for prompts
+(unimax.norms.FLA_PROMPT_KERNELS), in the same run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES  # noqa: E402
 
 import unimax  # noqa: E402
+import unimax.norms  # noqa: E402
 from unimax import build_engine  # noqa: E402
 from unimax.cache import copy_cache_  # noqa: E402
 
@@ -67,7 +70,8 @@ def median_ms(fn, repeats: int, before=None) -> float:
 
 
 @torch.inference_mode()
-def bench_shape(shape: str, lengths: list[int], repeats: int) -> list[dict]:
+def bench_shape(shape: str, lengths: list[int], repeats: int, fla_norms: bool = False
+                ) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM
 
     cfg = dataclasses.replace(SHAPES[shape], max_context=max(lengths) + 4096 + 256)
@@ -94,6 +98,16 @@ def bench_shape(shape: str, lengths: list[int], repeats: int) -> list[dict]:
         rows.append({"shape": shape, "tokens": length, "unimax_ms": ours_ms,
                      "transformers_ms": theirs_ms, "speedup": theirs_ms / ours_ms,
                      "last_logits_rel_err": err})
+        if fla_norms:
+            unimax.norms.FLA_PROMPT_KERNELS = True
+            try:
+                rows[-1]["fla_norms_ms"] = median_ms(lambda ids=ids: engine.prefill_exact(ids),
+                                                     repeats)
+                _, out, _ = engine.prefill_exact(ids)
+                rows[-1]["fla_norms_err"] = float((out.logits[:, -1].float() - ref).norm()
+                                                  / ref.norm())
+            finally:
+                unimax.norms.FLA_PROMPT_KERNELS = False
         print(json.dumps(rows[-1]), flush=True)
     # 128 new tokens on a kept state of 4096
     ids = torch.randint(0, cfg.vocab_size, (1, 4096 + 128), device="cuda", generator=gen)
@@ -117,12 +131,14 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+",
                         default=[128, 512, 4096, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fla-norms", action="store_true",
+                        help="also UNI MAX with fla's fused norms for prompts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
         try:
-            rows += bench_shape(shape, args.lengths, args.repeats)
+            rows += bench_shape(shape, args.lengths, args.repeats, args.fla_norms)
         except Exception as err:  # record, go on with the next shape
             rows.append({"shape": shape, "error": repr(err)[:400]})
             print(json.dumps(rows[-1]), flush=True)
@@ -137,9 +153,11 @@ def main() -> None:
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"   (on a kept state of {r['kept']})")
         else:
+            fla = (f"   fla norms {r['fla_norms_ms']:.2f} ms (err {r['fla_norms_err']:.1e})"
+                   if "fla_norms_ms" in r else "")
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"{r['transformers_ms']:>11.2f}{r['speedup']:>7.2f}"
-                  f"{r['last_logits_rel_err']:>9.1e}")
+                  f"{r['last_logits_rel_err']:>9.1e}{fla}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,51 @@ def test_fla_conv_matches_the_torch_forms(seq_len):
     assert rel_err(y.float(), y_block.float()) < 1e-2
 
 
+def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
+    """fla's fused RMSNorm (with Qwen3.5's 1 + w), gated RMSNorm (silu and sigmoid) and SwiGLU,
+    which a prompt of more than LONG tokens takes with FLA_PROMPT_KERNELS on, against the torch
+    forms they replace (strided inputs, as the layers hand them); then a hybrid model's prefill
+    logits with them on and off. Also checks they were called, and not for a 1-token step."""
+    import unimax.norms as norms
+    from unimax.norms import GatedRMSNorm, RMSNorm, swiglu
+
+    if norms.fla_norm_ops() is None:
+        pytest.fail("fla's norm kernels are not importable")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    x = randn(1, 300, 2 * 192).bfloat16()[..., 64:64 + 192]
+    gate_up = randn(1, 300, 2 * 256).bfloat16()
+    o, z = randn(1, 300, 4, 64).bfloat16(), randn(1, 300, 4, 64).bfloat16()
+    norm = RMSNorm(192, 1e-6, offset=1.0).cuda()
+    gated = {act: GatedRMSNorm(64, 1e-6, act).cuda() for act in ("silu", "sigmoid")}
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.1, generator=gen)
+        for g in gated.values():
+            g.weight.normal_(1, 0.1, generator=gen)
+    off = [norm(x), *(g(o, z) for g in gated.values()), swiglu(*gate_up.split(256, -1))]
+    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", True)
+    calls = []
+    real = norms.fla_norm_ops()
+    names = ("rms_norm", "rms_norm_gated", "swiglu")
+    monkeypatch.setattr(norms, "fla_norm_ops", lambda: tuple(
+        (lambda *a, f=f, n=n, **k: calls.append(n) or f(*a, **k))
+        for n, f in zip(names, real, strict=True)))
+    on = [norm(x), *(g(o, z) for g in gated.values()), swiglu(*gate_up.split(256, -1))]
+    assert calls == ["rms_norm", "rms_norm_gated", "rms_norm_gated", "swiglu"]
+    for a, b in zip(on, off, strict=True):
+        assert a.dtype == b.dtype and rel_err(a, b) < 1e-2
+    norm(x[:, :1])  # a step keeps the torch form
+    assert len(calls) == 4
+
+    write_qwen_checkpoint(tmp_path, seed=6, num_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+    model = unimax.load_model(tmp_path, device="cuda", dtype="bfloat16", max_context=512)
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), device="cuda", generator=gen)
+    with_fla = model(ids).logits
+    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", False)
+    assert rel_err(with_fla, model(ids).logits) < 3e-2
+
+
 @pytest.mark.parametrize("seq_len", [1, 40, 300])
 def test_fla_ops_match_torch_reference(seq_len):
     require_fla()

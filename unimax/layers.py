@@ -14,7 +14,7 @@ from torch import nn
 from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
-from .norms import GatedRMSNorm, RMSNorm
+from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step
 from .ops.gated_delta import gated_delta_rule
 
@@ -102,7 +102,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class GDNBlock(nn.Module):

@@ -1,10 +1,43 @@
-"""RMSNorms of the GDN models: the decoder's (scaled by offset + w) and the mixer's gated one."""
+"""RMSNorms of the GDN models: the decoder's (scaled by offset + w) and the mixer's gated one,
+and the MLP's SwiGLU.
+
+Each is a handful of fp32 elementwise kernels in eager mode; over a long prompt (16k tokens of a
+0.8B model) they stream gigabytes of fp32 intermediates. For prompts (more than ``LONG`` tokens,
+CUDA, fla installed) fla's fused Triton kernels compute the same formulas in one pass each (the
+ones transformers' Qwen3.5 uses): ``FLA_PROMPT_KERNELS``, off until tests/test_gpu.py's check and
+bench/ttft.py's measurement (``--fla-norms``) have run on the GPU. Decode steps and verify blocks
+(<= LONG tokens) keep the torch forms, which inductor fuses in the compiled step.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LONG = 64  # more tokens than this: a prompt (as ops/conv.py)
+FLA_PROMPT_KERNELS = False
+
+
+@functools.cache
+def fla_norm_ops():
+    """fla's (rms_norm, rms_norm_gated, swiglu), or None (imported lazily, CUDA work only)."""
+    try:
+        from fla.modules.activations import swiglu
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+    except Exception:  # ImportError, or Triton failing to initialise on this machine
+        return None
+    return rms_norm, rms_norm_gated, swiglu
+
+
+def prompt_kernels(x: torch.Tensor, tokens: int):
+    """fla's ops for a prompt of ``tokens`` on x's device, or None (the torch forms)."""
+    if not FLA_PROMPT_KERNELS or not x.is_cuda or tokens <= LONG:
+        return None
+    return fla_norm_ops()
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +50,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, ..., D): a block's (B, T, D), or attention's per head (B, T, H, D)."""
+        fla = prompt_kernels(x, x.shape[1] if x.dim() >= 3 else 1)
+        if fla is not None:
+            return fla[0](x, self.offset + self.weight.float(), None, eps=self.eps)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (self.offset + self.weight.float())).to(x.dtype)
@@ -29,9 +66,23 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.activation_name = activation
         self.activation = F.silu if activation == "silu" else torch.sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate (B, T, H, D)."""
+        fla = prompt_kernels(x, x.shape[1])
+        if fla is not None:
+            return fla[1](x, gate, self.weight, None, activation=self.activation_name,
+                          eps=self.eps)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (y * self.activation(gate.float())).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate, up (B, T, I)."""
+    fla = prompt_kernels(gate, gate.shape[1])
+    if fla is not None:
+        return fla[2](gate, up)
+    return F.silu(gate) * up
