@@ -113,3 +113,23 @@ def test_capture_warm_up_runs_on_valid_buffers(model, monkeypatch):
     prefill(ids(16, 3, model.config.vocab_size))  # the largest bucket: the length says 16
     prefill.capture()
     assert {key[1] for key in ran} == {4, 16} and len(ran) == 2 * first
+
+
+@torch.inference_mode()
+def test_capture_near_the_context_end_skips_what_would_not_fit(pure_or_hybrid, monkeypatch):
+    """On a hybrid model whose kept state is near the KV buffers' end, capture leaves out the
+    buckets whose warm-up would write KV past it (they are captured at first use, where
+    ``bucket`` has checked the fit)."""
+    model = pure_or_hybrid
+    engine = build_engine(model, decode="bf16", block_size=4)
+    prefill = ShortPrefill(model, engine.exact_cache, use_graphs=False, buckets=(4, 16, 64))
+    ran = []
+    monkeypatch.setattr(prefill.runner, "prepare",
+                        lambda key, fn, writes, buffers=(): ran.append(key[1]))
+    engine.exact_cache.seen_tokens = model.config.max_context - 10
+    prefill.capture()
+    if engine.exact_cache.has_attention:
+        assert set(ran) == {4}
+    else:  # pure GDN: no KV, every bucket fits
+        assert set(ran) == {4, 16, 64}
+
