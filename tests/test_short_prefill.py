@@ -133,3 +133,32 @@ def test_capture_near_the_context_end_skips_what_would_not_fit(pure_or_hybrid, m
     else:  # pure GDN: no KV, every bucket fits
         assert set(ran) == {4, 16, 64}
 
+
+
+@torch.inference_mode()
+def test_capture_graphs_near_the_context_end(pure_or_hybrid, monkeypatch):
+    """The engine's capture_graphs on a kept state a few tokens short of the context's end (an
+    app that captures again after long use): every graph body's warm-up runs (here eagerly,
+    where writing KV past the buffers raises) from position 0, and the positions are back
+    afterwards."""
+    from unimax.graph import GraphRunner
+
+    model = pure_or_hybrid
+    engine = build_engine(model, decode="fp8", block_size=4)
+    engine.short_prefill = ShortPrefill(model, engine.exact_cache, use_graphs=False,
+                                        buckets=(4, 16))
+    ran = []
+
+    def warm_up(self, key, fn, writes, buffers=()):
+        fn()
+        ran.append(key)
+
+    monkeypatch.setattr(GraphRunner, "prepare", warm_up)
+    near = model.config.max_context - 3
+    for cache in (engine.exact_cache, engine.decode_graph.cache):
+        cache.position.fill_(near)
+        cache.seen_tokens = near
+    engine.capture_graphs(verified=True, sampled=True)
+    assert any(key[0] == "verify" for key in ran) and any(key[0] == "prefill" for key in ran)
+    for cache in (engine.exact_cache, engine.decode_graph.cache):
+        assert int(cache.position) == cache.seen_tokens == near
