@@ -12,8 +12,9 @@ prefill_chunk, argmax, the bridge copy into the decoder): what a reply waits for
 is ``model(input_ids, use_cache=True, logits_to_keep=1)`` with a fresh cache (use_cache=False on
 pure GDN shapes: its cache needs an attention layer, so it keeps no state there). "kept" rows: 128
 new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
---fla-norms: UNI MAX a second time with fla's fused norms and SwiGLU for prompts
-(unimax.norms.FLA_PROMPT_KERNELS), in the same run.
+First row: both models' BF16 and ours in FP32 against transformers in FP32 (512 tokens), the
+scale of BF16 rounding on these weights. --fla-norms: UNI MAX a second time with fla's fused
+norms and SwiGLU for prompts (unimax.norms.FLA_PROMPT_KERNELS), in the same run.
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ def median_ms(fn, repeats: int, before=None) -> float:
 
 
 @torch.inference_mode()
+def fp32_check(shape, ours, ours32, theirs, theirs32, gen, tokens: int = 512) -> dict:
+    """How far BF16 is from FP32 on these random weights, for both sides, against
+    transformers in FP32: the scale against which the BF16 rows' rel. error is read (a real
+    mismatch shows as ours-fp32 far above ~1e-5)."""
+    ids = torch.randint(0, ours.config.vocab_size, (1, tokens), device="cuda", generator=gen)
+    with torch.inference_mode():
+        ref = theirs32(input_ids=ids).logits[:, -1].float()
+        got = {"ours_fp32": ours32(ids).logits[:, -1], "ours_bf16": ours(ids).logits[:, -1],
+               "transformers_bf16": theirs(input_ids=ids).logits[:, -1]}
+    return {"shape": shape, "fp32_check_tokens": tokens,
+            **{f"{name}_rel_err": float((x.float() - ref).norm() / ref.norm())
+               for name, x in got.items()}}
+
+
 def bench_shape(shape: str, lengths: list[int], repeats: int, fla_norms: bool = False
                 ) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM
@@ -77,16 +92,26 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, fla_norms: bool = 
     cfg = dataclasses.replace(SHAPES[shape], max_context=max(lengths) + 4096 + 256)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        theirs = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16).eval()
+        written = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16)
     with tempfile.TemporaryDirectory() as folder:
-        theirs.save_pretrained(folder)
+        written.save_pretrained(folder)
+        del written
+        # Loaded back as a user loads it: a model cast with .to(bfloat16) keeps its RoPE
+        # frequencies in BF16 too (from_pretrained keeps them FP32), which alone moved its
+        # logits by ~5% at every length in the first runs of this bench.
+        theirs = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+        theirs32 = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
         ours = unimax.load_model(folder, device="cuda", dtype="bfloat16",
                                  max_context=cfg.max_context)
+        ours32 = unimax.load_model(folder, device="cuda", dtype="float32",
+                                   max_context=cfg.max_context)
     engine = build_engine(ours, decode="bf16")
     # transformers' cache needs an attention layer (get_seq_length): pure GDN runs uncached
     cached = cfg.has_attention
     gen = torch.Generator(device="cuda").manual_seed(1)
-    rows = []
+    rows = [fp32_check(shape, ours, ours32, theirs, theirs32, gen)]
+    print(json.dumps(rows[-1]), flush=True)
+    del ours32, theirs32
     for length in lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, length), device="cuda", generator=gen)
         ours_ms = median_ms(lambda ids=ids: engine.prefill_exact(ids), repeats)
@@ -149,6 +174,11 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:<14} error {r['error'][:80]}")
+        elif "fp32_check_tokens" in r:
+            print(f"{r['shape']:<14}{r['fp32_check_tokens']:>8}   against transformers FP32: "
+                  f"ours FP32 {r['ours_fp32_rel_err']:.1e}, ours BF16 "
+                  f"{r['ours_bf16_rel_err']:.1e}, transformers BF16 "
+                  f"{r['transformers_bf16_rel_err']:.1e}")
         elif "kept" in r:
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"   (on a kept state of {r['kept']})")
