@@ -75,6 +75,15 @@ class Verifier:
         # verified sampling (unimax.speculative): its uniforms, drawn per block on the host
         self.u_accept = torch.zeros(self.block_size, device=exact_cache.device)
         self.u_final = torch.zeros(1, device=exact_cache.device)
+        # A block's result (accepted count, drafts, exact predictions), copied out right after
+        # its graph: the next block's drafts may already be queued behind it (engine.py), and
+        # they overwrite the decoder's out_tokens. On CUDA the host copy is pinned and its
+        # arrival an event, so the host waits for this block only, not for the drafts after it.
+        size = 2 * self.block_size + 2
+        self.result = torch.zeros(size, **long)
+        cuda = exact_cache.device.type == "cuda"
+        self.result_host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
+        self.result_ready = torch.cuda.Event() if cuda else None
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
         self.forward = exact_model.forward_unchecked
         self.compiled = None
@@ -150,6 +159,11 @@ class Verifier:
         emits (the kept drafts and the exact model's token after them). One host sync.
         ``sampled``: speculative sampling (the decoder recorded its distributions, and its
         sampling settings and seeded generator are the reply's)."""
+        return self.collect(self.launch(k, sampled), counts)
+
+    def launch(self, k: int, sampled: bool = False) -> tuple[int, int]:
+        """``check``'s first half: queue the block's graph and the copy of its result; no
+        host sync. Returns what ``collect`` needs."""
         seen = self.cache.seen_tokens
         if sampled:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
@@ -162,12 +176,24 @@ class Verifier:
                             writes=[self.cache, self.snapshot, self.decoder.cache],
                             buffers=self._buffers())
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
+        size = 2 * k + 2
+        torch.cat([self.num_accepted[None], self.decoder.out_tokens[0, :k],
+                   self.predictions[0, :k + 1]], out=self.result[:size])
+        self.result_host[:size].copy_(self.result[:size], non_blocking=True)
+        if self.result_ready is not None:
+            self.result_ready.record()
+        return seen, k
+
+    def collect(self, launched: tuple[int, int], counts: VerifyCounts) -> list[int]:
+        """``check``'s second half: wait for that block's result (not for work queued after
+        it) and account for it."""
+        seen, k = launched
+        if self.result_ready is not None:
+            self.result_ready.synchronize()
+        host = self.result_host[:2 * k + 2].tolist()
+        m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.drafted += k
         counts.verifier_blocks += 1
-        # The block's one host transfer: accepted count, draft and exact predictions.
-        host = torch.cat([self.num_accepted[None], self.decoder.out_tokens[0, :k],
-                          self.predictions[0, :k + 1]]).tolist()
-        m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.accepted += m
         counts.rejected_blocks += m < k
         # (the graph rolled the caches back to m + 1 inputs and set the next first token)
