@@ -100,6 +100,9 @@ class UniMaxEngine:
         self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
         self.verifier = Verifier(self.exact_model, self.exact_cache, decode_graph,
                                  self.bridge_copy, compile=compile_verifier)
+        # Queue each verified block's drafts before the host has read the block before (the
+        # GPU drafts while the host streams); False: draft after reading, as the plain loop.
+        self.pipelined = True
         # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
         self.draft_length = DraftLength(self.block_size)
         self.prefill_chunk = PREFILL_CHUNK
@@ -294,21 +297,47 @@ class UniMaxEngine:
             # give the same text again in this app. (Across restarts the graphs' measured times
             # may tip a close choice; a fixed draft_block reproduces everywhere.)
             self.draft_length.forget()
-        remaining = n
-        while remaining > 0:
-            # A block emits at most k + 1 tokens: never more than are left, so the verifier
-            # never writes KV past the context the caller checked.
+        policy = self.draft_length
+
+        def pick(left: int) -> tuple[int, int]:
+            """The draft length of a block that may emit up to ``left`` tokens (a block emits
+            at most k + 1: the verifier never writes KV past the context the caller checked),
+            and the policy's probe state for it."""
             if k_max is None:
-                k = self.draft_length.choose(remaining)
-            else:
-                k = min(k_max, remaining - 1)
+                return policy.choose(left), policy.probe
+            return min(k_max, left - 1), 0
+
+        def draft(k: int) -> None:
             if k:
                 graph.static_token.copy_(self.verifier.current)
                 graph.run_block(k, record=sampled)
-            emitted = self.verifier.check(k, counts, sampled=sampled)
-            self.draft_length.observe(k, len(emitted) - 1)
+
+        remaining = n
+        k, probe = pick(remaining)
+        draft(k)
+        while True:
+            checking = self.verifier.launch(k, sampled)
+            ahead = None
+            if self.pipelined and remaining - (k + 1) >= 1:
+                # The next block's drafts are queued now, behind this block's check, so the GPU
+                # drafts while the host reads this block: they read only what its graph leaves
+                # on the device (the next first token, the resynced draft state), and their
+                # length is chosen for the fewest tokens that can be left. If this block turns
+                # out to be the last (a stop id, a cancel) they are never read: they wrote only
+                # the draft's cache and KV past the exact position, which nothing reads.
+                ahead = pick(remaining - (k + 1))
+                draft(ahead[0])
+            emitted = self.verifier.collect(checking, counts)
+            policy.probe = probe  # (the choice for the block ahead moved it on)
+            policy.observe(k, len(emitted) - 1)
             remaining -= len(emitted)
             yield emitted
+            if remaining <= 0:
+                return
+            if ahead is None:
+                ahead = pick(remaining)
+                draft(ahead[0])
+            k, probe = ahead
 
     # --- chat-facing generation: streaming, stop ids, state kept for the next turn ----------
 
