@@ -57,26 +57,33 @@ class ForcedDrafts:
     into blocks (same block length, same kernels; the rewind runs the same recurrence), so it
     emits that stream again. Where it does not (a different kernel for a short last block), the
     stream is recomputed from the reply so far by the BF16 engine, and that time is taken out of
-    the measurement (``excluded_s``, ``resyncs``)."""
+    the measurement (``excluded_s``, ``resyncs``).
+
+    The replacement is picked on the device from the draft's own position (a block's drafts are
+    queued before the host has read the block before: engine.pipelined), so the stream and the
+    corruption pattern live on the device too."""
 
     def __init__(self, engine, bf16_engine, ids, new: int, rate: float, stream: list[int],
                  seed: int = 0, draft_block: int | None = None):
         self.engine, self.bf16, self.ids, self.new = engine, bf16_engine, ids, new
         self.draft_block = draft_block
-        vocab = engine.exact_model.config.vocab_size
+        self.vocab = engine.exact_model.config.vocab_size
+        self.length = new + 64 + engine.block_size  # stream positions a draft can reach
         gen = torch.Generator().manual_seed(seed)
-        self.wrong = (torch.rand(new + 64, generator=gen) >= rate).tolist()
-        self.vocab = vocab
+        self.wrong = (torch.rand(self.length, generator=gen) >= rate).to(ids.device)
         self.stream = list(stream)
+        self.stream_dev = torch.zeros(self.length, dtype=torch.long, device=ids.device)
         self.reply: list[int] = []
         self.excluded_s = 0.0
         self.resyncs = 0
 
+    def _upload(self) -> None:
+        tokens = self.stream[:self.length]
+        self.stream_dev.zero_()
+        self.stream_dev[:len(tokens)].copy_(torch.tensor(tokens, device=self.ids.device))
+
     def on_block(self, tokens: list[int]) -> bool:
         self.reply.extend(tokens)
-        return True
-
-    def expected(self, start: int, n: int) -> list[int]:
         if self.stream[:len(self.reply)] != self.reply:
             torch.cuda.synchronize()
             began = time.perf_counter()
@@ -84,24 +91,31 @@ class ForcedDrafts:
             more = self.bf16.generate(torch.cat([self.ids, prefix], dim=1),
                                       self.new + 16 - len(self.reply), mode="fast").tokens
             self.stream = self.reply + more
+            self._upload()
             torch.cuda.synchronize()
             self.excluded_s += time.perf_counter() - began
             self.resyncs += 1
-        tokens = (self.stream[start:start + n] + [0] * n)[:n]
-        return [(t + 1) % self.vocab if self.wrong[start + i] else t
-                for i, t in enumerate(tokens)]
+        return True
 
     def run(self) -> unimax.Generation:
         graph = self.engine.decode_graph
         real = graph.run_block
+        # the reply index of a block's first draft: the decoder has fed the prompt and every
+        # reply token but the last (its first token) before the block
+        base = self.ids.shape[1] - 1
 
         def run_block(n, record=False):
             out = real(n, record=record)
-            out.copy_(torch.tensor([self.expected(len(self.reply), n)], device=out.device))
+            index = graph.cache.position - n - base + torch.arange(n, device=out.device)
+            index = index.clamp(max=self.length - 1)
+            tokens = self.stream_dev.index_select(0, index)
+            wrong = self.wrong.index_select(0, index)
+            out.copy_(torch.where(wrong, (tokens + 1) % self.vocab, tokens)[None])
             return out
 
         graph.run_block = run_block
         self.reply, self.excluded_s, self.resyncs = [], 0.0, 0
+        self._upload()
         try:
             result = self.engine.generate(self.ids, self.new, mode="verified",
                                           on_block=self.on_block,
@@ -210,6 +224,17 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
                            bandwidth, reference, model, ids), "resyncs": forced.resyncs,
                   "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
+        if draft_block and args.acceptance:  # the same first rate with the plain loop
+            engine.pipelined = False
+            rate = args.acceptance[0]
+            forced = ForcedDrafts(engine, bf16, ids, args.new, rate, natural.tokens,
+                                  draft_block=draft_block)
+            forced.run()
+            result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
+            engine.pipelined = True
+            emit({**row_of(f"verified-{args.draft} @{rate} plain loop", result, weight_bytes,
+                           bandwidth, reference, model, ids), "resyncs": forced.resyncs,
+                  "mean_k": mean_k(result)})
     for temperature in args.temperature:  # sampled: BF16-only against verified sampling
         params = unimax.SamplingParams(temperature=temperature, seed=0)
         for name, eng, mode in (("bf16", bf16, "fast"),
@@ -231,10 +256,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
                             writes=[verifier.cache, verifier.snapshot])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
     base = parts["bf16_step_ms"]
-    # A full block's replays against the block's measured time (forced 1.0, fixed k: every
-    # block drafts k): the rest is the host's share (its sync, Python, graph launches) and any
-    # idle GPU between blocks. Large, it says: queue the next block before reading this one.
-    full = next((r for r in rows if r["mode"].endswith("@1.0")), None)
+    # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
+    # loop: every block drafts k after the host read the block before): the rest is the host's
+    # share (its sync, Python, graph launches) and idle GPU between blocks, which the pipelined
+    # loop (the default, the row without "plain loop") hides behind the drafts.
+    full = next((r for r in rows if r["mode"].endswith("@1.0 plain loop")), None)
     if full is not None and parts[f"verify_{k}_ms"]:
         parts["replays_per_block_ms"] = k * parts["draft_step_ms"] + parts[f"verify_{k}_ms"]
         parts["host_and_gaps_per_block_ms"] = full["ms_per_block"] - parts["replays_per_block_ms"]
