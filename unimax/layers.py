@@ -15,8 +15,8 @@ from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .norms import GatedRMSNorm, RMSNorm, swiglu
-from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step
-from .ops.gated_delta import gated_delta_rule
+from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
+from .ops.gated_delta import first_steps_only, gated_delta_rule
 
 
 class GatedDeltaNetMixer(nn.Module):
@@ -51,10 +51,7 @@ class GatedDeltaNetMixer(nn.Module):
         mixed, new_conv_state = conv(mixed, self.conv_weight, conv_state)
         valid = None if state is None else state.valid
         if valid is not None:  # a padded forward (RecurrentCache.counting): the window after
-            # the first `valid` inputs, not after the padding
-            full = torch.cat([conv_state.to(conv_input.dtype), conv_input.transpose(1, 2)], -1)
-            new_conv_state = full.index_select(
-                -1, valid + torch.arange(cfg.conv_size, device=full.device))
+            new_conv_state = conv_window_after(conv_state, conv_input, valid)  # the real inputs
 
         q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = q.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim).contiguous()
@@ -65,12 +62,8 @@ class GatedDeltaNetMixer(nn.Module):
             beta = beta * 2.0
         # g = -exp(A_log) * softplus(a + dt_bias): the per-head log-decay, computed in fp32.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if valid is not None:
-            # Steps past `valid` change nothing: a decay of exp(0) = 1 and a write strength of
-            # 0 leave the state exactly as it was (their outputs are never read).
-            live = (torch.arange(seq_len, device=g.device) < valid)[None, :, None]
-            g = g * live
-            beta = beta * live.to(beta.dtype)
+        if valid is not None:  # the padding's steps change nothing (their outputs are unread)
+            g, beta = first_steps_only(g, beta, valid)
 
         if state is not None and state.tape is not None:  # the verifier's tape (unimax.tape)
             state.tape.record(conv_input, q, k, v, g, beta)

@@ -11,7 +11,8 @@ from .cache import AttentionStateSpec, LayerStateSpec, RecurrentCache
 from .config import GDNConfig
 from .layers import GDNBlock
 from .norms import RMSNorm
-from .ops.gated_delta import gated_delta_rule
+from .ops.conv import conv_window_after
+from .ops.gated_delta import first_steps_only, gated_delta_rule
 from .tape import Tape
 
 
@@ -129,18 +130,16 @@ class GDNForCausalLM(nn.Module):
             if n:
                 conv_shape = (n, cfg.conv_dim, cfg.conv_size)
                 rec_shape = (n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)
-                window = torch.cat([before.conv_buffer.view(conv_shape).to(tape.conv_input.dtype),
-                                    tape.conv_input[:, :span].transpose(1, 2)], dim=-1)
+                before_conv = before.conv_buffer.view(conv_shape)
+                inputs = tape.conv_input[:, :span]
                 q, k, v, g, beta = tape.recurrence_inputs(span)
                 if on_device:
-                    # the window after `length` new inputs: entries length .. length + W - 1
-                    # of [the W before, the span new]
-                    index = length + torch.arange(cfg.conv_size, device=length.device)
-                    window = window.index_select(-1, index)
-                    live = torch.arange(span, device=length.device) < length
-                    g = g * live[None, :, None]
-                    beta = beta * live[None, :, None].to(beta.dtype)
-                cache.conv_buffer.view(conv_shape).copy_(window[..., -cfg.conv_size:])
+                    window = conv_window_after(before_conv, inputs, length)
+                    g, beta = first_steps_only(g, beta, length)
+                else:
+                    window = torch.cat([before_conv.to(inputs.dtype), inputs.transpose(1, 2)],
+                                       dim=-1)[..., -cfg.conv_size:]
+                cache.conv_buffer.view(conv_shape).copy_(window)
                 backend = next(b.mixer.backend for b in self.layers
                                if hasattr(b.mixer, "backend"))
                 _, recurrent = gated_delta_rule(q, k, v, g, beta,

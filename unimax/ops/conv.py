@@ -69,3 +69,14 @@ def causal_conv1d_long(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     full = torch.cat([state[..., 1:].to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, D, W-1+T)
     y = F.conv1d(full.float(), weight.float()[:, None, :], groups=weight.shape[0])
     return F.silu(y).to(x.dtype).transpose(1, 2), full[..., -width:]  # (T >= 1: W entries)
+
+
+def conv_window_after(state: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor
+                      ) -> torch.Tensor:
+    """The conv state (B, D, W) after the first ``valid`` (a 0-d device tensor) of ``inputs``
+    (B, T, D) fed on ``state`` (B, D, W): entries valid .. valid + W - 1 of [the W before, the
+    T new]. For forwards whose real length is on the device (a padded prompt, a verify block's
+    accepted prefix)."""
+    full = torch.cat([state.to(inputs.dtype), inputs.transpose(1, 2)], dim=-1)
+    return full.index_select(-1, valid + torch.arange(state.shape[-1], device=full.device))
+

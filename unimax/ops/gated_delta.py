@@ -46,6 +46,15 @@ def _prepare(q, k, v, g, beta):
     return q, k, v, g, beta
 
 
+def first_steps_only(g: torch.Tensor, beta: torch.Tensor, valid: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """g, beta (B, T, H) with the steps at or past ``valid`` (a 0-d device tensor) made no-ops:
+    a decay of exp(0) = 1 and a write strength of 0 leave a GDN state exactly as it was, so the
+    recurrence over all T steps ends in the state after the first ``valid``."""
+    live = (torch.arange(g.shape[1], device=g.device) < valid)[None, :, None]
+    return g * live, beta * live.to(beta.dtype)
+
+
 def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     batch, _, num_v_heads, head_v_dim = v.shape
     return v.new_zeros(batch, num_v_heads, q.shape[-1], head_v_dim, dtype=torch.float32)
