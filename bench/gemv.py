@@ -68,8 +68,10 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
     if m <= gemv_mod.PROGRAM_ROWS:
         variants["dot"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="dot")
+        variants["splitk"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="splitk")
         if kind == "fp8":
             variants["rows16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="rows16")
+            variants["splitk16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="splitk16")
     if kind == "bf16":
         variants["cublas"] = lambda i: F.linear(x, weights[i][0])
     for label, fn in variants.items():
@@ -98,7 +100,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
           "us per call (fraction of copy bandwidth)")
-    labels = ("triton", "rows16", "dot", "cublas")
+    labels = ("triton", "rows16", "splitk", "splitk16", "dot", "cublas")
     print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
     for r in rows:
         cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r
@@ -109,8 +111,11 @@ def main() -> None:
             sel = [r for r in rows if r["kind"] == kind and r["M"] == m]
             total = {x: sum(r[x + "_us"] * r["calls"] for r in sel)
                      for x in labels if all(x + "_us" in r for r in sel)}
+            best = sum(min(r[x + "_us"] for x in labels if x + "_us" in r) * r["calls"]
+                       for r in sel)
             print(f"per step, {kind} M={m}: " + ", ".join(f"{x} {v:.0f} us"
-                                                         for x, v in total.items()))
+                                                         for x, v in total.items())
+                  + f", best per shape {best:.0f} us")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from typing import Optional
 import torch
 
 GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
+KERNELS = ("rows", "rows16", "splitk", "splitk16", "dot")
+# "splitk"/"splitk16" among choose()'s candidates (M <= PROGRAM_ROWS): off until bench/gemv.py
+# has measured them and the GPU test has run them (tests/test_gpu_engine.py)
+SPLIT_K_CANDIDATES = False
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
 
@@ -91,6 +95,79 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
 
 
 @functools.cache
+def _splitk_kernel(f16: bool = False):
+    """"splitk": the GEMV with K cut into SPLIT slices, each a program of its own, for the
+    K-long, N-narrow matrices (out_proj 2560 x 4096, down 2560 x 9216 at 4B), where one program
+    per BLOCK_N rows leaves too few programs and too few bytes in flight: those streamed at
+    0.43-0.58 of the copy bandwidth against 0.74-1.0 for the wide ones (bench/gemv.py, H200).
+    Each slice stores its partial sums; the slice that arrives last (an atomic ticket per row
+    block) adds the partials in slice order, so the result does not depend on arrival order,
+    and resets the ticket for the next call (or graph replay). ``f16`` as in rows16."""
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT": split}, num_warps=w)
+               for n, k, w in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
+                               (16, 512, 8), (32, 256, 4))
+               for split in (2, 4, 8)]
+
+    @triton.jit
+    def splitk_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr, N, K, stride_xm,
+                      stride_wn, stride_ym, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
+        block, piece, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
+        for k0 in range(piece * span, (piece + 1) * span, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+            if F16:
+                x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
+                acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]
+            else:
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(part_ptr + (row * SPLIT + piece) * N + rn, tl.sum(acc.to(tl.float32), axis=1),
+                 mask=rn < N)
+        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+        ticket = ticket_ptr + row * tl.num_programs(0) + block
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for other in tl.static_range(SPLIT):  # slice order: deterministic
+                # .cg: from L2, where the other slices' stores are (not a stale L1 line)
+                total += tl.load(part_ptr + (row * SPLIT + other) * N + rn, mask=rn < N,
+                                 other=0.0, cache_modifier=".cg")
+            if F16:
+                total = total * 64.0
+            if HAS_SCALE:
+                total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+            tl.store(y_ptr + row * stride_ym + rn, total.to(y_ptr.dtype.element_ty),
+                     mask=rn < N)
+            tl.atomic_xchg(ticket, 0)
+
+    if _interpreted():
+        return triton, splitk_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": 3, "F16": f16}
+    return (triton, triton.autotune(configs=configs, key=["N", "K"])(splitk_kernel),
+            {"F16": f16})
+
+
+# Per device and (M, N): the split-K kernel's partial sums (M, 8, N) fp32 and tickets (M, N)
+# int32, zero at rest (the last slice of each row block resets its ticket). One set serves
+# every call of that shape: calls on one stream run one after another.
+_SPLITK_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _splitk_buffers(m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, m, n)
+    if key not in _SPLITK_BUFFERS:
+        _SPLITK_BUFFERS[key] = (torch.empty(m, 8, n, device=device, dtype=torch.float32),
+                                torch.zeros(m, n, device=device, dtype=torch.int32))
+    return _SPLITK_BUFFERS[key]
+
+
+@functools.cache
 def _dot_kernel(scaled: bool):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
     read once for the whole block (the verifier's k tokens)."""
@@ -137,7 +214,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
-    weights only) or "dot" (tensor cores); by default rows for M <= PROGRAM_ROWS."""
+    weights only), "splitk" / "splitk16" (the same with K in slices) or "dot" (tensor cores);
+    by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -147,15 +225,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if m > GEMV_ROWS:
         raise ValueError(f"gemv: at most {GEMV_ROWS} rows, got {m}")
     kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
-    if kernel not in ("rows", "rows16", "dot"):
-        raise ValueError(f"gemv: kernel must be 'rows', 'rows16' or 'dot', got {kernel!r}")
-    if kernel == "rows16" and scale is None:
-        raise ValueError("gemv: rows16 (FP16 products) is for FP8 weights only")
+    if kernel not in KERNELS:
+        raise ValueError(f"gemv: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel in ("rows16", "splitk16") and scale is None:
+        raise ValueError(f"gemv: {kernel} (FP16 products) is for FP8 weights only")
     x = x.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
-    if kernel in ("rows", "rows16"):
+    if kernel in ("splitk", "splitk16"):
+        triton, launch, fixed = _splitk_kernel(kernel == "splitk16")
+        part, tickets = _splitk_buffers(m, n, x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], m)  # noqa: E731
+        launch[grid](x, weight, scale if scaled else x, y, part, tickets, n, k, x.stride(0),
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
+    elif kernel in ("rows", "rows16"):
         triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16")
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
@@ -170,7 +254,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------
 
-CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "rows" | "rows16" | "dot" | "cublas"
+CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> one of KERNELS or "cublas"
 
 
 def _time_us(fn) -> float:
@@ -189,7 +273,8 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
     kernel, 1.4x slower than the GEMV for FP8 weights with FP16 products and 1.06x for BF16."""
     if m > PROGRAM_ROWS:
         return ("dot",) if scaled else ("dot", "cublas")
-    return ("rows", "rows16") if scaled else ("rows", "cublas")
+    split = (("splitk", "splitk16") if scaled else ("splitk",)) if SPLIT_K_CANDIDATES else ()
+    return (("rows", "rows16") if scaled else ("rows", "cublas")) + split
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
