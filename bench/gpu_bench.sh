@@ -17,7 +17,7 @@ case "${1:-}" in
   kernels)
     timeout 240 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -28
     timeout 100 python3 bench/attention.py --max-context 4096 32768 --json "$OUT/attn.json" \
-      2>&1 | quiet | tail -9
+      2>&1 | quiet | tail -14
     timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --fla-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
