@@ -7,6 +7,9 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
+#   run: bash bench/gpu_bench.sh demo       the trained demo model (in the repo): acceptance and
+#                                           tok/s of every mode with the GPU's FP8 kernels,
+#                                           greedy and sampled at T 0.7 and 1.0
 # JSON results land in $OUT; each script prints its table last.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -33,5 +36,11 @@ case "${1:-}" in
       --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile"; exit 2 ;;
+  demo)
+    python3 -m train.corpus /tmp/corpus.jsonl > "$OUT/corpus.json" || exit 1
+    timeout 540 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
+      --new 64 --samples 0 --temperatures 0.7 1.0 --device cuda --json "$OUT/demo.json" \
+      > "$OUT/demo.log" 2>&1
+    grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|demo"; exit 2 ;;
 esac
