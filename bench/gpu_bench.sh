@@ -39,7 +39,8 @@ case "${1:-}" in
   demo)
     python3 -m train.corpus /tmp/corpus.jsonl > "$OUT/corpus.json" || exit 1
     timeout 540 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
-      --new 64 --samples 0 --temperatures 0.7 1.0 --device cuda --json "$OUT/demo.json" \
+      --new 64 --samples 0 --check 10 --temperatures 0.7 1.0 --device cuda \
+      --json "$OUT/demo.json" \
       > "$OUT/demo.log" 2>&1
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20 ;;
   *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|demo"; exit 2 ;;
