@@ -34,6 +34,9 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
         tape = model.make_tape(8)
         with cache.recording(tape):
             model.forward_unchecked(block, cache)  # the verifier's forward, k = 6
+        # a recording forward leaves the GDN state to the rewind (it would only be overwritten)
+        assert torch.equal(cache.recurrent_buffer, before.recurrent_buffer)
+        assert torch.equal(cache.conv_buffer, before.conv_buffer)
         for length in range(1, 7):
             model.rewind_unchecked(cache, before, tape, length)
             expected = model.make_recurrent_cache()

@@ -65,17 +65,23 @@ class GatedDeltaNetMixer(nn.Module):
         if valid is not None:  # the padding's steps change nothing (their outputs are unread)
             g, beta = first_steps_only(g, beta, valid)
 
-        if state is not None and state.tape is not None:  # the verifier's tape (unimax.tape)
+        # A recording forward (the verifier's, unimax.tape) leaves the state to the rewind that
+        # follows it, which writes the state after the accepted prefix from the tape anyway:
+        # writing the state after every drafted token first would only be overwritten.
+        recording = state is not None and state.tape is not None
+        if recording:
             state.tape.record(conv_input, q, k, v, g, beta)
         o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,
-                                                  backend=self.backend)
+                                                  backend=self.backend,
+                                                  final_state=not recording)
         if state is not None:
-            # copy_ into the cache's own storage: captured graphs keep pointing at it. The cache
-            # is state, not part of any autograd graph: written under no_grad, so a caller in
-            # default grad mode (as transformers users call a model) can use it too.
-            with torch.no_grad():
-                state.conv_states[0].copy_(new_conv_state)
-                state.recurrent_states[0].copy_(new_recurrent_state)
+            if not recording:
+                # copy_ into the cache's own storage: captured graphs keep pointing at it. The
+                # cache is state, not part of any autograd graph: written under no_grad, so a
+                # caller in default grad mode (as transformers users call a model) can use it.
+                with torch.no_grad():
+                    state.conv_states[0].copy_(new_conv_state)
+                    state.recurrent_states[0].copy_(new_recurrent_state)
             state.has_previous_state[0] = True
 
         z = z.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)

@@ -22,6 +22,7 @@ rewind.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -112,7 +113,8 @@ class Verifier:
         self.inputs[:, 1:k + 1].copy_(draft)
         compiled = self.compiled and k in (0, self.block_size)
         forward = self.compiled if compiled else self.forward
-        with self.cache.recording(self.tape):
+        # k = 0 keeps its one input: no tape, no rewind, the forward writes the state itself
+        with self.cache.recording(self.tape) if k else contextlib.nullcontext():
             logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
         if sampled:
             d = self.decoder
@@ -125,7 +127,7 @@ class Verifier:
             self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
             agree = self.predictions[0, :k].eq(draft[0]).long()
             self.num_accepted.copy_(agree.cumprod(dim=0).sum())
-        if k:  # (k = 0 keeps its one input: nothing to roll back)
+        if k:  # the state after the accepted prefix, from the tape (the forward left it)
             self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
                                         self.num_accepted + 1, k + 1)
         self.resync_draft()

@@ -141,26 +141,29 @@ def fla_ops():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, final_state: bool = True):
     """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs."""
     chunk, fused_recurrent = fla_ops()
     kernel = fused_recurrent if q.shape[1] <= 64 else chunk
     # Keywords only: the two kernels' positional orders differ (fused_recurrent has gk, gv
     # between g and beta).
     o, state = kernel(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=initial_state,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+                      output_final_state=final_state, use_qk_l2norm_in_kernel=True)
     return o, state
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto"):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto",
+                     final_state: bool = True):
     """Dispatch: 'fla' (CUDA + fla), 'chunk' or 'recurrent' (torch), 'torch' (chunk for
-    several tokens, recurrent for one), or 'auto' (fla where it can run, else 'torch')."""
+    several tokens, recurrent for one), or 'auto' (fla where it can run, else 'torch').
+    ``final_state=False``: the caller does not need the state after the run (fla then does not
+    write it; the torch forms compute it anyway and it is returned)."""
     if backend == "auto":
         backend = "fla" if q.is_cuda and fla_ops() is not None else "torch"
     if backend == "torch":
         backend = "recurrent" if q.shape[1] == 1 else "chunk"
     if backend == "fla":
-        return fla_gated_delta_rule(q, k, v, g, beta, initial_state)
+        return fla_gated_delta_rule(q, k, v, g, beta, initial_state, final_state)
     if backend == "chunk":
         return chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state)
     if backend == "recurrent":
