@@ -9,7 +9,8 @@
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh demo       the trained demo model (in the repo): acceptance and
 #                                           tok/s of every mode with the GPU's FP8 kernels,
-#                                           greedy and sampled at T 0.7 and 1.0
+#                                           greedy and sampled at T 0.7 and 1.0; TTFT
+#                                           through the app's service (bench/service_ttft.py)
 # JSON results land in $OUT; each script prints its table last.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -38,10 +39,12 @@ case "${1:-}" in
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
   demo)
     python3 -m train.corpus /tmp/corpus.jsonl > "$OUT/corpus.json" || exit 1
-    timeout 540 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
+    timeout 420 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
       --new 64 --samples 0 --check 10 --temperatures 0.7 1.0 --device cuda \
       --json "$OUT/demo.json" \
       > "$OUT/demo.log" 2>&1
-    grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20 ;;
+    grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
+    timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
+      | tail -5 ;;
   *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|demo"; exit 2 ;;
 esac
