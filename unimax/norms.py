@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LONG = 64  # more tokens than this: a prompt (as ops/conv.py)
+from .ops.conv import LONG  # more tokens than this: a prompt
+
 FLA_PROMPT_KERNELS = False
 
 
