@@ -5,10 +5,10 @@ At batch 1 a decode step's linears are matrix-vector products and a verifier blo
 k-row products: the time is reading W. cuBLAS picks GEMM tiles built for larger M: on the H200
 it read the 248k-row LM head in FP8 (``torch._scaled_mm``, which first quantizes the activation)
 barely faster than in BF16, and a compiled GDN step's BF16 projections at 1.4-2 TB/s of the
-card's ~4 (bench/RESULTS.md). Two Triton kernels stream the rows of W once and accumulate in
-fp32: "rows", where each row of x (M <= 4) is a program of its own (a GEMV: the re-reads hit
-L2), and "dot", where one program multiplies all rows of x (padded to 16) with a tile of W on
-the tensor cores.
+card's ~4 (bench/RESULTS.md). Triton kernels (ops/gemv_kernels.py) stream the rows of W
+once and accumulate in fp32: "rows", where each row of x (M <= 4) is a program of its own (a
+GEMV: the re-reads hit L2), "splitk", the same with K in slices, and "dot", where one program
+multiplies all rows of x (padded to 16) with a tile of W on the tensor cores.
 
 ``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
 compiled step traces through it without a graph break. It also chooses, once per shape at first
@@ -57,37 +57,13 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
     weights up to 448 overflow only past |x| ~ 9000. For drafts and the FP8 tail, whose FP8
     weights already round at ~2^-4; never for the exact model."""
     import triton
-    import triton.language as tl
+
+    from .gemv_kernels import gemv_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                for n, k, w in ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
                                (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 4),
                                (32, 512, 8), (64, 128, 4), (64, 256, 8), (128, 128, 8))]
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    F16: tl.constexpr):
-        row = tl.program_id(1)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            if F16:
-                x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
-                acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]
-            else:
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc.to(tl.float32), axis=1)
-        if F16:
-            y = y * 64.0
-        if HAS_SCALE:
-            y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
-        tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
     if _interpreted():
         return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "F16": f16}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel),
@@ -104,49 +80,13 @@ def _splitk_kernel(f16: bool = False):
     block) adds the partials in slice order, so the result does not depend on arrival order,
     and resets the ticket for the next call (or graph replay). ``f16`` as in rows16."""
     import triton
-    import triton.language as tl
+
+    from .gemv_kernels import splitk_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT": split}, num_warps=w)
                for n, k, w in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
                                (16, 512, 8), (32, 256, 4))
                for split in (2, 4, 8)]
-
-    @triton.jit
-    def splitk_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr, N, K, stride_xm,
-                      stride_wn, stride_ym, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
-        block, piece, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-        for k0 in range(piece * span, (piece + 1) * span, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            if F16:
-                x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
-                acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]
-            else:
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(part_ptr + (row * SPLIT + piece) * N + rn, tl.sum(acc.to(tl.float32), axis=1),
-                 mask=rn < N)
-        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-        ticket = ticket_ptr + row * tl.num_programs(0) + block
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for other in tl.static_range(SPLIT):  # slice order: deterministic
-                # .cg: from L2, where the other slices' stores are (not a stale L1 line)
-                total += tl.load(part_ptr + (row * SPLIT + other) * N + rn, mask=rn < N,
-                                 other=0.0, cache_modifier=".cg")
-            if F16:
-                total = total * 64.0
-            if HAS_SCALE:
-                total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
-            tl.store(y_ptr + row * stride_ym + rn, total.to(y_ptr.dtype.element_ty),
-                     mask=rn < N)
-            tl.atomic_xchg(ticket, 0)
-
     if _interpreted():
         return triton, splitk_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": 3, "F16": f16}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(splitk_kernel),
@@ -172,38 +112,13 @@ def _dot_kernel(scaled: bool):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
     read once for the whole block (the verifier's k tokens)."""
     import triton
-    import triton.language as tl
+
+    from .gemv_kernels import dot_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
                                   (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
                                   (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))]
-
-    @triton.jit
-    def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
-            # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
-            if DOT_F32:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
-                              input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-        if HAS_SCALE:
-            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
     if _interpreted():
         return triton, dot_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "DOT_F32": True}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(dot_kernel),

@@ -1,0 +1,94 @@
+"""The Triton kernels behind unimax.ops.gemv (imported by it lazily: Triton is needed only for
+CUDA work and the interpreter tests). Dispatch, autotuning and the kernel choice live there."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_sums(x_ptr, w_ptr, row, rn, N, K, k_lo, k_hi, stride_xm, stride_wn,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr):
+    """x[row, k_lo:k_hi] . W[rn, k_lo:k_hi] (fp32, (BLOCK_N,)), streaming W's rows once.
+
+    ``F16`` ("rows16", FP8 weights): products and the per-lane running sums in FP16, x scaled
+    by 1/64 first (the caller multiplies the sums back by 64); see gemv._gemv_kernel."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+        if F16:
+            x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
+            acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc.to(tl.float32), axis=1)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                F16: tl.constexpr):
+    row = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = row_sums(x_ptr, w_ptr, row, rn, N, K, 0, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K,
+                 F16)
+    if F16:
+        y = y * 64.0
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def splitk_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr, N, K, stride_xm,
+                  stride_wn, stride_ym, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
+    block, piece, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    part = row_sums(x_ptr, w_ptr, row, rn, N, K, piece * span, (piece + 1) * span, stride_xm,
+                    stride_wn, BLOCK_N, BLOCK_K, F16)
+    tl.store(part_ptr + (row * SPLIT + piece) * N + rn, part, mask=rn < N)
+    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+    ticket = ticket_ptr + row * tl.num_programs(0) + block
+    if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT - 1:
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for other in tl.static_range(SPLIT):  # slice order: deterministic
+            # .cg: from L2, where the other slices' stores are (not a stale L1 line)
+            total += tl.load(part_ptr + (row * SPLIT + other) * N + rn, mask=rn < N,
+                             other=0.0, cache_modifier=".cg")
+        if F16:
+            total = total * 64.0
+        if HAS_SCALE:
+            total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        tl.store(y_ptr + row * stride_ym + rn, total.to(y_ptr.dtype.element_ty),
+                 mask=rn < N)
+        tl.atomic_xchg(ticket, 0)
+
+
+@triton.jit
+def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+               HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
+        # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                          input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
