@@ -115,50 +115,43 @@ def test_capture_warm_up_runs_on_valid_buffers(model, monkeypatch):
     assert {key[1] for key in ran} == {4, 16} and len(ran) == 2 * first
 
 
-@torch.inference_mode()
-def test_capture_near_the_context_end_skips_what_would_not_fit(pure_or_hybrid, monkeypatch):
-    """On a hybrid model whose kept state is near the KV buffers' end, capture leaves out the
-    buckets whose warm-up would write KV past it (they are captured at first use, where
-    ``bucket`` has checked the fit)."""
-    model = pure_or_hybrid
-    engine = build_engine(model, decode="bf16", block_size=4)
-    prefill = ShortPrefill(model, engine.exact_cache, use_graphs=False, buckets=(4, 16, 64))
-    ran = []
-    monkeypatch.setattr(prefill.runner, "prepare",
-                        lambda key, fn, writes, buffers=(): ran.append(key[1]))
-    engine.exact_cache.seen_tokens = model.config.max_context - 10
-    prefill.capture()
-    if engine.exact_cache.has_attention:
-        assert set(ran) == {4}
-    else:  # pure GDN: no KV, every bucket fits
-        assert set(ran) == {4, 16, 64}
+def warm_ups_only(ran: list):
+    """GraphRunner.prepare as capture runs it, minus the CUDA graph: the body inside the real
+    trial_run (caches and buffers saved and restored, positions 0 meanwhile), eagerly, where a
+    write past the KV buffers raises."""
+    from unimax.graph import trial_run
 
+    def prepare(self, key, fn, writes, buffers=()):
+        with trial_run(writes, buffers):
+            fn()
+        ran.append(key)
+
+    return prepare
 
 
 @torch.inference_mode()
 def test_capture_graphs_near_the_context_end(pure_or_hybrid, monkeypatch):
     """The engine's capture_graphs on a kept state a few tokens short of the context's end (an
-    app that captures again after long use): every graph body's warm-up runs (here eagerly,
-    where writing KV past the buffers raises) from position 0, and the positions are back
-    afterwards."""
+    app that captures again after long use): every graph body's warm-up runs, every bucket
+    included, and the caches are left exactly as they were."""
     from unimax.graph import GraphRunner
 
     model = pure_or_hybrid
     engine = build_engine(model, decode="fp8", block_size=4)
     engine.short_prefill = ShortPrefill(model, engine.exact_cache, use_graphs=False,
-                                        buckets=(4, 16))
+                                        buckets=(4, 16, 64))
     ran = []
-
-    def warm_up(self, key, fn, writes, buffers=()):
-        fn()
-        ran.append(key)
-
-    monkeypatch.setattr(GraphRunner, "prepare", warm_up)
+    monkeypatch.setattr(GraphRunner, "prepare", warm_ups_only(ran))
+    engine.prefill_exact(ids(20, 5, model.config.vocab_size))
     near = model.config.max_context - 3
     for cache in (engine.exact_cache, engine.decode_graph.cache):
         cache.position.fill_(near)
         cache.seen_tokens = near
+    before = [s.clone() for s in cache_states(engine.exact_cache)]
     engine.capture_graphs(verified=True, sampled=True)
-    assert any(key[0] == "verify" for key in ran) and any(key[0] == "prefill" for key in ran)
+    assert any(key[0] == "verify" for key in ran)
+    assert {key[1] for key in ran if key[0] == "prefill"} == {4, 16, 64}
     for cache in (engine.exact_cache, engine.decode_graph.cache):
         assert int(cache.position) == cache.seen_tokens == near
+    for a, b in zip(before, cache_states(engine.exact_cache), strict=True):
+        assert torch.equal(a, b)

@@ -10,7 +10,6 @@ Modes:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -237,36 +236,17 @@ class UniMaxEngine:
         mode the verifier of each block size and the rewind of each length; ``sampled``: the
         sampling variants too) at start-up. The caches are left as they were. A no-op without
         graphs."""
-        with self._at_position_zero():
-            self.decode_graph.capture_blocks()  # greedy blocks: every reply may meet them
+        self.decode_graph.capture_blocks()  # greedy blocks: every reply may meet them
+        if sampled:
+            self.decode_graph.capture_blocks(sampled=True)
+        if self.short_prefill is not None:
+            self.short_prefill.capture()
+        if verified:
             if sampled:
-                self.decode_graph.capture_blocks(sampled=True)
-            if self.short_prefill is not None:
-                self.short_prefill.capture()
-            if verified:
-                if sampled:
-                    self.decode_graph.capture_blocks(record=True)
-                self.verifier.capture(sampled=sampled)
-        if verified and self.decode_graph.use_graphs:
-            self._calibrate_draft_length()
-
-    @contextlib.contextmanager
-    def _at_position_zero(self):
-        """Capture's warm-ups really run each graph's body on the caches as they are; near the
-        context's end they would write KV past the buffers (a device-side assert). The graphs
-        read the position on the device, so they are the same captured from position 0: the
-        caches' positions are 0 meanwhile (each capture restores what its warm-up wrote)."""
-        caches = (self.exact_cache, self.decode_graph.cache)
-        saved = [(cache.position.clone(), cache.seen_tokens) for cache in caches]
-        for cache in caches:
-            cache.position.zero_()
-            cache.seen_tokens = 0
-        try:
-            yield
-        finally:
-            for cache, (position, seen) in zip(caches, saved, strict=True):
-                cache.position.copy_(position)
-                cache.seen_tokens = seen
+                self.decode_graph.capture_blocks(record=True)
+            self.verifier.capture(sampled=sampled)
+            if self.decode_graph.use_graphs:
+                self._calibrate_draft_length()
 
     def _calibrate_draft_length(self) -> None:
         """The draft-length policy's costs: the captured graphs' own replay times."""

@@ -8,6 +8,7 @@ the very same block function runs eagerly: same ops, same results.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -51,25 +52,41 @@ class GraphRunner:
                 self.replay_ms[key] = replay_ms
 
     def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float | None]:
-        saved = [cache.empty_like() for cache in writes]
-        for copy, cache in zip(saved, writes, strict=True):
-            copy_cache_(copy, cache)
-        saved_buffers = [b.clone() for b in buffers]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
+        with trial_run(writes, buffers):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
-        replay_ms = median_replay_ms(graph) if self.timed else None
+            replay_ms = median_replay_ms(graph) if self.timed else None
+        return graph, replay_ms
+
+
+@contextlib.contextmanager
+def trial_run(writes: list[RecurrentCache], buffers: list[torch.Tensor] = ()):
+    """For the body of a with-block that really runs graph bodies (capture's warm-ups): every
+    cache they write and every buffer are saved before and restored after, and the caches'
+    positions are 0 meanwhile. Graphs read the position on the device, so they are the same
+    captured from 0; from the real one, near the context's end, a warm-up would write KV past
+    the buffers (a device-side assert)."""
+    saved = [cache.empty_like() for cache in writes]
+    for copy, cache in zip(saved, writes, strict=True):
+        copy_cache_(copy, cache)
+    saved_buffers = [b.clone() for b in buffers]
+    for cache in writes:
+        cache.position.zero_()
+        cache.seen_tokens = 0
+    try:
+        yield
+    finally:
         for copy, cache in zip(saved, writes, strict=True):
             copy_cache_(cache, copy)
         for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
             buffer.copy_(saved_buffer)
-        return graph, replay_ms
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:

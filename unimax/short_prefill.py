@@ -87,11 +87,6 @@ class ShortPrefill:
             for span in self.buckets:
                 if window is not None and span > window:
                     continue
-                if self.cache.has_attention and \
-                        self.cache.seen_tokens + span > self.cache.max_kv_length:
-                    # the warm-up would write KV past the buffers' end (a device-side assert);
-                    # a later prompt that fits captures this graph when it first needs it
-                    continue
                 with self.cache.attending(window):
                     self.runner.prepare(("prefill", span, window), lambda s=span: self._body(s),
                                         writes=[self.cache], buffers=self._buffers())
