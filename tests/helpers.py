@@ -85,3 +85,13 @@ def run_fla_script(args: list[str]) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"fla reference script failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spied(fn, name, calls: list):
+    """``fn`` that first appends ``name`` to ``calls``: which of several spied calls ran, in
+    what order."""
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return wrapper
+

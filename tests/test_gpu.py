@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, write_qwen_checkpoint
+from helpers import rel_err, spied, write_qwen_checkpoint
 from unimax import GDNConfig, GDNForCausalLM
 from unimax.ops.gated_delta import fla_ops, gated_delta_rule
 
@@ -70,8 +70,7 @@ def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
     real = norms.fla_norm_ops()
     names = ("rms_norm", "rms_norm_gated", "swiglu")
     monkeypatch.setattr(norms, "fla_norm_ops", lambda: tuple(
-        (lambda *a, f=f, n=n, **k: calls.append(n) or f(*a, **k))
-        for n, f in zip(names, real, strict=True)))
+        spied(f, n, calls) for n, f in zip(names, real, strict=True)))
     on = [norm(x), *(g(o, z) for g in gated.values()), swiglu(*gate_up.split(256, -1))]
     assert calls == ["rms_norm", "rms_norm_gated", "rms_norm_gated", "swiglu"]
     for a, b in zip(on, off, strict=True):

@@ -7,7 +7,7 @@ import torch
 from test_engine import CONFIG, erring_engine
 
 import unimax
-from helpers import cache_states, rel_err
+from helpers import cache_states, rel_err, spied
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState
 
@@ -93,13 +93,6 @@ def test_near_tie_judge_catches_a_wrong_token():
     divergence = first_divergence(bf16, x, wrong, reference)
     assert divergence["index"] == 4 and divergence["exact_paths_differ_by"] >= 0
     assert not is_near_tie(divergence), divergence
-
-
-def spied(fn, name: str, calls: list):
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return fn(*args, **kwargs)
-    return wrapper
 
 
 @torch.inference_mode()
