@@ -79,7 +79,8 @@ def engine_graph(model, variant: str):
                     draft_block=None if decode == "bf16" else BLOCK)
     engine.capture_graphs(verified=decode != "bf16")
     if variant == "engine-verify":
-        return engine.verifier.runner.graphs[("verify", BLOCK, None)], 1
+        key = engine.verifier.graph_key(BLOCK, BLOCK + 1, None, sampled=False)
+        return engine.verifier.runner.graphs[key], 1
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 

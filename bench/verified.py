@@ -248,7 +248,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
     verifier = engine.verifier
     window = engine.exact_cache.window_for(512 + args.new)
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
-    parts[f"verify_{k}_ms"] = replay_ms(verifier.runner, ("verify", k, window))
+    parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
+                                        verifier.graph_key(k, k + 1, window, sampled=False))
     length = k // 2
     # (the rollback runs inside each verify graph; timed alone here, as its own graph)
     verifier.runner.prepare(("rewind", length), lambda: model.rewind_unchecked(

@@ -133,16 +133,21 @@ def model(pure_or_hybrid):
 
 def test_engine_calibrates_from_its_graph_timings(model):
     """The policy's costs are the captured graphs' replay times: draft blocks per k, greedy
-    verify graphs (which include the rollback) averaged over KV buckets, sampled ones ignored;
-    with a draft block missing it stays uncalibrated."""
+    verify graphs (which include the rollback) of the span a reply meets, averaged over KV
+    buckets, sampled and unpadded ones ignored; with a draft block missing it stays
+    uncalibrated."""
     engine = erring_engine(model, block_size=3)
     decoded = engine.decode_graph.runner.replay_ms
     checked = engine.verifier.runner.replay_ms
     decoded.update({(k, False): 0.7 * k for k in (1, 2)})
     decoded.update({(k, True): 9.0 for k in (1, 2, 3)})
-    checked.update({("verify", k, w): 1.0 + 0.1 * k + (0.2 if w == 512 else 0.0)
+    span = engine.verifier.span
+    assert [span(k, 0) for k in range(4)] == [1, 4, 4, 4]  # padded to the full block
+    checked.update({("verify", k, span(k, 0), w): 1.0 + 0.1 * k + (0.2 if w == 512 else 0.0)
                     for k in range(4) for w in (256, 512)})
-    checked.update({("verify", k, 256, "sampled"): 50.0 for k in range(4)})
+    checked.update({("verify", k, span(k, 0), 256, "sampled"): 50.0 for k in range(4)})
+    # unpadded blocks (only where the buffers' end leaves no room) are not what replies meet
+    checked.update({("verify", k, k + 1, 512): 70.0 for k in (1, 2)})
     engine._calibrate_draft_length()
     assert not engine.draft_length.calibrated  # no (3, False) block yet
     decoded[(3, False)] = 2.1
@@ -151,4 +156,5 @@ def test_engine_calibrates_from_its_graph_timings(model):
     assert policy.calibrated
     assert policy.draft_ms == {0: 0.0, 1: 0.7, 2: 1.4, 3: 2.1}
     assert policy.verify_ms[2] == pytest.approx(1.3)  # (1.2 + 1.4) / 2, sampled left out
+    assert policy.verify_ms[1] == pytest.approx(1.2)  # the padded graphs, not the unpadded
     assert policy.rewind_ms == 0.0

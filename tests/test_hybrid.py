@@ -106,6 +106,33 @@ def test_verified_on_hybrid_rolls_kv_back(hybrid_model, block):
     assert short.mib == long.mib
 
 
+@pytest.mark.parametrize("block", [3, 8])
+def test_verified_runs_to_the_last_slot_of_the_context(checkpoint, block, monkeypatch):
+    """A reply that fills the context to its last slot: short blocks pad their forward to the
+    full block while the KV buffers have room and stop padding where they have none (the
+    padding would write KV past the buffers), and the tokens stay exact greedy."""
+    from test_engine import erring_engine
+
+    model = unimax.load_model(checkpoint[0], dtype="float32", max_context=64)
+    x = ids(20, seed=11)
+    expected = unimax.exact_greedy_tokens(model, x, 44)
+    engine = erring_engine(model, block_size=8, period=3)
+    spans = []
+    run = engine.verifier.runner.run
+
+    def spy(key, fn, *args, **kwargs):
+        spans.append((key[1], key[2], engine.exact_cache.seen_tokens))
+        return run(key, fn, *args, **kwargs)
+
+    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    got, report = engine.generate_verified(x, 44, draft_block=block)
+    assert torch.equal(got, expected) and report.rejected_blocks > 0
+    assert all(stored + span <= 64 for _, span, stored in spans)
+    short = [(span, stored) for k, span, stored in spans if 0 < k < 8]
+    assert any(span == 9 for span, _ in short)  # padded while there was room
+    assert any(span < 9 and stored + 9 > 64 for span, stored in short)  # then not
+
+
 @pytest.mark.parametrize("decode,draft", [("bf16", "tail"), ("fp8", "tail"), ("fp8", "full")])
 def test_engines_on_hybrid(hybrid_model, decode, draft):
     x = ids(40, seed=7)
@@ -205,12 +232,15 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     assert torch.equal(got, expected) and report.rejected_blocks > 0
     verifies = [(key, length, stored) for key, length, stored in seen if key[0] == "verify"]
     assert all(key[0] == "verify" for key, _, _ in seen)
-    assert {key[2] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 9 > 16 in block one
+    assert {key[3] for key, _, _ in verifies} == {32, 64, 128}  # 10 + 9 > 16 in block one
     cache = engine.exact_cache
-    for (_, k, window), length, stored in verifies:
-        # every entry it needs, and the smallest bucket that holds them
-        assert length == window == cache.window_for(stored + k + 1)
-        assert stored + k + 1 <= window
+    for (_, k, span, window), length, stored in verifies:
+        # every entry it needs (a short block's forward padded to the full one while the
+        # buffers have room), and the smallest bucket that holds them
+        room = stored + 9 <= cache.max_kv_length
+        assert span == (9 if 0 < k < 8 and room else k + 1)
+        assert length == window == cache.window_for(stored + span)
+        assert stored + span <= window
 
 
 @torch.inference_mode()

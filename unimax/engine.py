@@ -251,18 +251,12 @@ class UniMaxEngine:
     def _calibrate_draft_length(self) -> None:
         """The draft-length policy's costs: the captured graphs' own replay times."""
         decoded = self.decode_graph.runner.replay_ms
-        checked = self.verifier.runner.replay_ms
-        verify: dict[int, list[float]] = {}
-        for key, ms in checked.items():
-            if key[0] == "verify" and len(key) == 3:  # the greedy graphs
-                verify.setdefault(key[1], []).append(ms)
         if any((k, False) not in decoded for k in range(1, self.block_size + 1)):
             return  # not every draft block was captured: stay uncalibrated (k = block_size)
         # (the rollback runs inside each verify graph: its cost is in verify_ms)
         self.draft_length.calibrate(
             draft_ms={k: decoded[(k, False)] for k in range(1, self.block_size + 1)},
-            verify_ms={k: sum(v) / len(v) for k, v in verify.items()},  # mean over KV buckets
-            rewind_ms=0.0)
+            verify_ms=self.verifier.block_costs_ms(), rewind_ms=0.0)
 
     def _verified_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
         """Yields the tokens each block emits (list of ints). One host sync per block. Each

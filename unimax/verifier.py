@@ -14,10 +14,14 @@ m + 1 recorded steps, later ones masked out; no weight read; a full block rewind
 is), the draft's cache is resynced from it (the draft never fed its last token, and a full-FP8
 draft's states drift) and the next block's first token is set. One CUDA graph per k (and per KV
 bucket on hybrid models); with ``compile=True`` the forwards of the full-length block and of
-k = 0 run the small-M linears and are compiled by inductor first, like the decode step. Which k
-a block drafts is the engine's choice (unimax.draft_length). With sampling on, the block keeps
-drafts by the speculative rule instead of by agreement (unimax.speculative): same forward, same
-rewind.
+k = 0 run the small-M linears and are compiled by inductor first, like the decode step. A block
+of 0 < k < block_size drafts runs that same full-length forward, padded (``span``): its rows
+past k + 1 are computed and ignored, and the rewind masks their steps out as it does a
+rejection's. (An eager forward of k + 1 rows cost more than the compiled full block on the
+H200: 7.0-7.5 against 4.45 ms at 4B, which left the draft-length policy only k = 0 or the full
+block.) Which k a block drafts is the engine's choice (unimax.draft_length). With sampling on,
+the block keeps drafts by the speculative rule instead of by agreement (unimax.speculative):
+same forward, same rewind.
 """
 
 from __future__ import annotations
@@ -103,19 +107,32 @@ class Verifier:
 
     # --- graph bodies --------------------------------------------------------------------
 
-    def _verify(self, k: int, sampled: bool = False) -> None:
+    def span(self, k: int, seen: int) -> int:
+        """How many inputs a block of k drafts feeds the exact forward, with ``seen`` tokens
+        stored: the full block's block_size + 1 for 0 < k < block_size (padded: one compiled
+        forward for every k; the padding's KV lands past the position, where nothing reads it),
+        except where the KV buffers have no room for it (a hybrid's last tokens): k + 1."""
+        full = self.block_size + 1
+        room = not self.cache.has_attention or seen + full <= self.cache.max_kv_length
+        return full if 0 < k < self.block_size and room else k + 1
+
+    def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
         the agreeing prefix; sampled: the speculative rule, its token in every prediction
-        slot. Reads the draft (and its distributions) from the decoder's static buffers."""
+        slot. Reads the draft (and its distributions) from the decoder's static buffers.
+        ``span``: the forward's inputs (k + 1, or padded: see ``span``); inputs past k + 1
+        are whatever the buffers hold (earlier tokens: valid ids)."""
+        span = k + 1 if span is None else span
         self.take_snapshot()
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
-        compiled = self.compiled and k in (0, self.block_size)
+        compiled = self.compiled and span in (1, self.block_size + 1)
         forward = self.compiled if compiled else self.forward
         # k = 0 keeps its one input: no tape, no rewind, the forward writes the state itself
         with self.cache.recording(self.tape) if k else contextlib.nullcontext():
-            logits = forward(self.inputs[:, :k + 1], self.cache, logits_to_keep=k + 1)
+            logits = forward(self.inputs[:, :span], self.cache, logits_to_keep=span)
+        logits = logits[:, :k + 1]  # (a padded forward's later rows are not this block's)
         if sampled:
             d = self.decoder
             p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p)
@@ -127,7 +144,8 @@ class Verifier:
             self.predictions[:, :k + 1].copy_(logits.argmax(dim=-1))
             agree = self.predictions[0, :k].eq(draft[0]).long()
             self.num_accepted.copy_(agree.cumprod(dim=0).sum())
-        if k:  # the state after the accepted prefix, from the tape (the forward left it)
+        if k:  # the state after the accepted prefix, from the tape (the forward left it);
+            # at most k + 1 steps count, however many the (padded) forward recorded
             self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
                                         self.num_accepted + 1, k + 1)
         self.resync_draft()
@@ -141,20 +159,37 @@ class Verifier:
 
     @torch.inference_mode()
     def capture(self, sampled: bool = False) -> None:
-        """Every verifier graph a reply can meet: each block length in each KV bucket
-        (``sampled``: the verified-sampling graphs too). The caches are left as they were."""
-        caches = [self.cache, self.snapshot, self.decoder.cache]
-        for window in self.cache.windows():  # hybrid models: one set per KV bucket
+        """Every verifier graph a reply can meet: each block length in each KV bucket, padded
+        (``span``), and on hybrids unpadded in the last bucket, where the buffers' end can
+        leave no room for the padding (``sampled``: the verified-sampling graphs too). The
+        caches are left as they were."""
+        windows = self.cache.windows()
+        for window in windows:  # hybrid models: one set per KV bucket
+            spans = {k: {self.span(k, 0)} for k in range(self.block_size + 1)}
+            if window == windows[-1] and self.cache.has_attention:
+                for k in spans:
+                    spans[k].add(k + 1)
             with self.cache.attending(window):
-                for k, s in itertools.product(range(self.block_size + 1),
-                                              (False, True) if sampled else (False,)):
-                    self.runner.prepare(self._key(k, window, s),
-                                        lambda k=k, s=s: self._verify(k, s),
-                                        writes=caches, buffers=self._buffers())
+                for k, s in itertools.product(spans, (False, True) if sampled else (False,)):
+                    for span in sorted(spans[k]):
+                        self.runner.prepare(self.graph_key(k, span, window, s),
+                                            lambda k=k, s=s, span=span: self._verify(k, s, span),
+                                            writes=[self.cache, self.snapshot, self.decoder.cache],
+                                            buffers=self._buffers())
 
     @staticmethod
-    def _key(k: int, window, sampled: bool):
-        return ("verify", k, window, "sampled") if sampled else ("verify", k, window)
+    def graph_key(k: int, span: int, window, sampled: bool):
+        return ("verify", k, span, window) + (("sampled",) if sampled else ())
+
+    def block_costs_ms(self) -> dict[int, float]:
+        """k -> the measured replay time of a greedy block of k drafts where the buffers have
+        room (the span a reply meets), the mean over KV buckets: the draft-length policy's
+        verify costs. Empty before capture (or without graphs)."""
+        costs: dict[int, list[float]] = {}
+        for key, ms in self.runner.replay_ms.items():
+            if key[0] == "verify" and len(key) == 4 and key[2] == self.span(key[1], 0):
+                costs.setdefault(key[1], []).append(ms)
+        return {k: sum(v) / len(v) for k, v in costs.items()}
 
     def check(self, k: int, counts: VerifyCounts, sampled: bool = False) -> list[int]:
         """Check the k drafts the decoder just wrote (k = 0: none); returns the tokens the block
@@ -170,11 +205,13 @@ class Verifier:
         if sampled:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
             self.u_final.uniform_(generator=self.decoder.generator)
-        # The verifier's block ends at seen + k + 1: it reads the KV bucket holding that many
+        # The verifier's forward ends at seen + span: it reads the KV bucket holding that many
         # entries (its graphs are keyed by it; None: pure GDN).
-        window = self.cache.window_for(seen + k + 1)
+        span = self.span(k, seen)
+        window = self.cache.window_for(seen + span)
         with self.cache.attending(window):
-            self.runner.run(self._key(k, window, sampled), lambda: self._verify(k, sampled),
+            self.runner.run(self.graph_key(k, span, window, sampled),
+                            lambda: self._verify(k, sampled, span),
                             writes=[self.cache, self.snapshot, self.decoder.cache],
                             buffers=self._buffers())
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
