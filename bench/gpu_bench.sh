@@ -7,6 +7,8 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
+#   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
+#                                           prefill_exact (issue 15: where the 16k's time goes)
 #   run: bash bench/gpu_bench.sh demo       the trained demo model (in the repo): acceptance and
 #                                           tok/s of every mode with the GPU's FP8 kernels,
 #                                           greedy and sampled at T 0.7 and 1.0; TTFT
@@ -37,6 +39,10 @@ case "${1:-}" in
       --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
+  prefill)
+    timeout 400 python3 bench/profile_prefill.py --json "$OUT/prefill.json" > "$OUT/prefill.log" \
+      2>&1
+    grep -v Assertion "$OUT/prefill.log" | quiet | cut -c1-160 | tail -50 ;;
   demo)
     python3 -m train.corpus /tmp/corpus.jsonl > "$OUT/corpus.json" || exit 1
     timeout 420 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
@@ -46,5 +52,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|prefill|demo"; exit 2 ;;
 esac
