@@ -101,6 +101,22 @@ def test_probes_after_a_run_of_exact_steps_and_recovers():
     assert min(ks[7:]) >= 1 and ks[-1] >= 3, ks
 
 
+def test_a_fresh_policy_drafts_from_its_first_block():
+    """At the H200's measured 4B costs in BF16 steps (bench/RESULTS.md, fourth session: draft
+    step 0.655, a padded verify 1.25 for every k >= 1, an exact step through the verifier 1.02),
+    the prior alone makes the first block draft, so good drafts are in use from the start of a
+    reply instead of after the first probe, 32 exact steps in; poor ones cost that one block."""
+    p = DraftLength(K, host_ms=0.03)
+    p.calibrate({k: 0.655 * k for k in range(1, K + 1)},
+                {0: 1.02, **{k: 1.25 for k in range(1, K + 1)}}, rewind_ms=0.0)
+    assert p.choose(100) >= 2
+    for _ in range(4):
+        p.observe(p.choose(100), 0)
+    assert p.choose(100) == 0
+    p.forget()
+    assert p.choose(100) >= 2
+
+
 def test_observe_checks_its_input():
     with pytest.raises(ValueError, match="accepted must be in 0..3"):
         policy().observe(3, 4)
