@@ -117,6 +117,31 @@ def test_a_fresh_policy_drafts_from_its_first_block():
     assert p.choose(100) >= 2
 
 
+def test_an_exact_run_is_the_k0_blocks_chosen_one_by_one():
+    """Poor drafts: choosing block by block and choosing exact runs (up to 8 steps, each
+    observed as a k = 0 block) give the same draft length at every step, probes included."""
+    def trained():
+        p = policy(probe_every=11)
+        for _ in range(50):
+            p.observe(K, 0)
+        return p
+
+    one, runs = trained(), trained()
+    by_block = []
+    for _ in range(60):
+        by_block.append(one.choose(1000))
+        one.observe(by_block[-1], 0)
+    by_run = []
+    while len(by_run) < 60:
+        k = runs.choose(1000)
+        steps = runs.exact_run(8) if k == 0 and not runs.probe else 1
+        for _ in range(steps):
+            runs.observe(k, 0)
+        by_run += [k] * steps
+    assert by_run[:60] == by_block
+    assert by_block.count(1) == 5  # a probe per 11 blocks
+
+
 def test_observe_checks_its_input():
     with pytest.raises(ValueError, match="accepted must be in 0..3"):
         policy().observe(3, 4)
@@ -138,6 +163,7 @@ def test_engine_with_the_policy_is_exact(model, period):
     lengths = report.drafted_tokens / report.verifier_blocks
     if period == 2:  # mostly exact steps, a probe now and then
         assert lengths < 1.0
+        assert report.verifier_blocks > report.generated_tokens / 2  # runs count per step
     else:
         assert lengths > 2.0 and engine.draft_length.acceptance > 0.9
 
@@ -174,3 +200,56 @@ def test_engine_calibrates_from_its_graph_timings(model):
     assert policy.verify_ms[2] == pytest.approx(1.3)  # (1.2 + 1.4) / 2, sampled left out
     assert policy.verify_ms[1] == pytest.approx(1.2)  # the padded graphs, not the unpadded
     assert policy.rewind_ms == 0.0
+
+
+@torch.inference_mode()
+def test_exact_runs_with_a_stop_inside_keep_the_conversation_exact(model, monkeypatch):
+    """Poor drafts: the exact steps run several to a graph (one host sync per run); a stop
+    token inside a run ends the reply there, and the next turn continues from exactly prompt +
+    reply, on pure and hybrid models."""
+    from test_engine import fresh_state
+
+    from helpers import rel_err
+
+    engine = erring_engine(model, block_size=K, period=2)
+    engine.draft_length.calibrate(DRAFT, VERIFY, rewind_ms=0.05)
+    keys = []
+    run = engine.verifier.runner.run
+
+    def spy(key, fn, *args, **kwargs):
+        keys.append(key)
+        return run(key, fn, *args, **kwargs)
+
+    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    x = prompt(11, seed=8) % model.config.vocab_size
+    reference = unimax.exact_greedy_tokens(model, x, 50)[0].tolist()
+    blocks = []
+    assert engine.generate(x, 50, mode="verified", on_block=blocks.append).tokens == reference
+    assert max(key[1] for key in keys if key[0] == "exact") == K  # runs of up to a block
+    # a stop id inside a run after other runs: a token it emitted after its first, first
+    # seen there
+    assert blocks[0] == reference[:1]  # the prefill's token, then one block per launch
+    start, inside = 1, []
+    for key, block in zip(keys, blocks[1:], strict=True):
+        if key[0] == "exact":
+            inside += [start + i for i in range(1, len(block) - 1)
+                       if reference.index(block[i]) == start + i]
+        start += len(block)
+    assert [key[0] for key in keys].count("exact") >= 3 and inside
+    stop_at = inside[-1]
+    engine.reset()
+    engine.draft_length.forget()
+    keys.clear()
+    result = engine.generate(x, 50, mode="verified", stop_ids=[reference[stop_at]])
+    assert result.tokens == reference[:stop_at + 1] and result.stopped == "stop"
+    assert keys[-1][0] == "exact"  # the reply's last block: a run, cut by the stop
+    history = torch.cat([x, torch.tensor([result.tokens])], dim=1)
+    expected = fresh_state(model, history)
+    assert engine.exact_cache.seen_tokens == expected.seen_tokens
+    for a, b in zip(engine.exact_cache.layers, expected.layers, strict=True):
+        if hasattr(a, "recurrent_states"):
+            assert rel_err(a.recurrent_states[0], b.recurrent_states[0]) < 1e-5
+    turn2 = prompt(5, seed=9) % model.config.vocab_size
+    second = engine.generate(turn2, 12, mode="verified", keep_state=True)
+    assert second.tokens == unimax.exact_greedy_tokens(
+        model, torch.cat([history, turn2], dim=1), 12)[0].tolist()

@@ -103,6 +103,16 @@ class DraftLength:
                 self.probe = min(self.probe_length, limit)
         return self.probe
 
+    def exact_run(self, limit: int) -> int:
+        """After ``choose`` gave 0 and no probe: how many exact steps may run back to back as
+        one block (one graph, one host sync: the engine's exact run) before the next probe is
+        due, at most ``limit``. They count as that many k = 0 choices; observe each."""
+        if self.probe or not self.calibrated:
+            return 1
+        n = max(1, min(limit, self.probe_every - self.zero_run))
+        self.zero_run += n - 1
+        return n
+
     def forget(self) -> None:
         """Back to the prior (the costs stay)."""
         self.agreed = self.checked = 0.0

@@ -273,13 +273,19 @@ class UniMaxEngine:
             self.draft_length.forget()
         policy = self.draft_length
 
-        def pick(left: int) -> tuple[int, int]:
+        def pick(left: int) -> tuple[int, int, int]:
             """The draft length of a block that may emit up to ``left`` tokens (a block emits
             at most k + 1: the verifier never writes KV past the context the caller checked),
-            and the policy's probe state for it."""
+            the policy's probe state for it, and its exact steps: where the policy falls back
+            to k = 0 (greedy), up to block_size of them in one graph until its next probe."""
             if k_max is None:
-                return policy.choose(left), policy.probe
-            return min(k_max, left - 1), 0
+                k = policy.choose(left)
+                probe = policy.probe
+                steps = 1
+                if k == 0 and not probe and not sampled:
+                    steps = policy.exact_run(min(left, self.block_size))
+                return k, probe, steps
+            return min(k_max, left - 1), 0, 1
 
         def draft(k: int) -> None:
             if k:
@@ -287,23 +293,25 @@ class UniMaxEngine:
                 graph.run_block(k, record=sampled)
 
         remaining = n
-        k, probe = pick(remaining)
+        k, probe, steps = pick(remaining)
         draft(k)
         while True:
-            checking = self.verifier.launch(k, sampled)
+            checking = self.verifier.launch(k, sampled, steps)
             ahead = None
-            if self.pipelined and remaining - (k + 1) >= 1:
+            most = k + 1 if k else steps  # tokens this block may emit
+            if self.pipelined and remaining - most >= 1:
                 # The next block's drafts are queued now, behind this block's check, so the GPU
                 # drafts while the host reads this block: they read only what its graph leaves
                 # on the device (the next first token, the resynced draft state), and their
                 # length is chosen for the fewest tokens that can be left. If this block turns
                 # out to be the last (a stop id, a cancel) they are never read: they wrote only
                 # the draft's cache and KV past the exact position, which nothing reads.
-                ahead = pick(remaining - (k + 1))
+                ahead = pick(remaining - most)
                 draft(ahead[0])
             emitted = self.verifier.collect(checking, counts)
             policy.probe = probe  # (the choice for the block ahead moved it on)
-            policy.observe(k, len(emitted) - 1)
+            for _ in range(steps):  # (an exact run: that many k = 0 blocks)
+                policy.observe(k, len(emitted) - 1 if k else 0)
             remaining -= len(emitted)
             yield emitted
             if remaining <= 0:
@@ -311,7 +319,7 @@ class UniMaxEngine:
             if ahead is None:
                 ahead = pick(remaining)
                 draft(ahead[0])
-            k, probe = ahead
+            k, probe, steps = ahead
 
     # --- chat-facing generation: streaming, stop ids, state kept for the next turn ----------
 

@@ -21,7 +21,9 @@ rejection's. (An eager forward of k + 1 rows cost more than the compiled full bl
 H200: 7.0-7.5 against 4.45 ms at 4B, which left the draft-length policy only k = 0 or the full
 block.) Which k a block drafts is the engine's choice (unimax.draft_length). With sampling on,
 the block keeps drafts by the speculative rule instead of by agreement (unimax.speculative):
-same forward, same rewind.
+same forward, same rewind. Where the policy falls back to k = 0 (greedy), several exact steps
+run as one block ("exact run", ``_exact_steps``): one graph and one host sync for up to
+block_size tokens.
 """
 
 from __future__ import annotations
@@ -151,6 +153,20 @@ class Verifier:
         self.resync_draft()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
+    def _exact_steps(self, n: int) -> None:
+        """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
+        pay) in one graph and one host sync instead of n, as BF16-only decoding does its
+        blocks. Each step feeds the token the step before predicted; the snapshot is the state
+        before the run (a stop inside it: the engine restores it and feeds what was kept)."""
+        self.take_snapshot()
+        forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
+        for i in range(n):
+            self.inputs[:, :1].copy_(self.current)
+            logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
+            self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
+            self.current.copy_(self.predictions[:, i:i + 1])
+        self.resync_draft()
+
     def _buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
                 self.current]
@@ -161,8 +177,8 @@ class Verifier:
     def capture(self, sampled: bool = False) -> None:
         """Every verifier graph a reply can meet: each block length in each KV bucket, padded
         (``span``), and on hybrids unpadded in the last bucket, where the buffers' end can
-        leave no room for the padding (``sampled``: the verified-sampling graphs too). The
-        caches are left as they were."""
+        leave no room for the padding; exact runs of 2..block_size steps (``sampled``: the
+        verified-sampling graphs too). The caches are left as they were."""
         windows = self.cache.windows()
         for window in windows:  # hybrid models: one set per KV bucket
             spans = {k: {self.span(k, 0)} for k in range(self.block_size + 1)}
@@ -170,6 +186,10 @@ class Verifier:
                 for k in spans:
                     spans[k].add(k + 1)
             with self.cache.attending(window):
+                for n in range(2, self.block_size + 1):
+                    self.runner.prepare(("exact", n, window), lambda n=n: self._exact_steps(n),
+                                        writes=[self.cache, self.snapshot, self.decoder.cache],
+                                        buffers=self._buffers())
                 for k, s in itertools.product(spans, (False, True) if sampled else (False,)):
                     for span in sorted(spans[k]):
                         self.runner.prepare(self.graph_key(k, span, window, s),
@@ -198,37 +218,54 @@ class Verifier:
         sampling settings and seeded generator are the reply's)."""
         return self.collect(self.launch(k, sampled), counts)
 
-    def launch(self, k: int, sampled: bool = False) -> tuple[int, int]:
+    def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
         """``check``'s first half: queue the block's graph and the copy of its result; no
-        host sync. Returns what ``collect`` needs."""
+        host sync. ``steps`` > 1 (k = 0, greedy): an exact run of that many steps instead.
+        Returns what ``collect`` needs."""
         seen = self.cache.seen_tokens
         if sampled:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
             self.u_final.uniform_(generator=self.decoder.generator)
-        # The verifier's forward ends at seen + span: it reads the KV bucket holding that many
-        # entries (its graphs are keyed by it; None: pure GDN).
-        span = self.span(k, seen)
-        window = self.cache.window_for(seen + span)
-        with self.cache.attending(window):
-            self.runner.run(self.graph_key(k, span, window, sampled),
-                            lambda: self._verify(k, sampled, span),
-                            writes=[self.cache, self.snapshot, self.decoder.cache],
-                            buffers=self._buffers())
+        writes = [self.cache, self.snapshot, self.decoder.cache]
+        if steps > 1:
+            if k or sampled or steps > self.block_size:
+                raise ValueError(f"an exact run is 2..{self.block_size} greedy steps with no "
+                                 f"drafts; got k={k}, steps={steps}, sampled={sampled}")
+            window = self.cache.window_for(seen + steps)
+            with self.cache.attending(window):
+                self.runner.run(("exact", steps, window), lambda: self._exact_steps(steps),
+                                writes=writes, buffers=self._buffers())
+            parts = [self.num_accepted[None], self.predictions[0, :steps]]
+        else:
+            # The verifier's forward ends at seen + span: it reads the KV bucket holding that
+            # many entries (its graphs are keyed by it; None: pure GDN).
+            span = self.span(k, seen)
+            window = self.cache.window_for(seen + span)
+            with self.cache.attending(window):
+                self.runner.run(self.graph_key(k, span, window, sampled),
+                                lambda: self._verify(k, sampled, span),
+                                writes=writes, buffers=self._buffers())
+            parts = [self.num_accepted[None], self.decoder.out_tokens[0, :k],
+                     self.predictions[0, :k + 1]]
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
-        size = 2 * k + 2
-        torch.cat([self.num_accepted[None], self.decoder.out_tokens[0, :k],
-                   self.predictions[0, :k + 1]], out=self.result[:size])
+        size = sum(int(t.numel()) for t in parts)
+        torch.cat(parts, out=self.result[:size])
         self.result_host[:size].copy_(self.result[:size], non_blocking=True)
         if self.result_ready is not None:
             self.result_ready.record()
-        return seen, k
+        return seen, k, steps
 
-    def collect(self, launched: tuple[int, int], counts: VerifyCounts) -> list[int]:
+    def collect(self, launched: tuple[int, int, int], counts: VerifyCounts) -> list[int]:
         """``check``'s second half: wait for that block's result (not for work queued after
-        it) and account for it."""
-        seen, k = launched
+        it) and account for it (an exact run as that many k = 0 blocks)."""
+        seen, k, steps = launched
         if self.result_ready is not None:
             self.result_ready.synchronize()
+        if steps > 1:
+            exact = self.result_host[1:steps + 1].tolist()
+            counts.verifier_blocks += steps
+            self.cache.seen_tokens = self.decoder.cache.seen_tokens = seen + steps
+            return exact
         host = self.result_host[:2 * k + 2].tolist()
         m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.drafted += k
