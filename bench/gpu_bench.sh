@@ -3,7 +3,7 @@
 # bench/gpu_tests.sh first). With fla's wheels carried in .whl (see bench/gpu_tests.sh):
 #   run: bash bench/gpu_bench.sh kernels    gemv per shape (rows16), attention (rows), TTFT
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
-#                                           per-part times
+#                                           per-part times, the kernels of each graph
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
@@ -27,9 +27,9 @@ case "${1:-}" in
     timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --fla-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
-    timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 \
+    timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 --kernels \
       --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
-    grep -v Assertion "$OUT/verified.log" | quiet | cut -c1-300 | tail -20 ;;
+    grep -v Assertion "$OUT/verified.log" | grep -v '^{' | quiet | cut -c1-200 | tail -90 ;;
   sampled)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
       --json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1

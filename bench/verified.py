@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, median_device_seconds  # noqa: E402
+from profile_step import kernel_table  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
@@ -195,6 +196,9 @@ def bench_shape(shape, args, bandwidth) -> dict:
           "warmup_s": time.perf_counter() - start})
     bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
     parts["bf16_step_ms"] = bf16_block / k
+    kernels = {}
+    if args.kernels:  # the profile of the graphs measured here (no second engine to build)
+        kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
 
     start = time.perf_counter()
     engine = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
@@ -256,6 +260,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verifier.cache, verifier.snapshot, verifier.tape, length),
                             writes=[verifier.cache, verifier.snapshot])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
+    if args.kernels:
+        kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
+        kernels[f"verify {k} (per block)"] = kernels_of(
+            verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
+        kernels[f"exact run of {k} (per step)"] = kernels_of(verifier.runner,
+                                                             ("exact", k, window), k)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -271,7 +281,17 @@ def bench_shape(shape, args, bandwidth) -> dict:
                   "floor_ms": weight_bytes / bandwidth * 1e3})
     print(json.dumps(parts), flush=True)
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
-            "peaked_head": args.peak}
+            "peaked_head": args.peak, "kernels": kernels}
+
+
+def kernels_of(runner, key, per: int) -> dict | None:
+    """One replay's kernels grouped by name (bench/profile_step.py), per step of ``per``; None
+    where the runner has no such graph."""
+    graph = runner.graphs.get(key)
+    if graph is None:
+        return None
+    rows, busy, count = kernel_table(graph.replay, per)
+    return {"busy_us": busy, "kernels": count, "top": rows[:20]}
 
 
 def main() -> None:
@@ -287,6 +307,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, nargs="*", default=[],
                         help="also sampled rows (seed 0) at each temperature: BF16-only and "
                              "verified, adaptive k")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the kernels of the BF16 step, the draft step, the verify "
+                             "block and an exact run (the captured graphs measured here)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -318,6 +341,12 @@ def main() -> None:
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))
+        for name, table in data.get("kernels", {}).items():
+            if table is None:
+                continue
+            print(f"\n{name}: busy {table['busy_us']:.0f} us, {table['kernels']:.0f} kernels")
+            for row in table["top"][:14]:
+                print(f"  {row['us']:8.1f} us {row['calls']:5.1f}x  {row['name'][:90]}")
 
 
 if __name__ == "__main__":
