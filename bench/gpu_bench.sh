@@ -3,7 +3,9 @@
 # bench/gpu_tests.sh first). With fla's wheels carried in .whl (see bench/gpu_tests.sh):
 #   run: bash bench/gpu_bench.sh kernels    gemv per shape (rows16), attention (rows), TTFT
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
-#                                           per-part times, the kernels of each graph
+#                                           per-part times, the kernels of each graph;
+#                                           "verified 15": blocks of 15 drafts (16 rows: the
+#                                           verify GEMVs pad to 16 rows anyway)
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
@@ -28,7 +30,7 @@ case "${1:-}" in
       | quiet | tail -9 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 --kernels \
-      --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
+      --block "${2:-8}" --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
     grep -v Assertion "$OUT/verified.log" | grep -v '^{' | quiet | cut -c1-200 | tail -90 ;;
   sampled)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
