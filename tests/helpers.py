@@ -95,3 +95,18 @@ def spied(fn, name, calls: list):
         return fn(*args, **kwargs)
     return wrapper
 
+
+
+def verifier_launches(engine, monkeypatch, record=lambda key: key) -> list:
+    """What every verifier graph launch of ``engine`` from now on records: ``record(key)``
+    (the graph's key: ("verify", k, span, window[, "sampled"]) or ("exact", steps, window);
+    ``record`` may add the caches' state at launch), in launch order."""
+    launched = []
+    run = engine.verifier.runner.run
+
+    def spy(key, fn, *args, **kwargs):
+        launched.append(record(key))
+        return run(key, fn, *args, **kwargs)
+
+    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    return launched

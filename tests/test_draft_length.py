@@ -9,6 +9,7 @@ import torch
 from test_engine import erring_engine, prompt
 
 import unimax
+from helpers import rel_err, verifier_launches
 from unimax.draft_length import DraftLength
 
 # Costs shaped like the H200's 4B row (bench/RESULTS.md), in BF16 steps: a draft step 0.75, the
@@ -209,18 +210,9 @@ def test_exact_runs_with_a_stop_inside_keep_the_conversation_exact(model, monkey
     reply, on pure and hybrid models."""
     from test_engine import fresh_state
 
-    from helpers import rel_err
-
     engine = erring_engine(model, block_size=K, period=2)
     engine.draft_length.calibrate(DRAFT, VERIFY, rewind_ms=0.05)
-    keys = []
-    run = engine.verifier.runner.run
-
-    def spy(key, fn, *args, **kwargs):
-        keys.append(key)
-        return run(key, fn, *args, **kwargs)
-
-    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    keys = verifier_launches(engine, monkeypatch)
     x = prompt(11, seed=8) % model.config.vocab_size
     reference = unimax.exact_greedy_tokens(model, x, 50)[0].tolist()
     blocks = []

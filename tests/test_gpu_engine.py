@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err
+from helpers import rel_err, verifier_launches
 from unimax import GDNConfig, GDNForCausalLM, SamplingParams, build_engine
 from unimax.fp8 import FP8Linear
 
@@ -208,7 +208,7 @@ def test_compiled_verifier_is_exact(model):
         print(draft, "acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
 
 
-def test_adaptive_verified_in_captured_graphs_is_exact(model):
+def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
     """The app's verified mode: every graph captured up front, the draft-length policy
     calibrated from their replay times, compiled forwards: padded short blocks and exact runs
     (the full draft on random weights is poor, so the policy falls back to them) in graphs give
@@ -219,14 +219,7 @@ def test_adaptive_verified_in_captured_graphs_is_exact(model):
     engine = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
     engine.capture_graphs()
     assert engine.draft_length.calibrated
-    launched = []
-    run = engine.verifier.runner.run
-
-    def spy(key, fn, *args, **kwargs):
-        launched.append(key)
-        return run(key, fn, *args, **kwargs)
-
-    engine.verifier.runner.run = spy
+    launched = verifier_launches(engine, monkeypatch)
     got, report = engine.generate_verified(x, 96)
     reference = unimax.exact_greedy_tokens(model, x, 96)[0].tolist()
     divergence = first_divergence(model, x, got[0].tolist(), reference)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, write_qwen_checkpoint
+from helpers import rel_err, verifier_launches, write_qwen_checkpoint
 
 HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -117,14 +117,8 @@ def test_verified_runs_to_the_last_slot_of_the_context(checkpoint, block, monkey
     x = ids(20, seed=11)
     expected = unimax.exact_greedy_tokens(model, x, 44)
     engine = erring_engine(model, block_size=8, period=3)
-    spans = []
-    run = engine.verifier.runner.run
-
-    def spy(key, fn, *args, **kwargs):
-        spans.append((key[1], key[2], engine.exact_cache.seen_tokens))
-        return run(key, fn, *args, **kwargs)
-
-    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    spans = verifier_launches(engine, monkeypatch,
+                              lambda key: (key[1], key[2], engine.exact_cache.seen_tokens))
     got, report = engine.generate_verified(x, 44, draft_block=block)
     assert torch.equal(got, expected) and report.rejected_blocks > 0
     assert all(stored + span <= 64 for _, span, stored in spans)
@@ -219,15 +213,8 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
     x = ids(10, seed=3)
     expected = unimax.exact_greedy_tokens(hybrid_model, x, 70)
     engine = erring_engine(hybrid_model, block_size=8, period=3)
-    seen = []
-    run = engine.verifier.runner.run
-
-    def spy(key, fn, *args, **kwargs):
-        seen.append((key, engine.exact_cache.layers[3].attend_length,
-                     engine.exact_cache.seen_tokens))
-        return run(key, fn, *args, **kwargs)
-
-    monkeypatch.setattr(engine.verifier.runner, "run", spy)
+    seen = verifier_launches(engine, monkeypatch, lambda key: (
+        key, engine.exact_cache.layers[3].attend_length, engine.exact_cache.seen_tokens))
     got, report = engine.generate_verified(x, 70)
     assert torch.equal(got, expected) and report.rejected_blocks > 0
     verifies = [(key, length, stored) for key, length, stored in seen if key[0] == "verify"]
