@@ -68,10 +68,8 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
     if m <= gemv_mod.PROGRAM_ROWS:
         variants["dot"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="dot")
-        variants["splitk"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="splitk")
         if kind == "fp8":
             variants["rows16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="rows16")
-            variants["splitk16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="splitk16")
     if kind == "bf16":
         variants["cublas"] = lambda i: F.linear(x, weights[i][0])
     for label, fn in variants.items():
@@ -100,7 +98,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
           "us per call (fraction of copy bandwidth)")
-    labels = ("triton", "rows16", "splitk", "splitk16", "dot", "cublas")
+    labels = ("triton", "rows16", "dot", "cublas")
     print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
     for r in rows:
         cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r

@@ -274,7 +274,7 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             assert rel_err(y.float(), ref) < 1e-2
             kernels = ("rows", "dot") if m <= ops.PROGRAM_ROWS else ("dot",)
             if m <= ops.PROGRAM_ROWS:
-                kernels += ("rows16", "splitk", "splitk16") if len(weights) == 2 else ("splitk",)
+                kernels += ("rows16",) if len(weights) == 2 else ()
             for kernel in kernels:
                 assert rel_err(ops.gemv(x, *weights, kernel=kernel).float(), ref) < 1e-2
             graph = torch.cuda.CUDAGraph()
@@ -283,31 +283,4 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             x.copy_(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
             graph.replay()
             assert rel_err(out.float(), ops.gemv_ref(x, *weights).float()) < 1e-2
-
-
-def test_splitk_gemv_is_deterministic_under_load():
-    """The split-K GEMV's last-slice handshake on real hardware: on a K-long shape (the 4B
-    down projection), hundreds of calls in a row, in a captured graph and outside, give the same
-    bits each time (partials summed in slice order whatever order the slices finish in), equal
-    to the twin, and leave every ticket at 0."""
-    from unimax.fp8 import quantize_rows
-    from unimax.ops import gemv as ops
-
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    bf16 = torch.randn(2560, 9216, device="cuda", dtype=torch.bfloat16, generator=gen)
-    for weights, kernels in (((bf16,), ("splitk",)), (quantize_rows(bf16), ("splitk", "splitk16"))):
-        for m in (1, 4):
-            x = torch.randn(m, 9216, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for kernel in kernels:
-                first = ops.gemv(x, *weights, kernel=kernel)
-                assert rel_err(first.float(), ops.gemv_ref(x, *weights).float()) < 1e-2
-                outs = [ops.gemv(x, *weights, kernel=kernel) for _ in range(50)]
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = [ops.gemv(x, *weights, kernel=kernel) for _ in range(4)]
-                for _ in range(50):
-                    graph.replay()
-                    outs += [c.clone() for c in captured]
-                assert all(torch.equal(o, first) for o in outs), (kernel, m)
-                assert not ops._SPLITK_BUFFERS[(x.device, m, 2560)][1].any()
 

@@ -7,8 +7,9 @@ it read the 248k-row LM head in FP8 (``torch._scaled_mm``, which first quantizes
 barely faster than in BF16, and a compiled GDN step's BF16 projections at 1.4-2 TB/s of the
 card's ~4 (bench/RESULTS.md). Triton kernels (ops/gemv_kernels.py) stream the rows of W
 once and accumulate in fp32: "rows", where each row of x (M <= 4) is a program of its own (a
-GEMV: the re-reads hit L2), "splitk", the same with K in slices, and "dot", where one program
-multiplies all rows of x (padded to 16) with a tile of W on the tensor cores.
+GEMV: the re-reads hit L2), and "dot", where one program multiplies all rows of x (padded to 16)
+with a tile of W on the tensor cores. (A split-K GEMV, K in slices for the K-long matrices, was
+measured slower than "rows" on every 4B shape and removed: bench/RESULTS.md.)
 
 ``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
 compiled step traces through it without a graph break. It also chooses, once per shape at first
@@ -24,10 +25,7 @@ from typing import Optional
 import torch
 
 GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
-KERNELS = ("rows", "rows16", "splitk", "splitk16", "dot")
-# "splitk"/"splitk16" among choose()'s candidates (M <= PROGRAM_ROWS): off until bench/gemv.py
-# has measured them and the GPU test has run them (tests/test_gpu_engine.py)
-SPLIT_K_CANDIDATES = False
+KERNELS = ("rows", "rows16", "dot")
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
 
@@ -71,43 +69,6 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
 
 
 @functools.cache
-def _splitk_kernel(f16: bool = False):
-    """"splitk": the GEMV with K cut into SPLIT slices, each a program of its own, for the
-    K-long, N-narrow matrices (out_proj 2560 x 4096, down 2560 x 9216 at 4B), where one program
-    per BLOCK_N rows leaves too few programs and too few bytes in flight: those streamed at
-    0.43-0.58 of the copy bandwidth against 0.74-1.0 for the wide ones (bench/gemv.py, H200).
-    Each slice stores its partial sums; the slice that arrives last (an atomic ticket per row
-    block) adds the partials in slice order, so the result does not depend on arrival order,
-    and resets the ticket for the next call (or graph replay). ``f16`` as in rows16."""
-    import triton
-
-    from .gemv_kernels import splitk_kernel
-
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT": split}, num_warps=w)
-               for n, k, w in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
-                               (16, 512, 8), (32, 256, 4))
-               for split in (2, 4, 8)]
-    if _interpreted():
-        return triton, splitk_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": 3, "F16": f16}
-    return (triton, triton.autotune(configs=configs, key=["N", "K"])(splitk_kernel),
-            {"F16": f16})
-
-
-# Per device and (M, N): the split-K kernel's partial sums (M, 8, N) fp32 and tickets (M, N)
-# int32, zero at rest (the last slice of each row block resets its ticket). One set serves
-# every call of that shape: calls on one stream run one after another.
-_SPLITK_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _splitk_buffers(m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, m, n)
-    if key not in _SPLITK_BUFFERS:
-        _SPLITK_BUFFERS[key] = (torch.empty(m, 8, n, device=device, dtype=torch.float32),
-                                torch.zeros(m, n, device=device, dtype=torch.int32))
-    return _SPLITK_BUFFERS[key]
-
-
-@functools.cache
 def _dot_kernel(scaled: bool):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
     read once for the whole block (the verifier's k tokens)."""
@@ -129,7 +90,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
-    weights only), "splitk" / "splitk16" (the same with K in slices) or "dot" (tensor cores);
+    weights only) or "dot" (tensor cores);
     by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
@@ -142,19 +103,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
     if kernel not in KERNELS:
         raise ValueError(f"gemv: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    if kernel in ("rows16", "splitk16") and scale is None:
+    if kernel == "rows16" and scale is None:
         raise ValueError(f"gemv: {kernel} (FP16 products) is for FP8 weights only")
     x = x.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
-    if kernel in ("splitk", "splitk16"):
-        triton, launch, fixed = _splitk_kernel(kernel == "splitk16")
-        part, tickets = _splitk_buffers(m, n, x.device)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], m)  # noqa: E731
-        launch[grid](x, weight, scale if scaled else x, y, part, tickets, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
-    elif kernel in ("rows", "rows16"):
+    if kernel in ("rows", "rows16"):
         triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16")
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
@@ -188,8 +143,7 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
     kernel, 1.4x slower than the GEMV for FP8 weights with FP16 products and 1.06x for BF16."""
     if m > PROGRAM_ROWS:
         return ("dot",) if scaled else ("dot", "cublas")
-    split = (("splitk", "splitk16") if scaled else ("splitk",)) if SPLIT_K_CANDIDATES else ()
-    return (("rows", "rows16") if scaled else ("rows", "cublas")) + split
+    return ("rows", "rows16") if scaled else ("rows", "cublas")
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:

@@ -6,14 +6,14 @@ import triton.language as tl
 
 
 @triton.jit
-def row_sums(x_ptr, w_ptr, row, rn, N, K, k_lo, k_hi, stride_xm, stride_wn,
+def row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr):
-    """x[row, k_lo:k_hi] . W[rn, k_lo:k_hi] (fp32, (BLOCK_N,)), streaming W's rows once.
+    """x[row] . W[rn] (fp32, (BLOCK_N,)), streaming W's rows once.
 
     ``F16`` ("rows16", FP8 weights): products and the per-lane running sums in FP16, x scaled
     by 1/64 first (the caller multiplies the sums back by 64); see gemv._gemv_kernel."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -32,40 +32,12 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_y
                 F16: tl.constexpr):
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = row_sums(x_ptr, w_ptr, row, rn, N, K, 0, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K,
-                 F16)
+    y = row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K, F16)
     if F16:
         y = y * 64.0
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
     tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def splitk_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr, N, K, stride_xm,
-                  stride_wn, stride_ym, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
-    block, piece, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-    part = row_sums(x_ptr, w_ptr, row, rn, N, K, piece * span, (piece + 1) * span, stride_xm,
-                    stride_wn, BLOCK_N, BLOCK_K, F16)
-    tl.store(part_ptr + (row * SPLIT + piece) * N + rn, part, mask=rn < N)
-    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-    ticket = ticket_ptr + row * tl.num_programs(0) + block
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT - 1:
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for other in tl.static_range(SPLIT):  # slice order: deterministic
-            # .cg: from L2, where the other slices' stores are (not a stale L1 line)
-            total += tl.load(part_ptr + (row * SPLIT + other) * N + rn, mask=rn < N,
-                             other=0.0, cache_modifier=".cg")
-        if F16:
-            total = total * 64.0
-        if HAS_SCALE:
-            total = total * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
-        tl.store(y_ptr + row * stride_ym + rn, total.to(y_ptr.dtype.element_ty),
-                 mask=rn < N)
-        tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
