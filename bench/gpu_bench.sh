@@ -10,7 +10,8 @@
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
-#                                           prefill_exact (issue 15: where the 16k's time goes)
+#                                           prefill_exact, torch and fla norms (issue 15: where
+#                                           the 16k's time goes)
 #   run: bash bench/gpu_bench.sh demo       the trained demo model (in the repo): acceptance and
 #                                           tok/s of every mode with the GPU's FP8 kernels,
 #                                           greedy and sampled at T 0.7 and 1.0; TTFT
@@ -42,9 +43,9 @@ case "${1:-}" in
       > "$OUT/profile.log" 2>&1
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
   prefill)
-    timeout 400 python3 bench/profile_prefill.py --json "$OUT/prefill.json" > "$OUT/prefill.log" \
-      2>&1
-    grep -v Assertion "$OUT/prefill.log" | quiet | cut -c1-160 | tail -50 ;;
+    timeout 400 python3 bench/profile_prefill.py --fla-norms --json "$OUT/prefill.json" \
+      > "$OUT/prefill.log" 2>&1
+    grep -v Assertion "$OUT/prefill.log" | grep -v "^{" | quiet | cut -c1-140 | tail -100 ;;
   demo)
     python3 -m train.corpus /tmp/corpus.jsonl > "$OUT/corpus.json" || exit 1
     timeout 420 python3 bench/acceptance.py models/unimax-demo /tmp/corpus.jsonl --prompts 20 \
