@@ -264,8 +264,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
         kernels[f"verify {k} (per block)"] = kernels_of(
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
-        kernels[f"exact run of {k} (per step)"] = kernels_of(verifier.runner,
-                                                             ("exact", k, window), k)
+        kernels[f"exact run of {k} (per step)"] = kernels_of(
+            verifier.runner, verifier.run_key(k, window, sampled=False), k)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's

@@ -99,8 +99,8 @@ def spied(fn, name, calls: list):
 
 def verifier_launches(engine, monkeypatch, record=lambda key: key) -> list:
     """What every verifier graph launch of ``engine`` from now on records: ``record(key)``
-    (the graph's key: ("verify", k, span, window[, "sampled"]) or ("exact", steps, window);
-    ``record`` may add the caches' state at launch), in launch order."""
+    (the graph's key: ("verify", k, span, window) or ("exact", steps, window), "sampled" last
+    for sampling graphs; ``record`` may add the caches' state at launch), in launch order."""
     launched = []
     run = engine.verifier.runner.run
 

@@ -168,6 +168,12 @@ def test_verified_sampling_on_gpu(model, draft):
     assert got.tokens == graphs.generate(x, 48, **run).tokens
     assert 0 < got.verify.accepted_draft_tokens < got.verify.drafted_tokens
     print(draft, "sampled acceptance", got.verify.acceptance_rate)
+    # The adaptive policy with the graphs' costs given to both engines (the same block cuts):
+    # padded short blocks and sampled exact runs in graphs draw the eager engine's tokens
+    policy = graphs.draft_length
+    eager.draft_length.calibrate(policy.draft_ms, policy.verify_ms, policy.rewind_ms)
+    adaptive = dict(mode="verified", sampling=params)
+    assert graphs.generate(x, 48, **adaptive).tokens == eager.generate(x, 48, **adaptive).tokens
 
 
 def test_short_prefill_graphs_on_gpu(model):

@@ -130,9 +130,15 @@ def chi_square_limit(dof: int, z: float = 3.719) -> float:
     return dof * (1 - a + z * math.sqrt(a)) ** 3
 
 
-def test_verified_samples_follow_the_exact_distribution(model):
+@pytest.mark.parametrize("blocks", ["drafts", "exact runs"])
+def test_verified_samples_follow_the_exact_distribution(model, blocks):
+    """Every emitted token is distributed as sampling from the exact model: through drafts
+    kept or refused by the speculative rule, or ("exact runs") through the exact steps the
+    draft-length policy falls back to when drafting does not pay, several to a block."""
     engine = distorted_engine(model)
-    runs, counts, drafted, accepted = 3000, {}, 0, 0
+    if blocks == "exact runs":  # every block after the first token: a run of the other two
+        priced_out(engine)
+    runs, counts, drafted, accepted, exact_steps = 3000, {}, 0, 0, 0
     for seed in range(runs):
         params = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)
         result = engine.generate(PROMPT, NEW, mode="verified", sampling=params)
@@ -140,7 +146,11 @@ def test_verified_samples_follow_the_exact_distribution(model):
         counts[key] = counts.get(key, 0) + 1
         drafted += result.verify.drafted_tokens
         accepted += result.verify.accepted_draft_tokens
-    assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts both kept and rejected
+        exact_steps += result.verify.verifier_blocks if not result.verify.drafted_tokens else 0
+    if blocks == "drafts":
+        assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
+    else:
+        assert drafted == 0 and exact_steps == runs * (NEW - 1)
     exact = joint(model, PARAMS)
     stat, dof = chi_square(counts, exact, runs)
     assert stat < chi_square_limit(dof), (stat, dof)
@@ -165,18 +175,34 @@ def test_verified_sampling_reproduces_with_a_seed(model):
 
 
 
+def priced_out(engine):
+    """The engine's draft-length policy calibrated so that drafting never pays: every block
+    is an exact run (or one exact step)."""
+    k_max = engine.block_size
+    engine.draft_length.calibrate({k: 100.0 * k for k in range(1, k_max + 1)},
+                                  {k: 1.0 for k in range(k_max + 1)}, rewind_ms=0.0)
+    return engine
+
+
 @torch.inference_mode()
+@pytest.mark.parametrize("runs", [False, True], ids=["drafts", "exact runs"])
 @pytest.mark.parametrize("stop", [None, 2])
-def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop):
-    """After a sampled verified reply (rejections, a stop id or the length limit) the exact
-    cache holds the state a fresh prefill of prompt + reply gives, so the next turn continues
-    from it; a next turn on the kept state samples like one from scratch with the same seed."""
+def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop, runs):
+    """After a sampled verified reply (rejections, a stop id or the length limit; or exact runs
+    with a stop inside one) the exact cache holds the state a fresh prefill of prompt + reply
+    gives, so the next turn continues from it; a next turn on the kept state samples like one
+    from scratch with the same seed."""
     engine = distorted_engine(model, block_size=4)
+    if runs:
+        priced_out(engine)
     params = SamplingParams(temperature=1.0, seed=5)
     x = torch.tensor([[1, 3, 2, 4, 0, 3]])
     result = engine.generate(x, 30, mode="verified", sampling=params,
                              stop_ids=[stop] if stop is not None else [])
-    assert result.verify.rejected_blocks > 0
+    if runs:
+        assert result.verify.drafted_tokens == 0 and result.verify.verifier_blocks > 4
+    else:
+        assert result.verify.rejected_blocks > 0
     if stop is not None:
         assert result.stopped == "stop" and result.tokens[-1] == stop
     fresh = model.make_recurrent_cache()
@@ -187,8 +213,10 @@ def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop):
     follow = torch.tensor([[4, 1]])
     kept = engine.generate(follow, 8, mode="verified", sampling=params, keep_state=True).tokens
     whole = torch.cat([x, torch.tensor([result.tokens]), follow], dim=1)
-    scratch = distorted_engine(model, block_size=4).generate(whole, 8, mode="verified",
-                                                             sampling=params).tokens
+    fresh_engine = distorted_engine(model, block_size=4)
+    if runs:
+        priced_out(fresh_engine)
+    scratch = fresh_engine.generate(whole, 8, mode="verified", sampling=params).tokens
     assert kept == scratch
 
 

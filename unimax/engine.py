@@ -277,12 +277,12 @@ class UniMaxEngine:
             """The draft length of a block that may emit up to ``left`` tokens (a block emits
             at most k + 1: the verifier never writes KV past the context the caller checked),
             the policy's probe state for it, and its exact steps: where the policy falls back
-            to k = 0 (greedy), up to block_size of them in one graph until its next probe."""
+            to k = 0, up to block_size of them in one graph until its next probe."""
             if k_max is None:
                 k = policy.choose(left)
                 probe = policy.probe
                 steps = 1
-                if k == 0 and not probe and not sampled:
+                if k == 0 and not probe:
                     steps = policy.exact_run(min(left, self.block_size))
                 return k, probe, steps
             return min(k_max, left - 1), 0, 1

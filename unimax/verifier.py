@@ -21,9 +21,8 @@ rejection's. (An eager forward of k + 1 rows cost more than the compiled full bl
 H200: 7.0-7.5 against 4.45 ms at 4B, which left the draft-length policy only k = 0 or the full
 block.) Which k a block drafts is the engine's choice (unimax.draft_length). With sampling on,
 the block keeps drafts by the speculative rule instead of by agreement (unimax.speculative):
-same forward, same rewind. Where the policy falls back to k = 0 (greedy), several exact steps
-run as one block ("exact run", ``_exact_steps``): one graph and one host sync for up to
-block_size tokens.
+same forward, same rewind. Where the policy falls back to k = 0, several exact steps run as one
+block ("exact run", ``_exact_steps``): one graph and one host sync for up to block_size tokens.
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ class Verifier:
         # verified sampling (unimax.speculative): its uniforms, drawn per block on the host
         self.u_accept = torch.zeros(self.block_size, device=exact_cache.device)
         self.u_final = torch.zeros(1, device=exact_cache.device)
+        self.u_run = torch.zeros(self.block_size, device=exact_cache.device)  # an exact run's
         # A block's result (accepted count, drafts, exact predictions), copied out right after
         # its graph: the next block's drafts may already be queued behind it (engine.py), and
         # they overwrite the decoder's out_tokens. On CUDA the host copy is pinned and its
@@ -153,23 +153,31 @@ class Verifier:
         self.resync_draft()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
-    def _exact_steps(self, n: int) -> None:
+    def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
         pay) in one graph and one host sync instead of n, as BF16-only decoding does its
-        blocks. Each step feeds the token the step before predicted; the snapshot is the state
-        before the run (a stop inside it: the engine restores it and feeds what was kept)."""
+        blocks. Each step feeds the token the step before predicted (``sampled``: drew, with
+        the k = 0 block's rule, from the run's own uniforms); the snapshot is the state before
+        the run (a stop inside it: the engine restores it and feeds what was kept)."""
         self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
+        d = self.decoder
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
             logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
-            self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
+            if sampled:
+                p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p)
+                _, token = speculative_step(p, d.draft_probs[:0], d.out_tokens[0, :0],
+                                            self.u_accept[:0], self.u_run[i:i + 1])
+                self.predictions[0, i:i + 1].copy_(token)
+            else:
+                self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
             self.current.copy_(self.predictions[:, i:i + 1])
         self.resync_draft()
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
-                self.current]
+                self.u_run, self.current]
 
     # --- start-up and per block ----------------------------------------------------------
 
@@ -186,8 +194,10 @@ class Verifier:
                 for k in spans:
                     spans[k].add(k + 1)
             with self.cache.attending(window):
-                for n in range(2, self.block_size + 1):
-                    self.runner.prepare(("exact", n, window), lambda n=n: self._exact_steps(n),
+                for n, s in itertools.product(range(2, self.block_size + 1),
+                                              (False, True) if sampled else (False,)):
+                    self.runner.prepare(self.run_key(n, window, s),
+                                        lambda n=n, s=s: self._exact_steps(n, s),
                                         writes=[self.cache, self.snapshot, self.decoder.cache],
                                         buffers=self._buffers())
                 for k, s in itertools.product(spans, (False, True) if sampled else (False,)):
@@ -200,6 +210,10 @@ class Verifier:
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
         return ("verify", k, span, window) + (("sampled",) if sampled else ())
+
+    @staticmethod
+    def run_key(steps: int, window, sampled: bool):
+        return ("exact", steps, window) + (("sampled",) if sampled else ())
 
     def block_costs_ms(self) -> dict[int, float]:
         """k -> the measured replay time of a greedy block of k drafts where the buffers have
@@ -220,20 +234,23 @@ class Verifier:
 
     def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
         """``check``'s first half: queue the block's graph and the copy of its result; no
-        host sync. ``steps`` > 1 (k = 0, greedy): an exact run of that many steps instead.
+        host sync. ``steps`` > 1 (k = 0): an exact run of that many steps instead.
         Returns what ``collect`` needs."""
         seen = self.cache.seen_tokens
-        if sampled:  # drawn into the graph's own buffers: no temporary, no copy
+        if steps > 1 and (k or steps > self.block_size):
+            raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
+                             f"k={k}, steps={steps}")
+        if sampled and steps > 1:  # drawn into the graph's own buffers: no temporary, no copy
+            self.u_run[:steps].uniform_(generator=self.decoder.generator)
+        elif sampled:
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
             self.u_final.uniform_(generator=self.decoder.generator)
         writes = [self.cache, self.snapshot, self.decoder.cache]
         if steps > 1:
-            if k or sampled or steps > self.block_size:
-                raise ValueError(f"an exact run is 2..{self.block_size} greedy steps with no "
-                                 f"drafts; got k={k}, steps={steps}, sampled={sampled}")
             window = self.cache.window_for(seen + steps)
             with self.cache.attending(window):
-                self.runner.run(("exact", steps, window), lambda: self._exact_steps(steps),
+                self.runner.run(self.run_key(steps, window, sampled),
+                                lambda: self._exact_steps(steps, sampled),
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.predictions[0, :steps]]
         else:
