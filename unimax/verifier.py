@@ -99,8 +99,9 @@ class Verifier:
             # shape, W read once for the block), compiled by inductor. Two lengths are
             # compiled, each a compilation of the whole model (tens of seconds at 4B): the full
             # block, and k = 0 (one exact step: the block the draft-length policy falls back to
-            # when drafts are poor, which must then cost what a BF16 step does). Other lengths
-            # run the plain forward in their graphs.
+            # when drafts are poor, which must then cost what a BF16 step does). Shorter
+            # blocks run the full block's forward, padded (``span``); only where a hybrid's KV
+            # buffers leave no room for the padding does a block run the plain forward.
             from .fast_step import gemv_view
 
             allow_recompiles()
@@ -188,6 +189,7 @@ class Verifier:
         leave no room for the padding; exact runs of 2..block_size steps (``sampled``: the
         verified-sampling graphs too). The caches are left as they were."""
         windows = self.cache.windows()
+        writes = [self.cache, self.snapshot, self.decoder.cache]
         for window in windows:  # hybrid models: one set per KV bucket
             spans = {k: {self.span(k, 0)} for k in range(self.block_size + 1)}
             if window == windows[-1] and self.cache.has_attention:
@@ -198,14 +200,12 @@ class Verifier:
                                               (False, True) if sampled else (False,)):
                     self.runner.prepare(self.run_key(n, window, s),
                                         lambda n=n, s=s: self._exact_steps(n, s),
-                                        writes=[self.cache, self.snapshot, self.decoder.cache],
-                                        buffers=self._buffers())
+                                        writes=writes, buffers=self._buffers())
                 for k, s in itertools.product(spans, (False, True) if sampled else (False,)):
                     for span in sorted(spans[k]):
                         self.runner.prepare(self.graph_key(k, span, window, s),
                                             lambda k=k, s=s, span=span: self._verify(k, s, span),
-                                            writes=[self.cache, self.snapshot, self.decoder.cache],
-                                            buffers=self._buffers())
+                                            writes=writes, buffers=self._buffers())
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
