@@ -214,28 +214,6 @@ def test_compiled_verifier_is_exact(model):
         print(draft, "acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
 
 
-def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
-    """The app's verified mode: every graph captured up front, the draft-length policy
-    calibrated from their replay times, compiled forwards: padded short blocks and exact runs
-    (the full draft on random weights is poor, so the policy falls back to them) in graphs give
-    the eager one-token reference's tokens up to BF16 near-ties."""
-    from unimax.reference import first_divergence, is_near_tie
-
-    x = prompt(80, seed=13)
-    engine = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
-    engine.capture_graphs()
-    assert engine.draft_length.calibrated
-    launched = verifier_launches(engine, monkeypatch)
-    got, report = engine.generate_verified(x, 96)
-    reference = unimax.exact_greedy_tokens(model, x, 96)[0].tolist()
-    divergence = first_divergence(model, x, got[0].tolist(), reference)
-    assert is_near_tie(divergence), divergence
-    kinds = sorted({(key[0], key[1]) for key in launched})
-    print("acceptance", report.acceptance_rate, "blocks", kinds, "verify ms",
-          {k: round(ms, 3) for k, ms in engine.draft_length.verify_ms.items()})
-    assert set(launched) <= set(engine.verifier.runner.graphs)  # nothing captured late
-
-
 @torch.inference_mode()
 def test_rewind_on_gpu_equals_a_forward_over_the_prefix():
     """The tape rewind with fla's recurrent kernel (the GPU path) against a plain prefill."""
@@ -290,3 +268,24 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             graph.replay()
             assert rel_err(out.float(), ops.gemv_ref(x, *weights).float()) < 1e-2
 
+
+def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
+    """The app's verified mode: every graph captured up front, the draft-length policy
+    calibrated from their replay times, compiled forwards: padded short blocks and exact runs
+    (the full draft on random weights is poor, so the policy falls back to them) in graphs give
+    the eager one-token reference's tokens up to BF16 near-ties."""
+    from unimax.reference import first_divergence, is_near_tie
+
+    x = prompt(80, seed=13)
+    engine = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
+    engine.capture_graphs()
+    assert engine.draft_length.calibrated
+    launched = verifier_launches(engine, monkeypatch)
+    got, report = engine.generate_verified(x, 96)
+    reference = unimax.exact_greedy_tokens(model, x, 96)[0].tolist()
+    divergence = first_divergence(model, x, got[0].tolist(), reference)
+    assert is_near_tie(divergence), divergence
+    kinds = sorted({(key[0], key[1]) for key in launched})
+    print("acceptance", report.acceptance_rate, "blocks", kinds, "verify ms",
+          {k: round(ms, 3) for k, ms in engine.draft_length.verify_ms.items()})
+    assert set(launched) <= set(engine.verifier.runner.graphs)  # nothing captured late
