@@ -4,9 +4,11 @@ and the MLP's SwiGLU.
 Each is a handful of fp32 elementwise kernels in eager mode; over a long prompt (16k tokens of a
 0.8B model) they stream gigabytes of fp32 intermediates. For prompts (more than ``LONG`` tokens,
 CUDA, fla installed) fla's fused Triton kernels compute the same formulas in one pass each (the
-ones transformers' Qwen3.5 uses): ``FLA_PROMPT_KERNELS``, off until tests/test_gpu.py's check and
-bench/ttft.py's measurement (``--fla-norms``) have run on the GPU. Decode steps and verify blocks
-(<= LONG tokens) keep the torch forms, which inductor fuses in the compiled step.
+ones transformers' Qwen3.5 uses): ``FLA_PROMPT_KERNELS``. Off: they match the torch forms on
+the H200 (tests/test_gpu.py) but gave nothing at 512 tokens and were slower at 16k in the one run
+that timed them (bench/RESULTS.md, 2026-11-30); bench/profile_prefill.py --fla-norms times them
+again beside the torch forms. Decode steps and verify blocks (<= LONG tokens) keep the torch
+forms, which inductor fuses in the compiled step.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder
-from .sampling import warped_probs
+from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
 
 
@@ -157,20 +157,19 @@ class Verifier:
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
         pay) in one graph and one host sync instead of n, as BF16-only decoding does its
-        blocks. Each step feeds the token the step before predicted (``sampled``: drew, with
-        the k = 0 block's rule, from the run's own uniforms); the snapshot is the state before
-        the run (a stop inside it: the engine restores it and feeds what was kept)."""
+        blocks. Each step feeds the token the step before predicted (``sampled``: drew from
+        the exact model's warped distribution with the run's own uniforms); the snapshot is the
+        state before the run (a stop inside it: the engine restores it and feeds what was
+        kept)."""
         self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
         d = self.decoder
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
             logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
-            if sampled:
-                p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p)
-                _, token = speculative_step(p, d.draft_probs[:0], d.out_tokens[0, :0],
-                                            self.u_accept[:0], self.u_run[i:i + 1])
-                self.predictions[0, i:i + 1].copy_(token)
+            if sampled:  # no drafts to check: a plain draw from the exact model
+                self.predictions[:, i:i + 1].copy_(sample_from_logits(
+                    logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1]))
             else:
                 self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
             self.current.copy_(self.predictions[:, i:i + 1])
@@ -225,17 +224,12 @@ class Verifier:
                 costs.setdefault(key[1], []).append(ms)
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
-    def check(self, k: int, counts: VerifyCounts, sampled: bool = False) -> list[int]:
-        """Check the k drafts the decoder just wrote (k = 0: none); returns the tokens the block
-        emits (the kept drafts and the exact model's token after them). One host sync.
-        ``sampled``: speculative sampling (the decoder recorded its distributions, and its
-        sampling settings and seeded generator are the reply's)."""
-        return self.collect(self.launch(k, sampled), counts)
-
     def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
-        """``check``'s first half: queue the block's graph and the copy of its result; no
-        host sync. ``steps`` > 1 (k = 0): an exact run of that many steps instead.
-        Returns what ``collect`` needs."""
+        """Queue the graph that checks the k drafts the decoder just wrote (k = 0: none;
+        ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
+        result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
+        distributions; its sampling settings and seeded generator are the reply's). Returns
+        what ``collect`` needs."""
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
@@ -273,8 +267,9 @@ class Verifier:
         return seen, k, steps
 
     def collect(self, launched: tuple[int, int, int], counts: VerifyCounts) -> list[int]:
-        """``check``'s second half: wait for that block's result (not for work queued after
-        it) and account for it (an exact run as that many k = 0 blocks)."""
+        """Wait for a launched block's result (not for work queued after it), account for it
+        (an exact run as that many k = 0 blocks) and return the tokens it emits: the kept
+        drafts and the exact model's token after them, or the run's tokens. One host sync."""
         seen, k, steps = launched
         if self.result_ready is not None:
             self.result_ready.synchronize()

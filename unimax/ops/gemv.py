@@ -90,8 +90,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
-    weights only) or "dot" (tensor cores);
-    by default rows for M <= PROGRAM_ROWS."""
+    weights only) or "dot" (tensor cores); by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
