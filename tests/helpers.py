@@ -96,7 +96,6 @@ def spied(fn, name, calls: list):
     return wrapper
 
 
-
 def verifier_launches(engine, monkeypatch, record=lambda key: key) -> list:
     """What every verifier graph launch of ``engine`` from now on records: ``record(key)``
     (the graph's key: ("verify", k, span, window) or ("exact", steps, window), "sampled" last

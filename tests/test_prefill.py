@@ -17,8 +17,6 @@ def model(pure_or_hybrid):
     return pure_or_hybrid
 
 
-
-
 @pytest.mark.parametrize("chunk", [7, 64, 100])
 def test_chunked_prefill_equals_one_prefill(model, chunk):
     x = prompt(100, seed=2) % model.config.vocab_size

@@ -25,8 +25,6 @@ def engines(model, buckets=(4, 16, 32, 64)):
     return plain, short
 
 
-
-
 def same_state(a, b):
     for x, y in zip(cache_states(a), cache_states(b), strict=True):
         assert rel_err(x, y) < 1e-4

@@ -173,8 +173,6 @@ def test_verified_sampling_reproduces_with_a_seed(model):
     assert other != first
 
 
-
-
 def priced_out(engine):
     """The engine's draft-length policy calibrated so that drafting never pays: every block
     is an exact run (or one exact step)."""
