@@ -7,6 +7,10 @@
 #                                           "verified 15": blocks of 15 drafts (16 rows: the
 #                                           verify GEMVs pad to 16 rows anyway)
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
+#   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
+#                                           the GDN step as one op and as torch forms ("-unfused")
+#   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT with prefill variants (fla norms,
+#                                           16k chunks, graphs up to 4k tokens) side by side
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -27,7 +31,7 @@ case "${1:-}" in
     timeout 240 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -28
     timeout 100 python3 bench/attention.py --max-context 4096 32768 --json "$OUT/attn.json" \
       2>&1 | quiet | tail -14
-    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --fla-norms --json "$OUT/ttft.json" 2>&1 \
+    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --variants fla-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 --kernels \
@@ -37,6 +41,15 @@ case "${1:-}" in
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
       --json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1
     grep -v Assertion "$OUT/sampled.log" | quiet | cut -c1-300 | tail -20 ;;
+  steps)
+    timeout 500 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
+      fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
+    grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
+  ttft)
+    timeout 500 python3 bench/ttft.py --shapes qwen3.5-0.8b --lengths 512 1000 4096 16384 \
+      --repeats 3 --variants fla-norms chunk16k chunk16k+fla-norms graphs4k graphs4k+fla-norms \
+      --json "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
+    grep -v Assertion "$OUT/ttft.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
   profile)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b \
       --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
@@ -55,5 +68,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|sampled|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|ttft|sampled|profile|prefill|demo"; exit 2 ;;
 esac

@@ -6,7 +6,9 @@ usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs com
 Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
 inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
 linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
-draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); engine-bf16,
+draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these
+with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
+fla's recurrent kernel instead of one op (unimax.ops.decode_step); engine-bf16,
 engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
 compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
@@ -39,11 +41,15 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
         variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model) if gemv == "gemv" else shallow_view(model)
     view.set_backend(backend)
+    for block in view.layers if unfused else ():
+        if hasattr(block.mixer, "decode_op"):  # the step's torch forms around fla's kernel
+            block.mixer.decode_op = False
     return MaxTurboGraphDecoder(view, block_size=BLOCK, compile=True)
 
 

@@ -3,7 +3,7 @@
 on the same random weights, at several prompt lengths; and a short prompt on kept state.
 
 usage: python bench/ttft.py [--shapes qwen3.5-0.8b] [--lengths 128 512 4096 16384 65536]
-       [--repeats 5] [--fla-norms] [--json FILE]
+       [--repeats 5] [--variants fla-norms chunk16k graphs4k ...] [--json FILE]
 
 The weights are made by transformers (Qwen3_5ForCausalLM, random), saved, and loaded by
 unimax.load_model, so both sides run the same numbers; the last position's logits are compared
@@ -13,13 +13,14 @@ is ``model(input_ids, use_cache=True, logits_to_keep=1)`` with a fresh cache (us
 pure GDN shapes: its cache needs an attention layer, so it keeps no state there). "kept" rows: 128
 new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
 First row: both models' BF16 and ours in FP32 against transformers in FP32 (512 tokens), the
-scale of BF16 rounding on these weights. --fla-norms: UNI MAX a second time with fla's fused
-norms and SwiGLU for prompts (unimax.norms.FLA_PROMPT_KERNELS), in the same run.
+scale of BF16 rounding on these weights. --variants: UNI MAX again per row with other settings
+(``variant``: fla's fused norms, 16k chunks, captured graphs up to 4k tokens), in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -36,6 +37,7 @@ import unimax  # noqa: E402
 import unimax.norms  # noqa: E402
 from unimax import build_engine  # noqa: E402
 from unimax.cache import copy_cache_  # noqa: E402
+from unimax.short_prefill import BUCKETS, ShortPrefill  # noqa: E402
 
 
 def transformers_config(cfg):
@@ -85,7 +87,31 @@ def fp32_check(shape, ours, ours32, theirs, theirs32, gen, tokens: int = 512) ->
                for name, x in got.items()}}
 
 
-def bench_shape(shape: str, lengths: list[int], repeats: int, fla_norms: bool = False
+@contextlib.contextmanager
+def variant(engine, name: str):
+    """UNI MAX's prefill with the settings ``name`` names, joined by "+": "fla-norms" (fla's
+    fused norms and SwiGLU for prompts), "chunk16k" (prompts in chunks of 16384 tokens, so
+    a 16k prompt is one causal forward), "graphs4k" (the short prefill's captured graphs up
+    to 4096 tokens, padded as the short ones are). Restored after."""
+    saved = (unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill)
+    for part in name.split("+"):
+        if part == "fla-norms":
+            unimax.norms.FLA_PROMPT_KERNELS = True
+        elif part == "chunk16k":
+            engine.prefill_chunk = 16384
+        elif part == "graphs4k":
+            engine.short_prefill = ShortPrefill(engine.exact_model, engine.exact_cache,
+                                                use_graphs=engine.exact_cache.device.type == "cuda",
+                                                buckets=BUCKETS + (1024, 2048, 3072, 4096))
+        else:
+            raise ValueError(f"unknown variant part {part!r}: fla-norms, chunk16k, graphs4k")
+    try:
+        yield
+    finally:
+        unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill = saved
+
+
+def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str] = ()
                 ) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM
 
@@ -123,16 +149,16 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, fla_norms: bool = 
         rows.append({"shape": shape, "tokens": length, "unimax_ms": ours_ms,
                      "transformers_ms": theirs_ms, "speedup": theirs_ms / ours_ms,
                      "last_logits_rel_err": err})
-        if fla_norms:
-            unimax.norms.FLA_PROMPT_KERNELS = True
+        for name in variants:
             try:
-                rows[-1]["fla_norms_ms"] = median_ms(lambda ids=ids: engine.prefill_exact(ids),
-                                                     repeats)
-                _, out, _ = engine.prefill_exact(ids)
-                rows[-1]["fla_norms_err"] = float((out.logits[:, -1].float() - ref).norm()
-                                                  / ref.norm())
-            finally:
-                unimax.norms.FLA_PROMPT_KERNELS = False
+                with variant(engine, name):
+                    rows[-1][f"{name}_ms"] = median_ms(
+                        lambda ids=ids: engine.prefill_exact(ids), repeats)
+                    _, out, _ = engine.prefill_exact(ids)
+                rows[-1][f"{name}_err"] = float((out.logits[:, -1].float() - ref).norm()
+                                                / ref.norm())
+            except Exception as err:  # record, go on with the next variant
+                rows[-1][f"{name}_error"] = repr(err)[:200]
         print(json.dumps(rows[-1]), flush=True)
     # 128 new tokens on a kept state of 4096
     ids = torch.randint(0, cfg.vocab_size, (1, 4096 + 128), device="cuda", generator=gen)
@@ -156,14 +182,15 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+",
                         default=[128, 512, 4096, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--fla-norms", action="store_true",
-                        help="also UNI MAX with fla's fused norms for prompts")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="also UNI MAX with these settings (see variant()), e.g. "
+                             "fla-norms chunk16k graphs4k graphs4k+fla-norms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
         try:
-            rows += bench_shape(shape, args.lengths, args.repeats, args.fla_norms)
+            rows += bench_shape(shape, args.lengths, args.repeats, args.variants)
         except Exception as err:  # record, go on with the next shape
             rows.append({"shape": shape, "error": repr(err)[:400]})
             print(json.dumps(rows[-1]), flush=True)
@@ -183,8 +210,9 @@ def main() -> None:
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"   (on a kept state of {r['kept']})")
         else:
-            fla = (f"   fla norms {r['fla_norms_ms']:.2f} ms (err {r['fla_norms_err']:.1e})"
-                   if "fla_norms_ms" in r else "")
+            fla = "".join(f"   {name} {r[name + '_ms']:.2f} (err {r[name + '_err']:.1e})"
+                          if name + "_ms" in r else f"   {name} error"
+                          for name in args.variants)
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"{r['transformers_ms']:>11.2f}{r['speedup']:>7.2f}"
                   f"{r['last_logits_rel_err']:>9.1e}{fla}")

@@ -105,6 +105,39 @@ def test_fla_ops_match_torch_reference(seq_len):
     assert rel_err(s, s_ref) < 5e-3
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+@torch.inference_mode()
+def test_decode_step_op_matches_its_twin(batch):
+    """The one-op decode step (fla's conv update and recurrent kernel, states in place) at a 4B
+    layer's heads against its torch twin, step after step: the conv window exactly (on the GPU
+    the conv output rounds to nearest, as the twin's), o and the state to fp32 summation."""
+    from unimax.ops.decode_step import gdn_decode_step, gdn_decode_step_ref
+
+    require_fla()
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    heads, value_heads, dk, dv, width = 16, 32, 128, 128, 4
+    conv_dim = 2 * heads * dk + value_heads * dv
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    weight = (randn(conv_dim, width) * 0.5).to(torch.bfloat16)
+    A_log, dt_bias = randn(value_heads), randn(value_heads)
+    conv = [randn(batch, conv_dim, width).to(torch.bfloat16)]
+    rec = [randn(batch, value_heads, dk, dv) * 0.1]
+    conv.append(conv[0].clone())
+    rec.append(rec[0].clone())
+    for _ in range(4):
+        proj = randn(batch, 1, conv_dim + 3 * value_heads).to(torch.bfloat16)
+        mixed, a = proj[..., :conv_dim], proj[..., -value_heads:]
+        beta = proj[..., conv_dim:conv_dim + value_heads].sigmoid()
+        o = gdn_decode_step(mixed, a, beta, conv[0], weight, rec[0], A_log, dt_bias, heads)
+        o_ref = gdn_decode_step_ref(mixed, a, beta, conv[1], weight, rec[1], A_log, dt_bias,
+                                    heads)
+        assert torch.equal(conv[0], conv[1])
+        assert rel_err(o, o_ref) < 1e-2 and rel_err(rec[0], rec[1]) < 1e-3
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
 @torch.inference_mode()
 def test_model_fla_path_matches_torch_path(dtype, tol):

@@ -16,10 +16,15 @@ from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
+from .ops.decode_step import gdn_decode_step
 from .ops.gated_delta import first_steps_only, gated_delta_rule
 
 
 class GatedDeltaNetMixer(nn.Module):
+    # Plain decode steps as one op (ops.decode_step); bench/profile_step.py's "-unfused"
+    # variants turn it off on a view to time the torch forms beside it.
+    decode_op = True
+
     def __init__(self, config: GDNConfig):
         super().__init__()
         self.config = config
@@ -37,6 +42,14 @@ class GatedDeltaNetMixer(nn.Module):
         mixed, z, b, a = torch.split(
             self.in_proj(x), [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads],
             dim=-1)
+
+        if self._one_op_step(state, seq_len):
+            beta = b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
+            o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
+                                state.recurrent_states[0], self.A_log, self.dt_bias,
+                                cfg.num_k_heads)
+            state.has_previous_state[0] = True
+            return self._gated_out(o, z)
 
         if state is None:
             conv_state = x.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
@@ -84,9 +97,21 @@ class GatedDeltaNetMixer(nn.Module):
                     state.recurrent_states[0].copy_(new_recurrent_state)
             state.has_previous_state[0] = True
 
-        z = z.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)
-        o = self.norm(o, z).reshape(batch, seq_len, cfg.value_dim)
-        return self.out_proj(o)
+        return self._gated_out(o, z)
+
+    def _one_op_step(self, state: RecurrentLayerState | None, seq_len: int) -> bool:
+        """Whether this forward is a plain decode step, run as one op (ops.decode_step): one
+        token on a cache, not recorded for a rewind, not padded, outside autograd (the op has
+        no backward), with the default kernels."""
+        return (self.decode_op and seq_len == 1 and state is not None and state.tape is None
+                and state.valid is None and not torch.is_grad_enabled()
+                and self.backend in ("auto", "fla"))
+
+    def _gated_out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o (B, T, HV, V) through the gated norm (gate z) and the out-projection."""
+        batch, seq_len = o.shape[:2]
+        z = z.reshape(*o.shape)
+        return self.out_proj(self.norm(o, z).reshape(batch, seq_len, self.config.value_dim))
 
 
 
