@@ -88,3 +88,11 @@ def test_service_reports_prefill_progress_and_stops_in_it(monkeypatch):
         assert again[-1].data["reply"] == events[-1].data["reply"]  # nothing half-kept
     finally:
         service.stop()
+
+
+def test_preset_default_chunk_is_the_engines():
+    """The app's default (presets.py, which does not import the engine) and the engine's."""
+    from unimax.engine import PREFILL_CHUNK
+    from unimax.presets import Preset
+
+    assert Preset(model="tiny-random").prefill_chunk == PREFILL_CHUNK

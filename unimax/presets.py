@@ -27,7 +27,7 @@ class Preset:
     draft: str = "tail"  # verified mode's draft: tail (state-safe) or full (every linear FP8)
     compile_step: bool | str = "auto"  # the fast step: auto = on where CUDA and Triton run
     max_context: int = 4096  # the longest conversation (prompt + reply) in tokens
-    prefill_chunk: int = 8192  # prompt tokens per prefill forward: bounds prefill memory
+    prefill_chunk: int = 16384  # prompt tokens per prefill forward (engine.PREFILL_CHUNK)
     state_memory_mib: int = 1024  # kept conversation states on the GPU; beyond it, host memory
     host_state_memory_mib: int = 8192  # beyond this, the oldest kept states are dropped
     system_prompt: str = ""

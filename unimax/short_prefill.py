@@ -1,6 +1,6 @@
-"""Short prompts through captured graphs: a chat turn on kept state is tens to hundreds of
-tokens, and an eager forward over them is hundreds of kernel launches, which cost more than the
-arithmetic (issue 15: the 512-token prefill's compute floor is under 2 ms on the H200).
+"""Short prompts through captured graphs: a chat turn on kept state is tens to thousands of
+tokens, and an eager forward over them is thousands of kernel launches, which cost more than
+the arithmetic (issue 15: the 512-token prefill's compute floor is under 2 ms on the H200).
 
 A prompt of T tokens runs in the graph of the smallest bucket B >= T (``BUCKETS``), padded: one
 forward over B tokens on the kept state that counts only the first T (RecurrentCache.counting,
@@ -21,7 +21,11 @@ from .cache import RecurrentCache
 from .graph import GraphRunner
 from .model import CausalLMOutput
 
-BUCKETS = (16, 32, 64, 128, 256, 512)
+# Up to 4096 tokens since the H200 showed an eager prompt of 1000 tokens costing as much as one
+# of 4096 (~45 ms on the 0.8B hybrid shape: launches, not arithmetic); in the 1024 bucket it
+# took 10.1 ms and 4096 tokens 31.0 (bench/RESULTS.md, 2026-11-30, fifth session). Above 1024
+# the buckets are 1024 apart, so the padding costs at most a third of a prompt's arithmetic.
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
 
 class ShortPrefill:
