@@ -9,8 +9,9 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
-#   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT with prefill variants (fla norms,
-#                                           16k chunks, graphs up to 4k tokens) side by side
+#   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with fla's
+#                                           norms, 8k chunks, graphs to 512 only (the old
+#                                           settings) side by side
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -46,8 +47,8 @@ case "${1:-}" in
       fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
   ttft)
-    timeout 500 python3 bench/ttft.py --shapes qwen3.5-0.8b --lengths 512 1000 4096 16384 \
-      --repeats 3 --variants fla-norms chunk16k chunk16k+fla-norms graphs4k graphs4k+fla-norms \
+    timeout 500 python3 bench/ttft.py --shapes qwen3.5-0.8b --lengths 16384 4096 1000 512 \
+      --repeats 3 --variants fla-norms chunk8k graphs512 \
       --json "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
     grep -v Assertion "$OUT/ttft.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
   profile)

@@ -3,7 +3,7 @@
 on the same random weights, at several prompt lengths; and a short prompt on kept state.
 
 usage: python bench/ttft.py [--shapes qwen3.5-0.8b] [--lengths 128 512 4096 16384 65536]
-       [--repeats 5] [--variants fla-norms chunk16k graphs4k ...] [--json FILE]
+       [--repeats 5] [--variants fla-norms chunk8k graphs512 ...] [--json FILE]
 
 The weights are made by transformers (Qwen3_5ForCausalLM, random), saved, and loaded by
 unimax.load_model, so both sides run the same numbers; the last position's logits are compared
@@ -14,7 +14,8 @@ pure GDN shapes: its cache needs an attention layer, so it keeps no state there)
 new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
 First row: both models' BF16 and ours in FP32 against transformers in FP32 (512 tokens), the
 scale of BF16 rounding on these weights. --variants: UNI MAX again per row with other settings
-(``variant``: fla's fused norms, 16k chunks, captured graphs up to 4k tokens), in the same run.
+(``variant``: fla's fused norms; the chunk and graph buckets as they were before), in the same
+run.
 """
 
 from __future__ import annotations
@@ -90,21 +91,22 @@ def fp32_check(shape, ours, ours32, theirs, theirs32, gen, tokens: int = 512) ->
 @contextlib.contextmanager
 def variant(engine, name: str):
     """UNI MAX's prefill with the settings ``name`` names, joined by "+": "fla-norms" (fla's
-    fused norms and SwiGLU for prompts), "chunk16k" (prompts in chunks of 16384 tokens, so
-    a 16k prompt is one causal forward), "graphs4k" (the short prefill's captured graphs up
-    to 4096 tokens, padded as the short ones are). Restored after."""
+    fused norms and SwiGLU for prompts), "chunk8k" (prompts in chunks of 8192 tokens, the
+    default before 16384), "graphs512" (the short prefill's graphs up to 512 tokens only, the
+    buckets before 4096). Restored after."""
     saved = (unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill)
     for part in name.split("+"):
         if part == "fla-norms":
             unimax.norms.FLA_PROMPT_KERNELS = True
-        elif part == "chunk16k":
-            engine.prefill_chunk = 16384
-        elif part == "graphs4k":
-            engine.short_prefill = ShortPrefill(engine.exact_model, engine.exact_cache,
-                                                use_graphs=engine.exact_cache.device.type == "cuda",
-                                                buckets=BUCKETS + (1024, 2048, 3072, 4096))
+        elif part == "chunk8k":
+            engine.prefill_chunk = 8192
+        elif part == "graphs512":
+            engine.short_prefill = ShortPrefill(
+                engine.exact_model, engine.exact_cache,
+                use_graphs=engine.exact_cache.device.type == "cuda",
+                buckets=tuple(b for b in BUCKETS if b <= 512))
         else:
-            raise ValueError(f"unknown variant part {part!r}: fla-norms, chunk16k, graphs4k")
+            raise ValueError(f"unknown variant part {part!r}: fla-norms, chunk8k, graphs512")
     try:
         yield
     finally:
@@ -184,7 +186,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also UNI MAX with these settings (see variant()), e.g. "
-                             "fla-norms chunk16k graphs4k graphs4k+fla-norms")
+                             "fla-norms chunk8k graphs512")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
