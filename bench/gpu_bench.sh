@@ -5,7 +5,8 @@
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
 #                                           per-part times, the kernels of each graph;
 #                                           "verified 15": blocks of 15 drafts (16 rows: the
-#                                           verify GEMVs pad to 16 rows anyway)
+#                                           verify GEMVs pad to 16 rows anyway);
+#                                           "verified 8 qwen3.5-0.8b": another shape
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
@@ -35,8 +36,8 @@ case "${1:-}" in
     timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --variants fla-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
-    timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance 1.0 0.95 --kernels \
-      --block "${2:-8}" --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
+    timeout 560 python3 bench/verified.py --shapes "${3:-gdn-4b}" --acceptance 1.0 0.95 \
+      --kernels --block "${2:-8}" --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
     grep -v Assertion "$OUT/verified.log" | grep -v '^{' | quiet | cut -c1-200 | tail -90 ;;
   sampled)
     timeout 560 python3 bench/verified.py --shapes gdn-4b --acceptance --temperature 0.7 1.0 \
