@@ -179,14 +179,16 @@ def test_verified_sampling_on_gpu(model, draft):
 def test_short_prefill_graphs_on_gpu(model):
     """Short prompts through the captured bucket graphs (fla's chunk kernel over the padded
     bucket, the masked rewind) against the eager prefill: logits and state agree to BF16
-    rounding, fresh and on kept state; longer prompts take the eager path."""
+    rounding, fresh and on kept state, in the doubling buckets and the 1024-wide ones up to
+    4096; longer prompts take the eager path."""
     graphs = build_engine(model, decode="bf16", block_size=8)
     assert graphs.short_prefill is not None
     graphs.capture_graphs(verified=False)
     eager = build_engine(model, decode="bf16", block_size=8, use_graphs=False)
     assert eager.short_prefill is None
     for keep, length in ((False, 5), (False, 16), (False, 17), (True, 100), (True, 300),
-                         (False, 600)):
+                         (False, 600), (True, 2049), (False, 4096), (False, 5000)):
+        assert (graphs.short_prefill.bucket(length) is None) == (length > 4096)
         x = prompt(length, seed=length)
         _, a, _ = graphs.prefill_exact(x, keep_state=keep)
         _, b, _ = eager.prefill_exact(x, keep_state=keep)
