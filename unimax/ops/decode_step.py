@@ -93,25 +93,35 @@ def fla_recurrent_step(y: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                        dt_bias: torch.Tensor, num_k_heads: int) -> torch.Tensor:
     """fla's fused recurrent kernel for one token of the convolved y (B, 1, conv_dim), the
     state updated in place, the gate computed inside: o (B, 1, HV, V)."""
+    value_heads, _, head_v_dim = recurrent_state.shape[1:]
+    q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
+    if y.shape[0] > 1:  # the kernel steps sequences by H * K: only one may read in place
+        q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
+    return launch_recurrent(q, k, v, a, beta.contiguous(), recurrent_state, A_log, dt_bias)
+
+
+def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
+                     num_warps: int = 1, num_stages: int = 3) -> torch.Tensor:
+    """fla's fused recurrent kernel over T tokens, q, k (B, T, H, K), v (B, T, HV, V), a and
+    beta (B, T, HV) laid out as contiguous tensors would be (one token: any views with those
+    starts), the state (B, HV, K, V) read and written in place, the gate from a inside. The
+    launch settings default to fla's own (BV 8, one warp); bench/recurrent.py times others."""
     import triton
     from fla.ops.gated_delta_rule.fused_recurrent import (
         fused_recurrent_gated_delta_rule_fwd_kernel as kernel,
     )
 
-    batch = y.shape[0]
-    value_heads, head_k_dim, head_v_dim = recurrent_state.shape[1:]
-    q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
-    if batch > 1:  # the kernel steps tokens by H * K: only one sequence may read in place
-        q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
-    o = v.new_empty(batch, 1, value_heads, head_v_dim)
-    block_v = min(8, triton.next_power_of_2(head_v_dim))  # fla's own launch settings
+    batch, tokens, num_k_heads, head_k_dim = q.shape
+    value_heads, head_v_dim = v.shape[2:]
+    o = v.new_empty(batch, tokens, value_heads, head_v_dim)
+    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
     kernel[(triton.cdiv(head_v_dim, block_v) * batch * value_heads,)](
-        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=beta.contiguous(), A_log=A_log,
-        dt_bias=dt_bias, o=o, h0=recurrent_state, ht=recurrent_state, cu_seqlens=None,
-        scale=head_k_dim ** -0.5, T=1, H=num_k_heads, HV=value_heads, K=head_k_dim,
-        V=head_v_dim, BK=triton.next_power_of_2(head_k_dim), BV=block_v, IS_BETA_HEADWISE=True,
+        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o,
+        h0=state, ht=state, cu_seqlens=None, scale=head_k_dim ** -0.5, T=tokens,
+        H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim,
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, IS_BETA_HEADWISE=True,
         USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
-        STATE_V_FIRST=False, num_warps=1, num_stages=3)
+        STATE_V_FIRST=False, num_warps=num_warps, num_stages=num_stages)
     return o
 
 
