@@ -95,18 +95,19 @@ def variant(engine, name: str):
     default before 16384), "graphs512" (the short prefill's graphs up to 512 tokens only, the
     buckets before 4096). Restored after."""
     saved = (unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill)
-    for part in name.split("+"):
-        if part == "fla-norms":
-            unimax.norms.FLA_PROMPT_KERNELS = True
-        elif part == "chunk8k":
-            engine.prefill_chunk = 8192
-        elif part == "graphs512":
-            engine.short_prefill = ShortPrefill(
-                engine.exact_model, engine.exact_cache,
-                use_graphs=engine.exact_cache.device.type == "cuda",
-                buckets=tuple(b for b in BUCKETS if b <= 512))
-        else:
-            raise ValueError(f"unknown variant part {part!r}: fla-norms, chunk8k, graphs512")
+    parts = name.split("+")
+    unknown = set(parts) - {"fla-norms", "chunk8k", "graphs512"}
+    if unknown:
+        raise ValueError(f"unknown variant parts {sorted(unknown)}: fla-norms, chunk8k, "
+                         "graphs512")
+    unimax.norms.FLA_PROMPT_KERNELS = "fla-norms" in parts
+    if "chunk8k" in parts:
+        engine.prefill_chunk = 8192
+    if engine.short_prefill is not None:
+        # graphs of its own, captured with the variant's norms (the default ones keep theirs)
+        engine.short_prefill = ShortPrefill(
+            engine.exact_model, engine.exact_cache, use_graphs=True,
+            buckets=tuple(b for b in BUCKETS if "graphs512" not in parts or b <= 512))
     try:
         yield
     finally:
