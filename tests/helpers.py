@@ -87,6 +87,26 @@ def run_fla_script(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_with_triton(code: str, needs: str = "triton", interpret: bool = True) -> str:
+    """Run ``code`` in a child process with the packages .ci/run installs apart (triton, fla)
+    on its path, under Triton's CPU interpreter (chosen at import, so never in the test
+    process) unless ``interpret`` is False; skip where ``needs`` is not installed. Returns its
+    stdout; fails with its stderr."""
+    import pytest
+
+    site = os.environ.get(FLA_SITE_ENV, str(ROOT / ".deps" / "fla-site"))
+    if not Path(site, needs).is_dir():
+        pytest.skip(f"{needs} is not installed beside fla (.ci/run puts it in .deps/fla-site)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 def spied(fn, name, calls: list):
     """``fn`` that first appends ``name`` to ``calls``: which of several spied calls ran, in
     what order."""

@@ -3,20 +3,15 @@ Triton's interpreter (a child process, as tests/test_gemv.py), the mixer's op pa
 torch forms, the op under inductor writing the cache's own buffers, and its input checks."""
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cache_states, randomize_
+from helpers import cache_states, randomize_, run_with_triton
 from unimax import GDNForCausalLM
 from unimax.ops.decode_step import gdn_decode_step, gdn_decode_step_ref
 from unimax.tiny import TINY_CONFIG
 
-ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import torch
 from unimax.ops.conv import causal_conv1d_step
@@ -77,15 +72,8 @@ for tokens, block_v in ((3, 8), (9, 16), (1, 4)):
 
 
 def test_fla_decode_step_matches_its_twin_in_the_interpreter():
-    site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
-    if not Path(site, "fla").is_dir():
-        pytest.skip("fla is not installed (.ci/run puts it in .deps/fla-site)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
-    run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert sum(line.startswith("ok") for line in run.stdout.splitlines()) == 7, run.stdout
+    out = run_with_triton(CHILD, needs="fla")
+    assert sum(line.startswith("ok") for line in out.splitlines()) == 7, out
 
 
 @pytest.mark.parametrize("neg_eigval", [False, True])

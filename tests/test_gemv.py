@@ -2,21 +2,16 @@
 interpreter (a child process: the interpreter is chosen at import, and fla's Triton stays out of
 the test process); the fast step's GEMV view of a model."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers import run_with_triton
 from unimax import GDNForCausalLM
 from unimax.fast_step import GemvLinear, gemv_view
 from unimax.fp8 import FP8Linear, quantize_rows, quantize_view
 from unimax.ops.gemv import gemv_ref
 from unimax.tiny import TINY_CONFIG
 
-ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import torch
 from unimax.fp8 import quantize_rows
@@ -47,15 +42,8 @@ print("compiled", float((traced(x, q, s) - 2 * gemv(x, q, s)).abs().max()))
 
 
 def test_triton_gemv_matches_its_twin_in_the_interpreter():
-    site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
-    if not Path(site, "triton").is_dir():
-        pytest.skip("triton is not installed beside fla (.ci/run puts it in .deps/fla-site)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
-    run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("ok") == 18 and "compiled 0.0" in run.stdout, run.stdout
+    out = run_with_triton(CHILD)
+    assert out.count("ok") == 18 and "compiled 0.0" in out, out
 
 
 def test_fp8_gemv_mode_keeps_bf16_activations():
@@ -119,15 +107,8 @@ def test_rows16_compiles_to_packed_f16_math():
     loop is packed e4m3 -> f16 conversions and packed f16 FMAs (one instruction per two
     weights each), where the fp32 GEMV converts the same way but then needs an fp32 FMA (and
     a widening) per weight."""
-    site = os.environ.get("UNIMAX_FLA_SITE", str(ROOT / ".deps" / "fla-site"))
-    if not Path(site, "triton").is_dir():
-        pytest.skip("triton is not installed beside fla (.ci/run puts it in .deps/fla-site)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-c", PTX_CHILD], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line.split() for line in run.stdout.strip().splitlines()]
+    out = run_with_triton(PTX_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
     assert len(rows) == 4
     for arch, f16, cvt, hfma2, ffma in rows:
         assert int(cvt) > 0, (arch, f16)
