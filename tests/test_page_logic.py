@@ -1,9 +1,10 @@
 """The page's pure pieces (issue 12): Stop after a finished reply, how a reply's end is worded,
-the drafted-vs-generated note, Clear resetting the panels."""
+the drafted-vs-generated note, Clear resetting the panels, Clear winning over a reply's last
+update."""
 
 import threading
 
-from ui.chat_tab import done_status
+from ui.chat_tab import ChatTab, Gen, done_status
 from ui.panels import ab_summary, curve_svg, nice_ceiling, panel_markdown
 from ui.sessions import Sessions
 
@@ -27,6 +28,44 @@ def test_stop_after_a_finished_reply_cancels_nothing():
     sessions.start("s", running)
     assert sessions.cancel("s") is True and running.cancelled
     assert sessions.cancel("nobody") is False
+
+
+class Event:
+    def __init__(self, kind, text="", **data):
+        self.kind, self.text, self.data = kind, text, data
+
+
+class Service:
+    """Replies with two deltas and a done event, like the engine thread's stream."""
+
+    def submit(self, conversation_id, messages, mode, settings):
+        handle = Handle(finished=False)
+        events = [Event("delta", "Once"), Event("delta", " upon"),
+                  Event("done", stopped="length")]
+
+        def stream():
+            yield from events
+            handle.finished.set()
+
+        handle.events = stream
+        return handle
+
+
+def test_clear_after_the_last_event_still_wins():
+    """Clear between the stream's last event and the reply's end: the reply's last update is
+    already on its way and may land after Clear's, so the reply ends on Clear's page."""
+    sessions = Sessions()
+    chat = ChatTab(Service(), sessions, preset=None)
+    gen = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None)
+    reply = chat.reply([{"role": "user", "content": "hi"}], gen, "s", sent="hi")
+    updates = []
+    for update in reply:
+        updates.append(update)
+        if update[2].startswith("Done"):
+            sessions.bump("s")  # what Clear does first (ChatTab.clear)
+            sessions.cancel("s")
+    assert updates[-2][0][-1]["content"] == "Once upon"
+    assert updates[-1] == ([], "", "Cleared.")
 
 
 def test_done_status_says_who_ended_the_reply():

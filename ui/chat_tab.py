@@ -132,12 +132,8 @@ class ChatTab:
         epoch = self.sessions.epoch(session)
         for kind, text, data in stream(self.service, self.sessions, session,
                                        gen.conversation_id, messages, gen.mode, settings):
-            if self.sessions.epoch(session) != epoch:
-                # Cleared meanwhile. This event's outputs may land after Clear's: end on what
-                # Clear shows, so Clear wins whatever the order, unless the user has already
-                # sent something new (that reply owns the page now).
-                if not self.sessions.running(session):
-                    yield [], "", "Cleared."
+            if self.sessions.epoch(session) != epoch:  # cleared meanwhile
+                yield from self._cleared(session)
                 return
             if kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
@@ -159,6 +155,17 @@ class ChatTab:
             else:
                 continue
             yield history, box, status
+        if self.sessions.epoch(session) != epoch:
+            # Clear came after the stream's last event, and that event's update (already
+            # yielded) may still land after Clear's own: end on Clear's page here too.
+            yield from self._cleared(session)
+
+    def _cleared(self, session: str):
+        """What a reply's generator yields last once Clear has run: Clear's page, so Clear wins
+        whatever order the two updates land in, unless the user has already sent something
+        new (that reply owns the page now)."""
+        if not self.sessions.running(session):
+            yield [], "", "Cleared."
 
     def clear(self, conversation_id, request: gr.Request):
         session = request.session_hash

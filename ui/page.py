@@ -115,8 +115,11 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         chatbot.edit(chat.edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
                      **page)
         stop_btn.click(chat.stop, None, status, queue=False, **page)
+        # Clear through the queue, as the replies' updates go: both reach the page over the
+        # same stream, in the order they were made (queue=False answered on a channel of its
+        # own, and a reply's last update could land after it and bring the reply back).
         clear_btn.click(chat.clear, conversation_id, [chatbot, conversation_id, status],
-                        queue=False, **page)
+                        concurrency_limit=None, **page)
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
         ab_btn.click(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
                               seed, thinking],
