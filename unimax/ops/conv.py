@@ -25,9 +25,11 @@ LONG = 64  # more tokens than this take causal_conv1d_long (the verifier's block
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
     """Any number of new tokens: prepend the state, convolve without padding, keep the tail.
 
-    Computed as the step computes it (fp32 products of each window, summed over W), so a block
-    of T tokens gives bit-for-bit the outputs of T single steps: the verifier and the decoder
-    then disagree only where the matmuls round differently."""
+    Computed as ``causal_conv1d_step`` computes it (fp32 products of each window, summed over
+    W), so a block of T tokens gives bit-for-bit the outputs of T of those steps. (On CUDA the
+    decoder's steps run fla's conv-update kernel instead, unimax.ops.decode_step, whose SiLU
+    rounds its own way: there a conv output may sit one BF16 rounding apart from this form's,
+    as the matmuls of a block and of a step may.)"""
     width = weight.shape[-1]
     full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, D, W + T)
     windows = full[..., 1:].unfold(-1, width, 1)  # (B, D, T, W)
