@@ -110,8 +110,9 @@ def test_mixer_op_step_equals_its_torch_forms(neg_eigval):
 
 def test_op_writes_the_cache_buffers_under_inductor():
     """Compiled (as the fast step is), the op still writes the states where the cache keeps
-    them (views of one flat buffer, which captured graphs point at) and gives the eager op's
-    output."""
+    them (views of one flat buffer, which captured graphs point at), reads of the state stay on
+    their side of it, and the outputs are the eager op's. (Fails with the mutation undeclared
+    or a wrong fake kernel.)"""
     torch.manual_seed(0)
     heads, value_heads, dk, dv, width = 2, 4, 8, 8, 4
     conv_dim = 2 * heads * dk + value_heads * dv
@@ -122,16 +123,22 @@ def test_op_writes_the_cache_buffers_under_inductor():
     def step(proj, buffer):
         conv_state = buffer[:conv_dim * width].view(1, conv_dim, width)
         rec = buffer[conv_dim * width:].view(1, value_heads, dk, dv)
+        before = rec * 3  # read before the op: must see the state before it
         mixed, b, a = proj.split([conv_dim, value_heads, value_heads], dim=-1)
         o = gdn_decode_step(mixed, a, b.sigmoid(), conv_state, weight, rec, A_log, dt_bias,
                             heads)
-        return o * 2
+        return o * 2, before, rec * 3  # and the state after it
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    # compiled here, not served from inductor's on-disk caches (which key on the graph, not on
+    # the op's fake kernel or declared mutation: a change to either would go unseen)
+    no_cache = (torch._inductor.config.patch(fx_graph_cache=False),
+                torch._functorch.config.patch(enable_autograd_cache=False))
     for _ in range(3):
         proj = torch.randn(1, 1, conv_dim + 2 * value_heads)
-        with torch.inference_mode():
-            assert torch.allclose(compiled(proj, flat[0]), step(proj, flat[1]), atol=1e-6)
+        with torch.inference_mode(), no_cache[0], no_cache[1]:
+            got, want = compiled(proj, flat[0]), step(proj, flat[1])
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want, strict=True))
         assert torch.allclose(flat[0], flat[1], atol=1e-6)
 
 
