@@ -172,9 +172,17 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
     def restore():
         copy_cache_(engine.exact_cache, kept)
 
-    kept_ms = median_ms(lambda: engine.prefill_exact(ids[:, 4096:], keep_state=True), repeats,
-                        before=restore)
-    rows.append({"shape": shape, "tokens": 128, "kept": 4096, "unimax_ms": kept_ms})
+    def kept_ms():
+        return median_ms(lambda: engine.prefill_exact(ids[:, 4096:], keep_state=True), repeats,
+                         before=restore)
+
+    rows.append({"shape": shape, "tokens": 128, "kept": 4096, "unimax_ms": kept_ms()})
+    for name in variants:
+        try:
+            with variant(engine, name):
+                rows[-1][f"{name}_ms"] = kept_ms()
+        except Exception as err:  # record, go on with the next variant
+            rows[-1][f"{name}_error"] = repr(err)[:200]
     print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -210,8 +218,10 @@ def main() -> None:
                   f"{r['ours_bf16_rel_err']:.1e}, transformers BF16 "
                   f"{r['transformers_bf16_rel_err']:.1e}")
         elif "kept" in r:
+            also = "".join(f"   {name} {r[name + '_ms']:.2f}" if name + "_ms" in r
+                           else f"   {name} error" for name in args.variants)
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
-                  f"   (on a kept state of {r['kept']})")
+                  f"   (on a kept state of {r['kept']}){also}")
         else:
             fla = "".join(f"   {name} {r[name + '_ms']:.2f} (err {r[name + '_err']:.1e})"
                           if name + "_ms" in r else f"   {name} error"
