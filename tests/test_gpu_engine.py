@@ -97,7 +97,9 @@ def test_compiled_step_matches_eager_engine(model):
 
 def test_hybrid_graphs_on_gpu(tmp_path):
     """Hybrid model (gated attention over static KV buffers) on the GPU: graph decoding equals
-    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly."""
+    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly;
+    every graph captured up front (as the app does) with a short-prefill bucket as long as the
+    KV buffers (512), then a prompt in it that leaves the context's last tokens to the reply."""
     from helpers import write_qwen_checkpoint
 
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
@@ -111,6 +113,9 @@ def test_hybrid_graphs_on_gpu(tmp_path):
         g = build_engine(model, decode="fp8", draft=draft, block_size=8)
         e = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
         assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
+    g.capture_graphs(verified=True)  # (each warm-up from position 0: the 512 bucket fits)
+    long = torch.randint(0, 97, (1, 500), device="cuda")
+    assert torch.equal(g.generate_verified(long, 12)[0], e.generate_verified(long, 12)[0])
 
 
 def test_triton_gemv_on_gpu(model):

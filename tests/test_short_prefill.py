@@ -114,17 +114,36 @@ def test_capture_warm_up_runs_on_valid_buffers(model, monkeypatch):
 
 
 def warm_ups_only(ran: list):
-    """GraphRunner.prepare as capture runs it, minus the CUDA graph: the body inside the real
-    trial_run (caches and buffers saved and restored, positions 0 meanwhile), eagerly, where a
-    write past the KV buffers raises."""
-    from unimax.graph import trial_run
+    """GraphRunner.prepare as capture runs it, minus the CUDA graph: the real warm-up runs of
+    the body inside the real trial_run (caches and buffers saved and restored), eagerly, where
+    a write past the KV buffers raises."""
+    from unimax.graph import trial_run, warm_up
 
     def prepare(self, key, fn, writes, buffers=()):
         with trial_run(writes, buffers):
-            fn()
+            warm_up(fn, writes)
         ran.append(key)
 
     return prepare
+
+
+@torch.inference_mode()
+def test_capture_of_a_bucket_as_long_as_the_context(pure_or_hybrid, monkeypatch):
+    """A bucket of max_context tokens (the 0.8B bench shape: buffers of 4096, the largest
+    bucket 4096): each of capture's warm-up runs starts at position 0. The second used to start
+    where the first left it (position 1) and wrote one KV entry past the buffers: a
+    device-side assert on the H200."""
+    from unimax.graph import GraphRunner
+
+    model = pure_or_hybrid
+    context = model.config.max_context
+    engine = build_engine(model, decode="bf16", block_size=4)
+    prefill = ShortPrefill(model, engine.exact_cache, use_graphs=False, buckets=(4, context))
+    ran = []
+    monkeypatch.setattr(GraphRunner, "prepare", warm_ups_only(ran))
+    prefill.capture()
+    assert ("prefill", context) in {key[:2] for key in ran}
+    assert int(engine.exact_cache.position) == engine.exact_cache.seen_tokens == 0
 
 
 @torch.inference_mode()

@@ -56,14 +56,33 @@ class GraphRunner:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
+                warm_up(fn, writes)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 fn()
-            replay_ms = median_replay_ms(graph) if self.timed else None
+            replay_ms = None
+            if self.timed:
+                replay_ms = median_replay_ms(graph, before=lambda: from_position_0(writes))
         return graph, replay_ms
+
+
+WARM_UPS = 2  # Triton's autotuning and the allocator's growth before a graph is recorded
+
+
+def from_position_0(writes: list[RecurrentCache]) -> None:
+    for cache in writes:
+        cache.position.zero_()
+
+
+def warm_up(fn: Callable[[], None], writes: list[RecurrentCache], runs: int = WARM_UPS) -> None:
+    """Capture's warm-up runs of a graph body, each from position 0. A run advances the
+    device-side position, and a body whose padded forward fills the KV buffers (a short-prefill
+    bucket as long as the context) would, from the position the run before left, write one KV
+    entry past them: a device-side assert that took the H200 run's whole CUDA context down."""
+    for _ in range(runs):
+        from_position_0(writes)
+        fn()
 
 
 @contextlib.contextmanager
@@ -89,11 +108,15 @@ def trial_run(writes: list[RecurrentCache], buffers: list[torch.Tensor] = ()):
             buffer.copy_(saved_buffer)
 
 
-def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
-    """The median time of a graph's replay in ms (CUDA events; after one untimed replay)."""
+def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5,
+                     before: Callable[[], None] = lambda: None) -> float:
+    """The median time of a graph's replay in ms (CUDA events; after one untimed replay).
+    ``before`` runs ahead of each replay, untimed (capture: back to position 0)."""
+    before()
     graph.replay()  # the first replay uploads the graph
     times = []
     for _ in range(repeats):
+        before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
