@@ -12,9 +12,9 @@
 #                                           the GDN step as one op and as torch forms ("-unfused")
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
-#   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with fla's
-#                                           norms, 8k chunks, graphs to 512 only (the old
-#                                           settings) side by side
+#   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
+#                                           torch forms of the norms, 8k chunks, graphs to 512
+#                                           only (the old settings) side by side
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -35,7 +35,7 @@ case "${1:-}" in
     timeout 240 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -28
     timeout 100 python3 bench/attention.py --max-context 4096 32768 --json "$OUT/attn.json" \
       2>&1 | quiet | tail -14
-    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --variants fla-norms --json "$OUT/ttft.json" 2>&1 \
+    timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --variants torch-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes "${3:-gdn-4b}" --acceptance 1.0 0.95 \
@@ -54,7 +54,7 @@ case "${1:-}" in
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;
   ttft)
     timeout 500 python3 bench/ttft.py --shapes qwen3.5-0.8b --lengths 16384 4096 1000 512 \
-      --repeats 3 --variants fla-norms chunk8k graphs512 \
+      --repeats 3 --variants torch-norms chunk8k graphs512 \
       --json "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
     grep -v Assertion "$OUT/ttft.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
   profile)
@@ -63,7 +63,7 @@ case "${1:-}" in
       > "$OUT/profile.log" 2>&1
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
   prefill)
-    timeout 400 python3 bench/profile_prefill.py --fla-norms --json "$OUT/prefill.json" \
+    timeout 400 python3 bench/profile_prefill.py --torch-norms --json "$OUT/prefill.json" \
       > "$OUT/prefill.log" 2>&1
     grep -v Assertion "$OUT/prefill.log" | grep -v "^{" | quiet | cut -c1-140 | tail -100 ;;
   demo)

@@ -2,13 +2,13 @@
 waits for), grouped by name, and how much of the prefill the GPU is busy.
 
 usage: python bench/profile_prefill.py [--shapes qwen3.5-0.8b] [--lengths 4096 16384]
-       [--fla-norms] [--json FILE]
+       [--torch-norms] [--json FILE]
 Random weights, BF16, batch 1, a fresh conversation. Per length: the median device time of
 prefill_exact (after two warm-ups: fla's autotuning, the allocator), the kernels' summed time
 (``busy``; wall minus busy is launch gaps and host work) and the top kernels with their share.
 Issue 15's lever: a 16k prefill at 0.8B is ~35 ms of compute, measured at ~115 ms.
---fla-norms: each length again with fla's fused norms and SwiGLU for prompts
-(unimax.norms.FLA_PROMPT_KERNELS), in the same process, so the two rows compare.
+--torch-norms: each length again with the norms and SwiGLU as torch forms instead of fla's fused
+kernels (unimax.norms.FLA_PROMPT_KERNELS off), in the same process, so the two rows compare.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["qwen3.5-0.8b"], choices=list(SHAPES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--fla-norms", action="store_true",
-                        help="each length also with fla's fused norms for prompts")
+    parser.add_argument("--torch-norms", action="store_true",
+                        help="each length also with the torch forms of the norms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     report = []
@@ -54,7 +54,7 @@ def main() -> None:
         model = GDNForCausalLM.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
         engine = build_engine(model, decode="bf16")
         for length in args.lengths:
-            for fla in (False, True) if args.fla_norms else (False,):
+            for fla in (True, False) if args.torch_norms else (True,):
                 unimax.norms.FLA_PROMPT_KERNELS = fla
                 try:
                     row = {"shape": shape, "fla_norms": fla,
@@ -63,7 +63,7 @@ def main() -> None:
                     row = {"shape": shape, "tokens": length, "fla_norms": fla,
                            "error": repr(err)[:300]}
                 finally:
-                    unimax.norms.FLA_PROMPT_KERNELS = False
+                    unimax.norms.FLA_PROMPT_KERNELS = True
                 report.append(row)
                 print(json.dumps(row)[:400], flush=True)
         del engine, model
@@ -74,7 +74,7 @@ def main() -> None:
         if "error" in row:
             print(f"{row['shape']} {row['tokens']}: error {row['error'][:200]}")
             continue
-        fla = ", fla norms" if row["fla_norms"] else ""
+        fla = "" if row["fla_norms"] else ", torch norms"
         print(f"\n{row['shape']} {row['tokens']} tokens{fla}: {row['ms']:.1f} ms, kernels busy "
               f"{row['busy_ms']:.1f} ms, {row['kernels']:.0f} kernels")
         busy = max(row["busy_ms"], 1e-9)

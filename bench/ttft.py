@@ -3,7 +3,7 @@
 on the same random weights, at several prompt lengths; and a short prompt on kept state.
 
 usage: python bench/ttft.py [--shapes qwen3.5-0.8b] [--lengths 128 512 4096 16384 65536]
-       [--repeats 5] [--variants fla-norms chunk8k graphs512 ...] [--json FILE]
+       [--repeats 5] [--variants torch-norms chunk8k graphs512 ...] [--json FILE]
 
 The weights are made by transformers (Qwen3_5ForCausalLM, random), saved, and loaded by
 unimax.load_model, so both sides run the same numbers; the last position's logits are compared
@@ -14,8 +14,8 @@ pure GDN shapes: its cache needs an attention layer, so it keeps no state there)
 new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
 First row: both models' BF16 and ours in FP32 against transformers in FP32 (512 tokens), the
 scale of BF16 rounding on these weights. --variants: UNI MAX again per row with other settings
-(``variant``: fla's fused norms; the chunk and graph buckets as they were before), in the same
-run.
+(``variant``: the torch forms of the norms, the chunk and graph buckets as they were before), in
+the same run.
 """
 
 from __future__ import annotations
@@ -90,17 +90,17 @@ def fp32_check(shape, ours, ours32, theirs, theirs32, gen, tokens: int = 512) ->
 
 @contextlib.contextmanager
 def variant(engine, name: str):
-    """UNI MAX's prefill with the settings ``name`` names, joined by "+": "fla-norms" (fla's
-    fused norms and SwiGLU for prompts), "chunk8k" (prompts in chunks of 8192 tokens, the
-    default before 16384), "graphs512" (the short prefill's graphs up to 512 tokens only, the
-    buckets before 4096). Restored after."""
+    """UNI MAX's prefill with the settings ``name`` names, joined by "+": "torch-norms" (the
+    norms and SwiGLU as torch forms, not fla's fused kernels: the default before), "chunk8k"
+    (prompts in chunks of 8192 tokens, the default before 16384), "graphs512" (the short
+    prefill's graphs up to 512 tokens only, the buckets before 4096). Restored after."""
     saved = (unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill)
     parts = name.split("+")
-    unknown = set(parts) - {"fla-norms", "chunk8k", "graphs512"}
+    unknown = set(parts) - {"torch-norms", "chunk8k", "graphs512"}
     if unknown:
-        raise ValueError(f"unknown variant parts {sorted(unknown)}: fla-norms, chunk8k, "
+        raise ValueError(f"unknown variant parts {sorted(unknown)}: torch-norms, chunk8k, "
                          "graphs512")
-    unimax.norms.FLA_PROMPT_KERNELS = "fla-norms" in parts
+    unimax.norms.FLA_PROMPT_KERNELS = "torch-norms" not in parts
     if "chunk8k" in parts:
         engine.prefill_chunk = 8192
     if engine.short_prefill is not None:
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also UNI MAX with these settings (see variant()), e.g. "
-                             "fla-norms chunk8k graphs512")
+                             "torch-norms chunk8k graphs512")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []

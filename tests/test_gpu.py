@@ -64,6 +64,7 @@ def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
         norm.weight.normal_(0, 0.1, generator=gen)
         for g in gated.values():
             g.weight.normal_(1, 0.1, generator=gen)
+    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", False)  # (on by default)
     off = [norm(x), *(g(o, z) for g in gated.values()), swiglu(*gate_up.split(256, -1))]
     monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", True)
     calls = []
