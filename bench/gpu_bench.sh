@@ -10,6 +10,9 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
+#   run: bash bench/gpu_bench.sh pdl        gdn-4b: the BF16 step and the draft step with the GEMVs
+#                                           launched with programmatic dependent launch
+#                                           ("-pdl"), and inductor's kernels too ("-pdl2")
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -49,6 +52,10 @@ case "${1:-}" in
     timeout 500 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
       fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
+  pdl)
+    timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv fla+gemv-pdl \
+      draft draft-pdl draft-pdl2 --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
+    grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
   recurrent)
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;
@@ -75,5 +82,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|recurrent|ttft|sampled|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|recurrent|ttft|sampled|profile|prefill|demo"; exit 2 ;;
 esac

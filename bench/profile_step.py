@@ -8,7 +8,10 @@ inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (co
 linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
 draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these
 with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
-fla's recurrent kernel instead of one op (unimax.ops.decode_step); engine-bf16,
+fla's recurrent kernel instead of one op (unimax.ops.decode_step); any variant, engine ones
+too, with "-pdl": the GEMVs launched with programmatic dependent launch (unimax.ops.gemv.PDL),
+or "-pdl2": that and inductor's own kernels too (torch._inductor.config.triton.enable_pdl,
+experimental), both off by default until measured here; engine-bf16,
 engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
 compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
@@ -19,6 +22,7 @@ Random weights, batch 1; the state after a 64-token prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -90,8 +94,32 @@ def engine_graph(model, variant: str):
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
+@contextlib.contextmanager
+def launch_settings(variant: str):
+    """The variant without its "-pdl"/"-pdl2" suffix, those settings on meanwhile."""
+    import torch._inductor.config as inductor_config
+
+    import unimax.ops.gemv as gemv_ops
+
+    base = variant.removesuffix("-pdl2").removesuffix("-pdl")
+    suffix = variant[len(base):]
+    saved = gemv_ops.PDL, inductor_config.triton.enable_pdl
+    gemv_ops.PDL = bool(suffix)
+    inductor_config.triton.enable_pdl = suffix == "-pdl2"
+    try:
+        yield base
+    finally:
+        gemv_ops.PDL, inductor_config.triton.enable_pdl = saved
+
+
 @torch.inference_mode()
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
+    with launch_settings(variant) as base:
+        row = profile_captured(model, base, bandwidth)
+    return {**row, "variant": variant}
+
+
+def profile_captured(model, variant: str, bandwidth: float) -> dict:
     if variant.startswith("engine-"):
         graph, per = engine_graph(model, variant)
     else:
