@@ -12,7 +12,8 @@
 #                                           the GDN step as one op and as torch forms ("-unfused")
 #   run: bash bench/gpu_bench.sh pdl        gdn-4b: the BF16 step and the draft step with the GEMVs
 #                                           launched with programmatic dependent launch
-#                                           ("-pdl"), and inductor's kernels too ("-pdl2")
+#                                           ("-pdl"), and inductor's kernels too ("-pdl2");
+#                                           "pdl qwen3.5-0.8b": another shape
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -53,7 +54,7 @@ case "${1:-}" in
       fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
   pdl)
-    timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv fla+gemv-pdl \
+    timeout 560 python3 bench/profile_step.py --shapes "${2:-gdn-4b}" --variants fla+gemv fla+gemv-pdl \
       draft draft-pdl draft-pdl2 --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
     grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
   recurrent)
