@@ -178,6 +178,7 @@ def test_gemv_pdl_on_gpu(model, monkeypatch):
             return gemv_ops.gemv(a[:m] @ b, weight, s, kernel=kernel)  # noqa: B023
 
         monkeypatch.setattr(gemv_ops, "PDL", True)
+        assert gemv_ops._pdl(a)["launch_pdl"]  # (the PDL form really launches here)
         body()  # (warm-up: compile and autotune outside the capture)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
