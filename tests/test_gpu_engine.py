@@ -101,6 +101,7 @@ def test_hybrid_graphs_on_gpu(tmp_path):
     every graph captured up front (as the app does) with a short-prefill bucket as long as the
     KV buffers (512), then a prompt in it that leaves the context's last tokens to the reply."""
     from helpers import write_qwen_checkpoint
+    from unimax.reference import first_divergence, is_near_tie
 
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     write_qwen_checkpoint(tmp_path, seed=4, num_layers=4, layer_types=layer_types)
@@ -115,7 +116,9 @@ def test_hybrid_graphs_on_gpu(tmp_path):
         assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
     g.capture_graphs(verified=True)  # (each warm-up from position 0: the 512 bucket fits)
     long = torch.randint(0, 97, (1, 500), device="cuda")
-    assert torch.equal(g.generate_verified(long, 12)[0], e.generate_verified(long, 12)[0])
+    got = g.generate_verified(long, 12)[0][0].tolist()  # (its prompt in the padded 512 graph)
+    reference = unimax.exact_greedy_tokens(model, long, 12)[0].tolist()
+    assert is_near_tie(first_divergence(model, long, got, reference))
 
 
 def test_triton_gemv_on_gpu(model):
