@@ -18,7 +18,8 @@
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
 #                                           torch forms of the norms, 8k chunks, graphs to 512
-#                                           only (the old settings) side by side
+#                                           only (the old settings) side by side;
+#                                           "ttft qwen3.5-4b": the 4B hybrid shape
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -61,7 +62,7 @@ case "${1:-}" in
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;
   ttft)
-    timeout 500 python3 bench/ttft.py --shapes qwen3.5-0.8b --lengths 16384 4096 1000 512 \
+    timeout 500 python3 bench/ttft.py --shapes "${2:-qwen3.5-0.8b}" --lengths 16384 4096 1000 512 \
       --repeats 3 --variants torch-norms chunk8k graphs512 \
       --json "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
     grep -v Assertion "$OUT/ttft.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
