@@ -53,8 +53,9 @@ def main() -> None:
         cfg = dataclasses.replace(SHAPES[shape], max_context=max(args.lengths) + 512)
         model = GDNForCausalLM.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
         engine = build_engine(model, decode="bf16")
+        default = unimax.norms.FLA_PROMPT_KERNELS
         for length in args.lengths:
-            for fla in (True, False) if args.torch_norms else (True,):
+            for fla in (default, not default) if args.torch_norms else (default,):
                 unimax.norms.FLA_PROMPT_KERNELS = fla
                 try:
                     row = {"shape": shape, "fla_norms": fla,
@@ -63,7 +64,7 @@ def main() -> None:
                     row = {"shape": shape, "tokens": length, "fla_norms": fla,
                            "error": repr(err)[:300]}
                 finally:
-                    unimax.norms.FLA_PROMPT_KERNELS = True
+                    unimax.norms.FLA_PROMPT_KERNELS = default
                 report.append(row)
                 print(json.dumps(row)[:400], flush=True)
         del engine, model

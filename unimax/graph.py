@@ -96,8 +96,8 @@ def trial_run(writes: list[RecurrentCache], buffers: list[torch.Tensor] = ()):
     for copy, cache in zip(saved, writes, strict=True):
         copy_cache_(copy, cache)
     saved_buffers = [b.clone() for b in buffers]
+    from_position_0(writes)
     for cache in writes:
-        cache.position.zero_()
         cache.seen_tokens = 0
     try:
         yield

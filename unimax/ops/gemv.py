@@ -28,10 +28,11 @@ GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks
 KERNELS = ("rows", "rows16", "dot")
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 # Programmatic dependent launch (Hopper and later): each GEMV may start while the kernel before
-# it drains, reading its first tile of weights before it waits for x. An H200 step has ~3 us of
-# fixed cost per GEMV (ramp and tail: bench/RESULTS.md, 2026-11-30, sixth session) x 129 GEMVs,
-# half of which the draft step's FP8 bytes would not need. Off until bench/profile_step.py's
-# "-pdl" variants measure it; read when a kernel launches (so when a graph is captured).
+# it drains, reading its first tile of weights before it waits for x. On the H200 each GEMV
+# has ~3 us of fixed cost (ramp and tail) whatever its bytes, x 129 GEMVs per 4B step: cost the
+# FP8 draft step pays in full (bench/RESULTS.md, 2026-11-30, sixth session). Off until
+# bench/profile_step.py's "-pdl" variants measure it; read at launch (so when a graph is
+# captured).
 PDL = False
 
 
