@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
-from unimax.ops.conv import causal_conv1d, causal_conv1d_long, causal_conv1d_step
+from unimax.ops.conv import (
+    causal_conv1d,
+    causal_conv1d_long,
+    causal_conv1d_step,
+    conv_window_after,
+)
 from unimax.ops.gated_delta import (
     chunk_gated_delta_rule_ref,
     gated_delta_rule,
@@ -99,6 +104,19 @@ def test_long_conv_matches_the_block_form(length, fresh):
     assert torch.equal(new_state, state_ref)
     with pytest.raises(ValueError, match="unknown conv backend 'cuda'"):
         causal_conv1d_long(x, weight, state, backend="cuda")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_conv_window_after_a_device_length(tokens):
+    """The window after the first ``valid`` of the inputs (valid a device scalar, 0 .. all of
+    them, fewer inputs than the window too) is the conv state the block form leaves after
+    exactly those inputs."""
+    gen = torch.Generator().manual_seed(tokens)
+    state, weight = torch.randn(2, 6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    inputs = torch.randn(2, tokens, 6, generator=gen)
+    for valid in range(tokens + 1):
+        _, expected = causal_conv1d(inputs[:, :valid], weight, state) if valid else (None, state)
+        assert torch.equal(conv_window_after(state, inputs, torch.tensor(valid)), expected)
 
 
 def test_mixer_takes_the_long_conv_for_prompts(monkeypatch):

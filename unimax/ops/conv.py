@@ -78,7 +78,14 @@ def conv_window_after(state: torch.Tensor, inputs: torch.Tensor, valid: torch.Te
     """The conv state (B, D, W) after the first ``valid`` (a 0-d device tensor) of ``inputs``
     (B, T, D) fed on ``state`` (B, D, W): entries valid .. valid + W - 1 of [the W before, the
     T new]. For forwards whose real length is on the device (a padded prompt, a verify block's
-    accepted prefix)."""
-    full = torch.cat([state.to(inputs.dtype), inputs.transpose(1, 2)], dim=-1)
-    return full.index_select(-1, valid + torch.arange(state.shape[-1], device=full.device))
+    accepted prefix).
+
+    Gathered from each side, never concatenated: [state, inputs] of a 4096-token padded
+    prompt is ~50 MB per layer at 0.8B, and its copy was 15% of that prompt's prefill on the
+    H200 (bench/RESULTS.md, 2026-11-30, seventh session); the window is W entries."""
+    width = state.shape[-1]
+    where = valid + torch.arange(width, device=state.device)  # in [state, inputs]
+    from_state = state.to(inputs.dtype).index_select(-1, where.clamp(max=width - 1))
+    from_inputs = inputs.index_select(1, (where - width).clamp(0, inputs.shape[1] - 1))
+    return torch.where(where < width, from_state, from_inputs.transpose(1, 2))
 
