@@ -14,6 +14,10 @@
 #                                           launched with programmatic dependent launch
 #                                           ("-pdl"), and inductor's kernels too ("-pdl2");
 #                                           "pdl qwen3.5-0.8b": another shape
+#   run: bash bench/gpu_bench.sh fused      gdn-4b and qwen3.5-0.8b: the BF16 step, the draft step
+#                                           (fused: unimax.fused_draft) and the draft step
+#                                           unfused ("draft-nofuse"), one process per call;
+#                                           "fused gdn-4b": one shape
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -58,6 +62,10 @@ case "${1:-}" in
     timeout 560 python3 bench/profile_step.py --shapes "${2:-gdn-4b}" --variants fla+gemv fla+gemv-pdl \
       draft draft-pdl draft-pdl2 --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
     grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
+  fused)
+    timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
+      fla+gemv draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
+    grep -v Assertion "$OUT/fused.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
   recurrent)
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;
@@ -84,5 +92,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|recurrent|ttft|sampled|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|fused|recurrent|ttft|sampled|profile|prefill|demo"; exit 2 ;;
 esac

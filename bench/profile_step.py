@@ -8,7 +8,9 @@ inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (co
 linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
 draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these
 with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
-fla's recurrent kernel instead of one op (unimax.ops.decode_step); any variant, engine ones
+fla's recurrent kernel instead of one op (unimax.ops.decode_step); draft-nofuse: the draft
+without its norms, gates and residual adds folded into the FP8 GEMVs (unimax.fused_draft, on
+by default; draft-unfused-nofuse: neither); any variant, engine ones
 too, with "-pdl": the GEMVs launched with programmatic dependent launch (unimax.ops.gemv.PDL),
 or "-pdl2": that and inductor's own kernels too (torch._inductor.config.triton.enable_pdl,
 experimental), both off by default until measured here; engine-bf16,
@@ -45,11 +47,12 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    variant, nofuse = variant.removesuffix("-nofuse"), variant.endswith("-nofuse")
     variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
         variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
-    view = gemv_view(model) if gemv == "gemv" else shallow_view(model)
+    view = gemv_view(model, fuse=not nofuse) if gemv == "gemv" else shallow_view(model)
     view.set_backend(backend)
     for block in view.layers if unfused else ():
         if hasattr(block.mixer, "decode_op"):  # the step's torch forms around fla's kernel

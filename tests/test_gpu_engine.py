@@ -342,3 +342,59 @@ def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
     print("acceptance", report.acceptance_rate, "blocks", kinds, "verify ms",
           {k: round(ms, 3) for k, ms in engine.draft_length.verify_ms.items()})
     assert set(launched) <= set(engine.verifier.runner.graphs)  # nothing captured late
+
+
+def test_fused_draft_on_gpu(model, monkeypatch):
+    """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
+    model's shapes, each prologue, FP8 weights with fp32 and FP16 products, with and without
+    the residual; a full-FP8 draft view's fused steps track the unfused view's logits with the
+    fused kernel really taken; the compiled fused draft in captured graphs decodes what it
+    decodes eagerly."""
+    import unimax.fused_draft as fused_draft
+    import unimax.ops.fused_gemv as fused_gemv
+    from helpers import spied
+    from unimax.fast_step import gemv_view
+    from unimax.fp8 import quantize_rows, quantize_view
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for prologue, n, k in (("rms", 12352, 2560), ("gated_silu", 2560, 4096),
+                           ("gated_sigmoid", 2560, 4096), ("swiglu", 2560, 9216),
+                           ("none", 18432, 2560)):
+        q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=gen))
+        x = 4 * torch.randn(1, 2 * k if prologue == "swiglu" else k, device="cuda",
+                            generator=gen).to(torch.bfloat16)
+        gated = prologue.startswith("gated")
+        z = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16) if gated else None
+        norm = (1 + 0.1 * torch.randn(128 if gated else k, device="cuda", generator=gen)
+                ).to(torch.bfloat16) if prologue not in ("none", "swiglu") else None
+        for residual in (None, torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)):
+            ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
+                                                      residual, 1e-6, 1.0)
+            for kernel in ("rows", "rows16"):
+                got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
+                                            1.0, kernel=kernel)
+                assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
+
+    draft = quantize_view(model, "full")
+    fused, plain = gemv_view(draft, fuse=True), gemv_view(draft, fuse=False)
+    tokens = prompt(20, seed=5)
+    caches = fused.make_recurrent_cache(), plain.make_recurrent_cache()
+    with torch.inference_mode():
+        fused(input_ids=tokens[:, :1], past_key_values=fused.make_recurrent_cache(),
+              use_cache=True)  # (first use: each shape's kernel choice, timed)
+        calls = []
+        monkeypatch.setattr(fused_gemv, "fused_gemv",
+                            spied(fused_gemv.fused_gemv, "fused", calls))
+        for i in range(tokens.shape[1]):
+            a, b = (view(input_ids=tokens[:, i: i + 1], past_key_values=cache,
+                         use_cache=True).logits
+                    for view, cache in zip((fused, plain), caches, strict=True))
+            assert rel_err(a.float(), b.float()) < 3e-2, i
+    assert len(calls) == 20 * 4 * CONFIG.num_hidden_layers
+    assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
+    x = prompt(60, seed=6)
+    graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
+    assert all(block.fuse_fp8 for block in graphs.decode_model.layers)
+    eager = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True,
+                         use_graphs=False)
+    assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_draft
 from .fp8 import shallow_view
 from .ops.gemv import GEMV_ROWS, small_m_linear
 
@@ -43,15 +44,19 @@ class GemvLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, gemv"
 
 
-def gemv_view(model):
+def gemv_view(model, fuse: bool | None = None):
     """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
-    on the same weight; FP8 linears already run their own GEMV."""
+    on the same weight; FP8 linears already run their own GEMV, and with ``fuse`` (default
+    ``fused_draft.FUSE``) the blocks holding them fold their small kernels into those GEMVs
+    (unimax.fused_draft; the exact model's blocks never)."""
     view = shallow_view(model)
     names = [name for name, m in view.named_modules() if type(m) is nn.Linear]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
         setattr(parent, child, GemvLinear(getattr(parent, child)))
+    if fused_draft.FUSE if fuse is None else fuse:
+        fused_draft.fuse_fp8_blocks(view)
     return view
 
 

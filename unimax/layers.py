@@ -14,6 +14,7 @@ from torch import nn
 from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
+from .fused_draft import fused_block_forward
 from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
 from .ops.decode_step import gdn_decode_step
@@ -39,17 +40,10 @@ class GatedDeltaNetMixer(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
         cfg = self.config
         batch, seq_len, _ = x.shape
-        mixed, z, b, a = torch.split(
-            self.in_proj(x), [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads],
-            dim=-1)
-
+        projected = self.in_proj(x)
         if self._one_op_step(state, seq_len):
-            beta = b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
-            o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
-                                state.recurrent_states[0], self.A_log, self.dt_bias,
-                                cfg.num_k_heads)
-            state.has_previous_state[0] = True
-            return self._gated_out(o, z)
+            return self._gated_out(*self.decode_core(projected, state))
+        mixed, z, b, a = self._split(projected)
 
         if state is None:
             conv_state = x.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
@@ -99,6 +93,26 @@ class GatedDeltaNetMixer(nn.Module):
 
         return self._gated_out(o, z)
 
+    def _split(self, projected: torch.Tensor):
+        """The in-projection's output -> mixed (q, k, v before the conv), z, b, a."""
+        cfg = self.config
+        return torch.split(projected, [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads,
+                                       cfg.num_v_heads], dim=-1)
+
+    def decode_core(self, projected: torch.Tensor, state: RecurrentLayerState):
+        """A plain decode step (``_one_op_step``) from the in-projection's output to the
+        recurrence's output o (B, 1, HV, V) and the gate z, both states updated: the
+        convolution and the gated delta rule as one op (ops.decode_step). Shared by the
+        forward and the draft's fused block (unimax.fused_draft)."""
+        cfg = self.config
+        mixed, z, b, a = self._split(projected)
+        beta = b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
+        o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
+                            state.recurrent_states[0], self.A_log, self.dt_bias,
+                            cfg.num_k_heads)
+        state.has_previous_state[0] = True
+        return o, z
+
     def _one_op_step(self, state: RecurrentLayerState | None, seq_len: int) -> bool:
         """Whether this forward is a plain decode step, run as one op (ops.decode_step): one
         token on a cache, not recorded for a rewind, not padded, outside autograd (the op has
@@ -131,7 +145,13 @@ class SwiGLUMLP(nn.Module):
 
 class GDNBlock(nn.Module):
     """norm -> token mixer -> residual, norm -> MLP -> residual. The mixer is a GDN layer, or in
-    hybrid models gated attention (unimax.attention)."""
+    hybrid models gated attention (unimax.attention).
+
+    ``fuse_fp8`` (set on a draft's view by unimax.fused_draft, never on the exact model): its
+    FP8 linears' decode steps run with the norms, gates and residual adds around them folded
+    into their GEMVs."""
+
+    fuse_fp8 = False
 
     def __init__(self, config: GDNConfig, attention: bool = False):
         super().__init__()
@@ -144,5 +164,12 @@ class GDNBlock(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x), state)
+        if self.fuse_fp8:
+            return fused_block_forward(self, x, state)
+        return self.mlp_part(self.mixer_part(x, state))
+
+    def mixer_part(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
+        return x + self.mixer(self.mixer_norm(x), state)
+
+    def mlp_part(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.mlp_norm(x))

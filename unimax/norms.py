@@ -61,9 +61,7 @@ class RMSNorm(nn.Module):
         fla = prompt_kernels(x, x.shape[1] if x.dim() >= 3 else 1)
         if fla is not None:
             return fla[0](x, self.offset + self.weight.float(), None, eps=self.eps)
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (self.offset + self.weight.float())).to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps, self.offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -74,7 +72,6 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.activation_name = activation
-        self.activation = F.silu if activation == "silu" else torch.sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate (B, T, H, D)."""
@@ -82,9 +79,26 @@ class GatedRMSNorm(nn.Module):
         if fla is not None:
             return fla[1](x, gate, self.weight, None, activation=self.activation_name,
                           eps=self.eps)
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * self.activation(gate.float())).to(x.dtype)
+        return gated_rms_norm_ref(x, gate, self.weight, self.eps, self.activation_name)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> torch.Tensor:
+    """The torch form of RMSNorm over the last dim (also the twin of the draft's fused GEMV
+    prologue, unimax.ops.fused_gemv)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (offset + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       activation: str) -> torch.Tensor:
+    """The torch form of the gated RMSNorm over the last dim (per head), gated by
+    activation(gate): "silu" or "sigmoid"."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    act = F.silu if activation == "silu" else torch.sigmoid
+    return (y * act(gate.float())).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,13 @@ def wait_for_the_kernel_before():
 def row_tile(acc, x_ptr, w, row, rk, K, stride_xm, F16: tl.constexpr):
     """acc + W's tile (BLOCK_N, BLOCK_K) times x[row]'s slice rk, elementwise per lane."""
     x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+    return tile_products(acc, x, w, F16)
+
+
+@triton.jit
+def tile_products(acc, x, w, F16: tl.constexpr):
+    """acc + W's tile (BLOCK_N, BLOCK_K) times the x slice (BLOCK_K,), elementwise per lane
+    (also the fused GEMVs' body, fused_gemv_kernels.py, whose x slice comes from a prologue)."""
     if F16:
         x16 = tl.clamp(x.to(tl.float32) * 0.015625, -65504.0, 65504.0)
         acc += w.to(tl.float16) * x16.to(tl.float16)[None, :]

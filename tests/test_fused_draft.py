@@ -1,0 +1,204 @@
+"""The draft's fused GEMVs (unimax.ops.fused_gemv: a norm, gated norm or SwiGLU folded into how
+the GEMV reads x, the residual add into its store) against their twin, the torch forms, in
+Triton's interpreter; the fused draft view (unimax.fused_draft) against the unfused one, pure
+and hybrid, on the CPU (where the op runs the twin); the exact model never fused."""
+
+import pytest
+import torch
+
+import unimax.fused_draft as fused_draft
+from helpers import run_with_triton, spied
+from unimax.fast_step import gemv_view
+from unimax.fp8 import quantize_view
+from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
+
+CHILD = """
+import torch
+from unimax.fp8 import quantize_rows
+from unimax.ops.fused_gemv import fused_gemv, fused_small_m_linear, fused_small_m_linear_ref
+torch.manual_seed(0)
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+for dtype in (torch.float32, torch.bfloat16):
+    for m, n, k, head in [(1, 100, 128, 32), (2, 70, 256, 64), (1, 33, 192, 64), (3, 40, 64, 16)]:
+        w = torch.randn(n + 5, k + 16)  # padded past (n, k), as an FP8Linear's weight is
+        q, s = quantize_rows(w)
+        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu"):
+            gated = prologue.startswith("gated")
+            x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
+            z = torch.randn(m, k).to(dtype) if gated else None
+            norm = (1 + 0.1 * torch.randn(head if gated else k)
+                    if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
+            offset = 1.0 if prologue == "rms" else 0.0
+            for res in (None, torch.randn(m, n).to(dtype)):
+                for weight, scale, kernels in ((q, s, ("rows", "rows16")),
+                                               (w.to(dtype), None, ("rows",))):
+                    ref = fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
+                                                   res, 1e-6, offset)
+                    for kernel in kernels:
+                        y = fused_gemv(x, weight, scale, n, k, prologue, norm, z, res, 1e-6,
+                                       offset, kernel=kernel)
+                        err = rel(y, ref)
+                        exact = dtype == torch.float32 and kernel == "rows"
+                        assert y.shape == ref.shape == (m, n) and y.dtype == dtype
+                        assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
+                                                                  res is None, kernel, err)
+        print("ok", dtype, m, n, k)
+# the op has a fake kernel: a compiled function traces through it with no graph break
+x, norm = torch.randn(1, 64), torch.ones(64)
+q, s = quantize_rows(torch.randn(40, 64))
+traced = torch.compile(lambda x: fused_small_m_linear(x, q, s, 40, 64, "rms", norm, None, None,
+                                                      1e-6, 0.0) * 2,
+                       fullgraph=True, backend="eager")
+print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
+    x, q, s, 40, 64, "rms", norm, None, None, 1e-6, 0.0)).abs().max()))
+"""
+
+
+def test_fused_gemv_matches_its_twin_in_the_interpreter():
+    out = run_with_triton(CHILD)
+    assert out.count("ok") == 8 and "compiled 0.0" in out, out
+
+
+def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of one-token decode steps over ``tokens`` on a fresh cache (as the decoder runs
+    them: inference mode)."""
+    cache = model.make_recurrent_cache()
+    out = []
+    with torch.inference_mode():
+        for i in range(tokens.shape[1]):
+            out.append(model(input_ids=tokens[:, i: i + 1], past_key_values=cache,
+                             use_cache=True).logits)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkeypatch):
+    """The fused view of a full-FP8 draft computes the unfused view's logits step after step
+    (here the op runs its twin, the torch forms: up to the matmuls' summation order, since
+    the twin reads the FP8 weight unpadded), with the fused op really taken: four GEMVs per GDN
+    block, two (the MLP's) per attention block."""
+    model = pure_or_hybrid.to(dtype)
+    try:
+        draft = quantize_view(model, "full")
+        fused, plain = gemv_view(draft, fuse=True), gemv_view(draft, fuse=False)
+        tokens = torch.randint(0, model.config.vocab_size, (1, 12),
+                               generator=torch.Generator().manual_seed(1))
+        calls = []
+        monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                            spied(fused_small_m_linear, "fused", calls))
+        got, expected = steps(fused, tokens), steps(plain, tokens)
+        gdn = sum(not model.config.is_attention(i) for i in range(model.config.num_hidden_layers))
+        attention = model.config.num_hidden_layers - gdn
+        assert len(calls) == tokens.shape[1] * (4 * gdn + 2 * attention)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for a, b in zip(got, expected, strict=True):
+            assert float((a.float() - b.float()).norm() / b.float().norm()) < tol
+        if dtype == torch.float32:
+            assert torch.equal(torch.cat(got).argmax(-1), torch.cat(expected).argmax(-1))
+    finally:
+        pure_or_hybrid.float()
+
+
+def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_hybrid,
+                                                                      monkeypatch):
+    """The exact model and its BF16 step view are never marked; the FP8 tail marks its last
+    block only; the model itself is untouched by a draft view. In default grad mode (the op
+    has no backward) a fused view takes the plain forms, with the same numbers."""
+    model = pure_or_hybrid
+    last = model.config.num_hidden_layers - 1
+    assert fused_draft.fuse_fp8_blocks(gemv_view(model)) == 0
+    tail = gemv_view(quantize_view(model, "tail"))
+    assert [b.fuse_fp8 for b in tail.layers] == [i == last for i in range(last + 1)]
+    full = gemv_view(quantize_view(model, "full"))
+    assert all(b.fuse_fp8 for b in full.layers)
+    assert not any(b.fuse_fp8 for b in model.layers)
+    calls = []
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    token = torch.tensor([[5]])
+    assert torch.is_grad_enabled()
+    logits = full(input_ids=token, past_key_values=full.make_recurrent_cache(),
+                  use_cache=True).logits
+    assert calls == []
+    with torch.inference_mode():
+        fused = full(input_ids=token, past_key_values=full.make_recurrent_cache(),
+                     use_cache=True).logits
+    assert calls and torch.allclose(logits, fused, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_op_names_bad_input():
+    x, w = torch.randn(1, 64), torch.randn(40, 64)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        fused_small_m_linear(x, w, None, 40, 64, "layernorm", None, None, None, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="needs the norm's weight"):
+        fused_small_m_linear(x, w, None, 40, 64, "rms", None, None, None, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="head size 24 must be a power of 2"):
+        fused_small_m_linear(x, w, None, 40, 64, "gated_silu", torch.ones(24), x, None, 1e-6,
+                             0.0)
+    with pytest.raises(ValueError, match=r"x must be \(M, 128\)"):
+        fused_small_m_linear(x, w, None, 40, 64, "swiglu", None, None, None, 1e-6, 0.0)
+    with pytest.raises(ValueError, match=r"residual must be \(1, 40\)"):
+        fused_small_m_linear(x, w, None, 40, 64, "none", None, None, torch.randn(1, 39), 1e-6,
+                             0.0)
+    assert set(PROLOGUES) == {"none", "rms", "gated_silu", "gated_sigmoid", "swiglu"}
+
+
+PTX_CHILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import unimax.ops.fused_gemv as f
+
+fn = f._kernel(True, 128)[1].fn
+sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv",
+       "s_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+       "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32", "stride_rm": "i32",
+       "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
+       "HEAD": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
+       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr"}
+for arch in (90, 89):  # H100/H200, L4
+    for pro in range(len(f.PROLOGUES)):
+        for f16 in (True, False):
+            consts = {"PRO": pro, "HEAD": 128, "HAS_SCALE": True, "HAS_RES": pro % 2 == 0,
+                      "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16}
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                 target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+            print(arch, pro, f16, ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("fma.rn.f16x2"))
+"""
+
+
+def test_fused_gemv_compiles_for_hopper_and_ada():
+    """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
+    (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
+    in the rows16 form."""
+    out = run_with_triton(PTX_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert len(rows) == 2 * len(PROLOGUES) * 2, out
+    for arch, pro, f16, cvt, hfma2 in rows:
+        assert int(cvt) > 0, (arch, pro, f16)
+        assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, block,
+                                                               monkeypatch):
+    """An engine whose draft is the fused full-FP8 view (what build_engine's compiled draft
+    is on a GPU) decodes exactly the exact model's greedy tokens, rejections and all, with the
+    fused op taken by its draft steps."""
+    import unimax
+
+    model = pure_or_hybrid
+    draft = gemv_view(quantize_view(model, "full"))
+    engine = unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, block),
+                                 state_safe_draft=False)
+    calls = []
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    x = torch.randint(0, model.config.vocab_size, (1, 9),
+                      generator=torch.Generator().manual_seed(block))
+    got, report = engine.generate_verified(x, 20)
+    assert torch.equal(got, unimax.exact_greedy_tokens(model, x, 20))
+    assert calls and report.generated_tokens == 20
+    if block > 1:  # (these seeds: drafts rejected, the rollback taken)
+        assert report.rejected_blocks >= 1

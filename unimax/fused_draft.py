@@ -1,0 +1,88 @@
+"""The full-FP8 draft's decode step with its small kernels folded into its GEMVs.
+
+A 4B draft step on the H200 is ~12 kernels per layer: four FP8 GEMVs, the convolution and the
+recurrence, and six small ones (residual add + RMSNorm twice, the gates' sigmoid, the gated
+norm's two, the SwiGLU) at ~1.5-2.5 us each, ~300 us of a ~1.9 ms step, that the FP8 bytes do
+not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
+
+    proj = in_proj(rms_norm(h))                  one fused GEMV (prologue "rms")
+    o, z = the mixer's decode core               the convolution + recurrence op, as before
+    h = h + out_proj(gated_norm(o, z))           one fused GEMV (prologue "gated", residual)
+    gu = gate_up(rms_norm(h))                    one fused GEMV (prologue "rms")
+    h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
+
+(ops.fused_gemv; its twin is the torch forms, which is what runs off CUDA). Only where the
+linears are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's
+tokens are checked by the exact model whatever it computes, so a fused form that rounds a little
+differently from the unfused one costs at most acceptance; the BF16 step and the verifier keep
+the exact model's kernels. Everything else (attention mixers, prompts, rows past the GEMV's)
+takes the block's own forward.
+
+``FUSE``: whether unimax.fast_step's view fuses (bench/profile_step.py's "-nofuse" variants and
+bench/verified.py time the unfused draft beside it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import FP8Linear
+from .ops.fused_gemv import fused_small_m_linear
+from .ops.gemv import PROGRAM_ROWS
+
+FUSE = True
+
+
+def fusable(linear) -> bool:
+    """An FP8 linear whose decode GEMV the fused kernel replaces: the Triton GEMV's mode on a
+    GPU with FP8 (the same kernel family), or the CPU's emulation (where the op runs the twin,
+    the emulation's own arithmetic)."""
+    return isinstance(linear, FP8Linear) and (
+        linear.mode == "fp8_gemv" or (linear.mode == "emulated" and not linear.weight.is_cuda))
+
+
+def fused_linear(linear: FP8Linear, x: torch.Tensor, prologue: str, norm=None,
+                 z: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(prologue(x)) (+ residual)`` for x (M, ...) through the fused GEMV; ``norm``:
+    the RMSNorm or GatedRMSNorm module whose weight, eps (and offset) the prologue takes."""
+    return fused_small_m_linear(
+        x, linear.weight, linear.weight_scale, linear.out_features, linear.in_features,
+        prologue, None if norm is None else norm.weight, z, residual,
+        1e-6 if norm is None else norm.eps, getattr(norm, "offset", 0.0))
+
+
+def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
+    """GDNBlock.forward with its FP8 parts fused (module docstring); x (B, T, hidden)."""
+    batch, tokens, hidden = x.shape
+    rows = batch * tokens
+    # (the fused op has no backward: a caller in default grad mode gets the plain forms)
+    if rows > PROGRAM_ROWS or torch.is_grad_enabled() or not x.is_contiguous():
+        return block.mlp_part(block.mixer_part(x, state))
+    x2 = x.reshape(rows, hidden)
+    mixer = block.mixer
+    if (hasattr(mixer, "decode_core") and fusable(mixer.in_proj) and fusable(mixer.out_proj)
+            and mixer._one_op_step(state, tokens)):
+        projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
+        o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state)
+        gated = mixer.norm
+        h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",
+                         gated, z=z.reshape(rows, -1), residual=x2)
+    else:
+        h = block.mixer_part(x, state).reshape(rows, hidden)
+    mlp = block.mlp
+    if not (fusable(mlp.gate_up_proj) and fusable(mlp.down_proj)):
+        return block.mlp_part(h.reshape(x.shape))
+    gate_up = fused_linear(mlp.gate_up_proj, h, "rms", block.mlp_norm)
+    return fused_linear(mlp.down_proj, gate_up, "swiglu", residual=h).reshape(x.shape)
+
+
+def fuse_fp8_blocks(view) -> int:
+    """Mark the blocks of ``view`` (a view: its blocks are its own shallow copies) that hold an
+    FP8 linear for the fused forward; returns how many."""
+    count = 0
+    for block in view.layers:
+        if any(fusable(m) for m in block.modules()):
+            block.fuse_fp8 = True
+            count += 1
+    return count

@@ -1,0 +1,178 @@
+"""GEMVs with the small op before them and the residual add after them folded in, for the
+full-FP8 draft step (unimax.fused_draft): ``fused_small_m_linear(x, weight, scale, ...)``.
+
+Why: the draft step of a 4B GDN model is 390 kernels, and the FP8 GEMVs are only ~1.4 of its
+~1.9 ms busy time on the H200: the rest is the same small kernels a BF16 step has (the residual
+add and RMSNorm before each in- and gate/up-projection, the mixer's gated norm, the SwiGLU, the
+gates), ~1.5-2.5 us each whatever their few kilobytes (bench/RESULTS.md, 2026-11-30, sixth and
+seventh sessions). Those do not shrink with the weights' bytes, so they hold the draft step at
+~0.71 of a BF16 step where its bytes say ~0.5. Each GEMV program reads all of x anyway; here it
+reads it through a prologue instead:
+
+- ``rms``: RMSNorm(x) * (offset + w), the norm's factor from one extra pass over x;
+- ``gated_silu`` / ``gated_sigmoid``: the mixer's per-head gated RMSNorm of x, gate z;
+- ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
+
+and ``residual`` adds r to the output as it is stored (x + linear(...)). The draft only: the
+exact model (BF16 steps, the verifier) keeps its own kernels and rounding; a draft's tokens
+are checked by the exact model whatever they are. The prologues round where the torch forms
+round (``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..norms import gated_rms_norm_ref, rms_norm_ref
+from .gemv import PROGRAM_ROWS, _interpreted, _time_us, gemv_ref
+
+PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu")
+
+
+def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
+                 norm_weight: torch.Tensor | None, z: torch.Tensor | None, eps: float,
+                 offset: float) -> torch.Tensor:
+    """The linear's input (M, in_features) from x: the torch forms of the prologues."""
+    if prologue == "rms":
+        return rms_norm_ref(x, norm_weight, eps, offset)
+    if prologue in ("gated_silu", "gated_sigmoid"):
+        head = norm_weight.shape[0]
+        heads = x.reshape(x.shape[0], -1, head)
+        out = gated_rms_norm_ref(heads, z.reshape(heads.shape), norm_weight, eps,
+                                 prologue.removeprefix("gated_"))
+        return out.reshape(x.shape)
+    if prologue == "swiglu":
+        return F.silu(x[:, :in_features]) * x[:, in_features: 2 * in_features]
+    return x
+
+
+def fused_small_m_linear_ref(x, weight, scale, out_features: int, in_features: int,
+                             prologue: str, norm_weight=None, z=None, residual=None,
+                             eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """The twin: the prologue's torch form, ``gemv_ref`` on W's first out_features rows and
+    in_features columns (an FP8Linear's weight is padded), then the residual add."""
+    xin = prologue_ref(x, prologue, in_features, norm_weight, z, eps, offset)
+    y = gemv_ref(xin, weight[:out_features, :in_features],
+                 None if scale is None else scale[:out_features])
+    return y if residual is None else residual + y
+
+
+def check(x, weight, out_features: int, in_features: int, prologue: str, norm_weight, z,
+          residual) -> None:
+    """Names what does not fit (the kernel reads by these shapes and strides)."""
+    problems = []
+    if prologue not in PROLOGUES:
+        problems.append(f"prologue must be one of {', '.join(PROLOGUES)}, got {prologue!r}")
+    width = 2 * in_features if prologue == "swiglu" else in_features
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        problems.append(f"x must be (M, {width}) with contiguous rows, got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[0] < out_features or weight.shape[1] < in_features \
+            or weight.stride(1) != 1:
+        problems.append(f"weight {tuple(weight.shape)} must hold ({out_features}, "
+                        f"{in_features}) with contiguous rows")
+    if prologue != "none" and prologue != "swiglu" and norm_weight is None:
+        problems.append(f"the {prologue} prologue needs the norm's weight")
+    if prologue.startswith("gated"):
+        head = 0 if norm_weight is None else norm_weight.shape[0]
+        if head & (head - 1) or head == 0 or in_features % head:
+            problems.append(f"gated prologue: head size {head} must be a power of 2 dividing "
+                            f"{in_features}")
+        if z is None or z.shape != x.shape or z.stride(1) != 1:
+            problems.append("gated prologue: z must have x's shape, with contiguous rows")
+    if residual is not None and (residual.shape != (x.shape[0], out_features)
+                                 or residual.stride(1) != 1):
+        problems.append(f"residual must be ({x.shape[0]}, {out_features}) with contiguous rows")
+    if problems:
+        raise ValueError("fused_small_m_linear: " + "; ".join(problems))
+
+
+@functools.cache
+def _kernel(f16: bool, head: int):
+    """The fused kernel, autotuned per (N, K, prologue, residual) over the GEMV's tiles, with
+    BLOCK_K at least one head (a gated prologue normalizes whole heads within a slice)."""
+    import triton
+
+    from .fused_gemv_kernels import fused_gemv_kernel
+
+    tiles = sorted({(n, max(k, head), w) for n, k, w in (
+        (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
+        (16, 512, 8), (32, 256, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8), (128, 128, 8))})
+    if _interpreted():
+        return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
+    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES"])(
+        fused_gemv_kernel), {"F16": f16})
+
+
+def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
+               norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
+               kernel: str = "rows") -> torch.Tensor:
+    """The Triton kernel (CUDA, or Triton's interpreter), M <= PROGRAM_ROWS rows; the same
+    contract as the twin. ``kernel``: "rows" or "rows16" (FP16 products, FP8 weights: see
+    ops.gemv)."""
+    check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
+    if x.shape[0] > PROGRAM_ROWS:
+        raise ValueError(f"fused_gemv: at most {PROGRAM_ROWS} rows, got {x.shape[0]}")
+    if kernel == "rows16" and scale is None:
+        raise ValueError("fused_gemv: rows16 (FP16 products) is for FP8 weights only")
+    gated = prologue.startswith("gated")
+    head = norm_weight.shape[0] if gated else 1
+    triton, launch, fixed = _kernel(kernel == "rows16", head)
+    m = x.shape[0]
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
+    launch[grid](x, z if gated else x, x if norm_weight is None else norm_weight, weight,
+                 x if scale is None else scale, x if residual is None else residual, y,
+                 out_features, in_features, x.stride(0), z.stride(0) if gated else 0,
+                 weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
+                 eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
+                 HAS_SCALE=scale is not None, HAS_RES=residual is not None, **fixed)
+    return y
+
+
+CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> rows | rows16
+
+
+def choose(key: tuple, scaled: bool, on_cuda: bool, run) -> str:
+    """rows or rows16 (FP8 weights), timed once per ``key`` as ops.gemv.choose times its
+    kernels; the default ("rows") off CUDA and while a graph is being captured."""
+    if key not in CHOICES:
+        if not scaled or not on_cuda or _interpreted() or \
+                torch.cuda.is_current_stream_capturing():
+            return "rows"
+        times = {name: _time_us(lambda name=name: run(kernel=name)) for name in ("rows", "rows16")}
+        CHOICES[key] = min(times, key=times.get)
+    return CHOICES[key]
+
+
+# (Optional, not "| None": torch reads the op's schema from these annotations)
+@torch.library.custom_op("unimax::fused_small_m_linear", mutates_args=())
+def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
+                         scale: Optional[torch.Tensor],  # noqa: UP045
+                         out_features: int, in_features: int, prologue: str,
+                         norm_weight: Optional[torch.Tensor],  # noqa: UP045
+                         z: Optional[torch.Tensor],  # noqa: UP045
+                         residual: Optional[torch.Tensor],  # noqa: UP045
+                         eps: float, offset: float) -> torch.Tensor:
+    """prologue(x) (M <= PROGRAM_ROWS rows) @ W^T (* scale) (+ residual): the fused Triton
+    kernel on CUDA, the twin elsewhere."""
+    if not x.is_cuda:
+        check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
+        return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,
+                                        norm_weight, z, residual, eps, offset)
+    run = functools.partial(fused_gemv, x, weight, scale, out_features, in_features, prologue,
+                            norm_weight=norm_weight, z=z, residual=residual, eps=eps,
+                            offset=offset)
+    key = (prologue, residual is not None, x.shape[0], out_features, in_features,
+           weight.dtype)
+    return run(kernel=choose(key, scale is not None, x.is_cuda, run))
+
+
+@fused_small_m_linear.register_fake
+def _(x, weight, scale, out_features, in_features, prologue, norm_weight, z, residual, eps,
+      offset):
+    return x.new_empty(x.shape[0], out_features)

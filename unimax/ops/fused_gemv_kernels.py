@@ -1,0 +1,94 @@
+"""The Triton kernel behind unimax.ops.fused_gemv: the GEMV of gemv_kernels.py with the small
+op before it folded into how each program reads x (a prologue) and the residual add after it
+folded into its store (an epilogue). Dispatch, autotuning and the kernel choice live there.
+
+Every program reads all of x anyway (it multiplies its rows of W by the whole vector), so a
+prologue costs it a few operations per element of x against BLOCK_N weight bytes per element,
+and the kernel it replaces (a launch of ~1.5-2.5 us on the H200, for a few kilobytes) is gone.
+"""
+
+import triton
+import triton.language as tl
+
+from .gemv_kernels import tile_products
+
+# Prologues (the PRO constexpr; fused_gemv.PROLOGUES names them)
+NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def row_rstd(x_ptr, row, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x[row]^2) + eps) in fp32: RMSNorm's factor, one pass over x (from L2:
+    every program of the launch reads the same vector)."""
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
+            PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[row]'s slice rk as the linear's input: through the prologue, rounded to x's dtype
+    where the torch forms round (the twins in unimax.norms, in the same order of operations).
+    RMS: x * rstd * (offset + w). GATED_*: per head of HEAD (BLOCK_K holds whole heads),
+    x * rsqrt(mean(x^2) + eps) * w * act(z). SWIGLU: silu(x[rk]) * x[K + rk] (gate, up)."""
+    mask = rk < K
+    x = tl.load(x_ptr + row * stride_xm + rk, mask=mask, other=0.0)
+    if PRO == 1:
+        w = tl.load(nw_ptr + rk, mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd * (offset + w)).to(x.dtype)
+    elif PRO == 2 or PRO == 3:
+        heads = tl.reshape(x.to(tl.float32), (BLOCK_K // HEAD, HEAD))
+        r = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)
+        w = tl.reshape(tl.load(nw_ptr + rk % HEAD).to(tl.float32), (BLOCK_K // HEAD, HEAD))
+        z = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0).to(tl.float32)
+        z = tl.reshape(z, (BLOCK_K // HEAD, HEAD))
+        gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
+        x = tl.reshape(heads * r[:, None] * w * gate, (BLOCK_K,)).to(x.dtype)
+    elif PRO == 4:
+        up = tl.load(x_ptr + row * stride_xm + K + rk, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g * sigmoid(g)).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, stride_xm,
+                      stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
+                      PRO: tl.constexpr, HEAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      F16: tl.constexpr):
+    """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
+    width (for SWIGLU, x holds 2K: gate then up)."""
+    row = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = 1.0
+    if PRO == 1:
+        rstd = row_rstd(x_ptr, row, K, stride_xm, eps, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
+                    PRO, HEAD, BLOCK_K)
+        acc = tile_products(acc, x, w, F16)
+    y = tl.sum(acc.to(tl.float32), axis=1)
+    if F16:
+        y = y * 64.0
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+    y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
+    if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
+        r = tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + rn, y, mask=rn < N)
