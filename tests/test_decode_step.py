@@ -68,12 +68,22 @@ for tokens, block_v in ((3, 8), (9, 16), (1, 4)):
     assert float((state - s_ref).abs().max()) < 1e-5
     assert float((o.float() - o_ref.float()).abs().max()) <= 2 ** -7 * float(o_ref.abs().max())
     print("ok tokens", tokens, block_v)
+# beta as logits, the sigmoid taken in the kernel (the draft's step: unimax.fused_draft)
+q, k = torch.randn(2, 1, 1, 2, 16).to(torch.bfloat16)
+v, a, b = torch.randn(1, 1, 4, 32).to(torch.bfloat16), torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+A_log, dt_bias, state = torch.randn(4), torch.randn(4), torch.randn(1, 4, 16, 32)
+o_ref, s_ref = recurrent_gated_delta_rule_ref(q, k, v, decay(a, A_log, dt_bias), b.sigmoid(),
+                                              state)
+o = launch_recurrent(q, k, v, a, b, state, A_log, dt_bias, beta_sigmoid=True)
+assert float((state - s_ref).abs().max()) < 1e-5
+assert float((o.float() - o_ref.float()).abs().max()) <= 2 ** -7 * float(o_ref.abs().max())
+print("ok beta logits")
 """
 
 
 def test_fla_decode_step_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD, needs="fla")
-    assert sum(line.startswith("ok") for line in out.splitlines()) == 7, out
+    assert sum(line.startswith("ok") for line in out.splitlines()) == 8, out
 
 
 @pytest.mark.parametrize("neg_eigval", [False, True])

@@ -76,8 +76,9 @@ def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
 def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkeypatch):
     """The fused view of a full-FP8 draft computes the unfused view's logits step after step
     (here the op runs its twin, the torch forms: up to the matmuls' summation order, since
-    the twin reads the FP8 weight unpadded), with the fused op really taken: four GEMVs per GDN
-    block, two (the MLP's) per attention block."""
+    the twin reads the FP8 weight unpadded, and in BF16 the gates' sigmoid, which the fused
+    step leaves unrounded), with the fused op really taken: four GEMVs per GDN block, two (the
+    MLP's) per attention block."""
     model = pure_or_hybrid.to(dtype)
     try:
         draft = quantize_view(model, "full")
@@ -91,7 +92,7 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
         gdn = sum(not model.config.is_attention(i) for i in range(model.config.num_hidden_layers))
         attention = model.config.num_hidden_layers - gdn
         assert len(calls) == tokens.shape[1] * (4 * gdn + 2 * attention)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        tol = 1e-5 if dtype == torch.float32 else 5e-2  # (bf16: beta unrounded, 12 steps)
         for a, b in zip(got, expected, strict=True):
             assert float((a.float() - b.float()).norm() / b.float().norm()) < tol
         if dtype == torch.float32:

@@ -137,6 +137,14 @@ def test_decode_step_op_matches_its_twin(batch):
                                     heads)
         assert torch.equal(conv[0], conv[1])
         assert rel_err(o, o_ref) < 1e-2 and rel_err(rec[0], rec[1]) < 1e-3
+        # beta as logits, the sigmoid in the kernel (the draft's step): on copies of the states
+        b = proj[..., conv_dim:conv_dim + value_heads]
+        states = [t.clone() for t in (conv[0], rec[0], conv[0], rec[0])]
+        o = gdn_decode_step(mixed, a, b, states[0], weight, states[1], A_log, dt_bias, heads,
+                            True)
+        o_ref = gdn_decode_step_ref(mixed, a, b, states[2], weight, states[3], A_log, dt_bias,
+                                    heads, True)
+        assert rel_err(o, o_ref) < 1e-2 and rel_err(states[1], states[3]) < 1e-3
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])

@@ -6,20 +6,22 @@ norm's two, the SwiGLU) at ~1.5-2.5 us each, ~300 us of a ~1.9 ms step, that the
 not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
 
     proj = in_proj(rms_norm(h))                  one fused GEMV (prologue "rms")
-    o, z = the mixer's decode core               the convolution + recurrence op, as before
+    o, z = the mixer's decode core               the convolution + recurrence op, sigmoid(b)
+                                                 taken inside the recurrence's kernel
     h = h + out_proj(gated_norm(o, z))           one fused GEMV (prologue "gated", residual)
     gu = gate_up(rms_norm(h))                    one fused GEMV (prologue "rms")
     h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
 
-(ops.fused_gemv; its twin is the torch forms, which is what runs off CUDA). Only where the
+(six launches per GDN layer: four GEMVs, fla's conv update and recurrence; ~12 before). The
+GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Only where the
 linears are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's
 tokens are checked by the exact model whatever it computes, so a fused form that rounds a little
 differently from the unfused one costs at most acceptance; the BF16 step and the verifier keep
 the exact model's kernels. Everything else (attention mixers, prompts, rows past the GEMV's)
 takes the block's own forward.
 
-``FUSE``: whether unimax.fast_step's view fuses (bench/profile_step.py's "-nofuse" variants and
-bench/verified.py time the unfused draft beside it).
+``FUSE``: whether unimax.fast_step's view fuses (bench/profile_step.py's "draft-nofuse" times
+the unfused draft beside it).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     if (hasattr(mixer, "decode_core") and fusable(mixer.in_proj) and fusable(mixer.out_proj)
             and mixer._one_op_step(state, tokens)):
         projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
-        o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state)
+        o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state,
+                                 beta_in_kernel=True)
         gated = mixer.norm
         h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",
                          gated, z=z.reshape(rows, -1), residual=x2)

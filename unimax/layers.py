@@ -99,17 +99,21 @@ class GatedDeltaNetMixer(nn.Module):
         return torch.split(projected, [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads,
                                        cfg.num_v_heads], dim=-1)
 
-    def decode_core(self, projected: torch.Tensor, state: RecurrentLayerState):
+    def decode_core(self, projected: torch.Tensor, state: RecurrentLayerState,
+                    beta_in_kernel: bool = False):
         """A plain decode step (``_one_op_step``) from the in-projection's output to the
         recurrence's output o (B, 1, HV, V) and the gate z, both states updated: the
         convolution and the gated delta rule as one op (ops.decode_step). Shared by the
-        forward and the draft's fused block (unimax.fused_draft)."""
+        forward and the draft's fused block (unimax.fused_draft), which asks for
+        ``beta_in_kernel``: sigmoid(b) inside the recurrence's kernel, in fp32, one launch
+        fewer (not with allow_neg_eigval)."""
         cfg = self.config
         mixed, z, b, a = self._split(projected)
-        beta = b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
+        in_kernel = beta_in_kernel and not cfg.allow_neg_eigval
+        beta = b if in_kernel else b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
         o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
                             state.recurrent_states[0], self.A_log, self.dt_bias,
-                            cfg.num_k_heads)
+                            cfg.num_k_heads, in_kernel)
         state.has_previous_state[0] = True
         return o, z
 

@@ -51,8 +51,10 @@ def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.
 
 
 def gdn_decode_step_ref(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log,
-                        dt_bias, num_k_heads: int) -> torch.Tensor:
+                        dt_bias, num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
     """The twin: the mixer's own torch forms, the states written with copy_."""
+    if beta_logits:  # fp32, as fla's kernel takes the sigmoid
+        beta = beta.float().sigmoid()
     y, window = causal_conv1d_step(mixed, conv_weight, conv_state)
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
@@ -90,22 +92,26 @@ def fla_conv_step(mixed: torch.Tensor, conv_state: torch.Tensor,
 
 def fla_recurrent_step(y: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                        recurrent_state: torch.Tensor, A_log: torch.Tensor,
-                       dt_bias: torch.Tensor, num_k_heads: int) -> torch.Tensor:
+                       dt_bias: torch.Tensor, num_k_heads: int,
+                       beta_logits: bool = False) -> torch.Tensor:
     """fla's fused recurrent kernel for one token of the convolved y (B, 1, conv_dim), the
     state updated in place, the gate computed inside: o (B, 1, HV, V)."""
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
     if y.shape[0] > 1:  # the kernel steps sequences by H * K: only one may read in place
         q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
-    return launch_recurrent(q, k, v, a, beta.contiguous(), recurrent_state, A_log, dt_bias)
+    return launch_recurrent(q, k, v, a, beta.contiguous(), recurrent_state, A_log, dt_bias,
+                            beta_sigmoid=beta_logits)
 
 
 def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
-                     num_warps: int = 1, num_stages: int = 3) -> torch.Tensor:
+                     num_warps: int = 1, num_stages: int = 3,
+                     beta_sigmoid: bool = False) -> torch.Tensor:
     """fla's fused recurrent kernel over T tokens, q, k (B, T, H, K), v (B, T, HV, V), a and
     beta (B, T, HV) laid out as contiguous tensors would be (one token: any views with those
     starts), the state (B, HV, K, V) read and written in place, the gate from a inside. The
-    launch settings default to fla's own (BV 8, one warp); bench/recurrent.py times others."""
+    launch settings default to fla's own (BV 8, one warp); bench/recurrent.py times others.
+    ``beta_sigmoid``: beta holds b, the kernel takes sigmoid(b) in fp32."""
     import triton
     from fla.ops.gated_delta_rule.fused_recurrent import (
         fused_recurrent_gated_delta_rule_fwd_kernel as kernel,
@@ -120,15 +126,16 @@ def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
         h0=state, ht=state, cu_seqlens=None, scale=head_k_dim ** -0.5, T=tokens,
         H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim,
         BK=triton.next_power_of_2(head_k_dim), BV=block_v, IS_BETA_HEADWISE=True,
-        USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
+        USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=beta_sigmoid, ALLOW_NEG_EIGVAL=False,
         STATE_V_FIRST=False, num_warps=num_warps, num_stages=num_stages)
     return o
 
 
 def _fla_decode_step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
-                     num_k_heads: int) -> torch.Tensor:
+                     num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
     y = fla_conv_step(mixed, conv_state, conv_weight)
-    return fla_recurrent_step(y, a, beta, recurrent_state, A_log, dt_bias, num_k_heads)
+    return fla_recurrent_step(y, a, beta, recurrent_state, A_log, dt_bias, num_k_heads,
+                              beta_logits)
 
 
 def check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k_heads: int):
@@ -164,15 +171,19 @@ def check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k
 def gdn_decode_step(mixed: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                     conv_state: torch.Tensor, conv_weight: torch.Tensor,
                     recurrent_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    num_k_heads: int) -> torch.Tensor:
-    """One token through a GDN mixer's convolution and recurrence; fla's kernels on CUDA."""
+                    num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
+    """One token through a GDN mixer's convolution and recurrence; fla's kernels on CUDA.
+    ``beta_logits``: beta holds b itself and the kernel takes sigmoid(b) (fp32, where the
+    mixer rounds it to the activation dtype first): the draft's step (unimax.fused_draft), one
+    kernel fewer per layer."""
     check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k_heads)
     step = _fla_decode_step if mixed.is_cuda and fla_ops() is not None else gdn_decode_step_ref
     return step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
-                num_k_heads)
+                num_k_heads, beta_logits)
 
 
 @gdn_decode_step.register_fake
-def _(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias, num_k_heads):
+def _(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias, num_k_heads,
+      beta_logits=False):
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     return mixed.new_empty(mixed.shape[0], 1, value_heads, head_v_dim)
