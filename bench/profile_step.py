@@ -10,7 +10,8 @@ draft of verified mode as the engine builds it: every linear FP8, then fla+gemv)
 with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
 fla's recurrent kernel instead of one op (unimax.ops.decode_step); draft-nofuse: the draft
 without its norms, gates and residual adds folded into the FP8 GEMVs (unimax.fused_draft, on
-by default; draft-unfused-nofuse: neither); any variant, engine ones
+by default; draft-unfused-nofuse: neither); fla+gemv-fused: the BF16 step with the same
+folding (fused_draft.FUSE_BF16, off by default); any variant, engine ones
 too, with "-pdl": the GEMVs launched with programmatic dependent launch (unimax.ops.gemv.PDL),
 or "-pdl2": that and inductor's own kernels too (torch._inductor.config.triton.enable_pdl,
 experimental), both off by default until measured here; engine-bf16,
@@ -39,6 +40,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 from unimax import GDNForCausalLM  # noqa: E402
 from unimax.fast_step import gemv_view  # noqa: E402
 from unimax.fp8 import quantize_view, shallow_view  # noqa: E402
+from unimax.fused_draft import fuse_blocks  # noqa: E402
 from unimax.graph import MaxTurboGraphDecoder  # noqa: E402
 
 BLOCK = 8
@@ -47,12 +49,15 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    variant, bf16_fused = variant.removesuffix("-fused"), variant.endswith("-fused")
     variant, nofuse = variant.removesuffix("-nofuse"), variant.endswith("-nofuse")
     variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
         variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model, fuse=not nofuse) if gemv == "gemv" else shallow_view(model)
+    if bf16_fused:
+        fuse_blocks(view, bf16=True)
     view.set_backend(backend)
     for block in view.layers if unfused else ():
         if hasattr(block.mixer, "decode_op"):  # the step's torch forms around fla's kernel

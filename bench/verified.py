@@ -37,6 +37,7 @@ from profile_step import kernel_table  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
+import unimax.fused_draft  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
@@ -310,8 +311,12 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also the kernels of the BF16 step, the draft step, the verify "
                              "block and an exact run (the captured graphs measured here)")
+    parser.add_argument("--fuse-bf16", action="store_true",
+                        help="BF16-only's fast step with the draft's folded GEMVs too "
+                             "(unimax.fused_draft.FUSE_BF16)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    unimax.fused_draft.FUSE_BF16 = args.fuse_bf16
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
               "shapes": {}}

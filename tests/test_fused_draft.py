@@ -101,6 +101,24 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
         pure_or_hybrid.float()
 
 
+def test_bf16_step_fused_on_request(pure_or_hybrid, monkeypatch):
+    """``fuse_blocks(bf16=True)`` (FUSE_BF16, off by default) marks a BF16 fast step's GEMVs
+    and blocks too, on the view only; its steps compute the unfused view's logits."""
+    model = pure_or_hybrid
+    fused = gemv_view(model, fuse=False)
+    assert fused_draft.fuse_blocks(fused, bf16=True) == model.config.num_hidden_layers
+    assert not any(getattr(m, "fused", False) for m in gemv_view(model).modules())
+    calls = []
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 6),
+                           generator=torch.Generator().manual_seed(2))
+    for a, b in zip(steps(fused, tokens), steps(gemv_view(model), tokens), strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+    gdn = sum(not model.config.is_attention(i) for i in range(model.config.num_hidden_layers))
+    assert len(calls) == 6 * (4 * gdn + 2 * (model.config.num_hidden_layers - gdn))
+
+
 def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_hybrid,
                                                                       monkeypatch):
     """The exact model and its BF16 step view are never marked; the FP8 tail marks its last
@@ -108,12 +126,12 @@ def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_h
     has no backward) a fused view takes the plain forms, with the same numbers."""
     model = pure_or_hybrid
     last = model.config.num_hidden_layers - 1
-    assert fused_draft.fuse_fp8_blocks(gemv_view(model)) == 0
+    assert fused_draft.fuse_blocks(gemv_view(model)) == 0  # (bf16=False: FP8 linears only)
     tail = gemv_view(quantize_view(model, "tail"))
-    assert [b.fuse_fp8 for b in tail.layers] == [i == last for i in range(last + 1)]
+    assert [b.fused for b in tail.layers] == [i == last for i in range(last + 1)]
     full = gemv_view(quantize_view(model, "full"))
-    assert all(b.fuse_fp8 for b in full.layers)
-    assert not any(b.fuse_fp8 for b in model.layers)
+    assert all(b.fused for b in full.layers)
+    assert not any(b.fused for b in model.layers)
     calls = []
     monkeypatch.setattr(fused_draft, "fused_small_m_linear",
                         spied(fused_small_m_linear, "fused", calls))

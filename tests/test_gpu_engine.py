@@ -394,7 +394,18 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
     x = prompt(60, seed=6)
     graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
-    assert all(block.fuse_fp8 for block in graphs.decode_model.layers)
+    assert all(block.fused for block in graphs.decode_model.layers)
     eager = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True,
                          use_graphs=False)
     assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
+    # FUSE_BF16 (off by default): the BF16 fast step fused too decodes the exact model's tokens
+    # up to BF16 near-ties, as the unfused compiled step does
+    from unimax.reference import first_divergence, is_near_tie
+
+    monkeypatch.setattr(fused_draft, "FUSE_BF16", True)
+    bf16 = build_engine(model, decode="bf16", block_size=8, compile_step=True)
+    assert all(block.fused for block in bf16.decode_model.layers)
+    assert not any(getattr(block, "fused", False) for block in model.layers)
+    got = bf16.generate_fast(x, 48)[0].tolist()
+    reference = unimax.exact_greedy_tokens(model, x, 48)[0].tolist()
+    assert is_near_tie(first_divergence(model, x, got, reference))

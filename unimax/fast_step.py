@@ -25,6 +25,8 @@ class GemvLinear(nn.Module):
     """A bias-free linear sharing ``linear``'s weight: the GEMV for up to GEMV_ROWS rows on
     CUDA, ``F.linear`` otherwise (the exact model's own path)."""
 
+    fused = False  # set on a view's copy by fused_draft.fuse_blocks(bf16=True)
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         if linear.bias is not None:
@@ -48,7 +50,8 @@ def gemv_view(model, fuse: bool | None = None):
     """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
     on the same weight; FP8 linears already run their own GEMV, and with ``fuse`` (default
     ``fused_draft.FUSE``) the blocks holding them fold their small kernels into those GEMVs
-    (unimax.fused_draft; the exact model's blocks never)."""
+    (unimax.fused_draft; the BF16 GEMVs' blocks too with ``fused_draft.FUSE_BF16``; the exact
+    model itself never)."""
     view = shallow_view(model)
     names = [name for name, m in view.named_modules() if type(m) is nn.Linear]
     for name in names:
@@ -56,7 +59,7 @@ def gemv_view(model, fuse: bool | None = None):
         parent = view.get_submodule(parent_name) if parent_name else view
         setattr(parent, child, GemvLinear(getattr(parent, child)))
     if fused_draft.FUSE if fuse is None else fuse:
-        fused_draft.fuse_fp8_blocks(view)
+        fused_draft.fuse_blocks(view, bf16=fused_draft.FUSE_BF16)
     return view
 
 

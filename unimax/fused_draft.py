@@ -20,8 +20,9 @@ differently from the unfused one costs at most acceptance; the BF16 step and the
 the exact model's kernels. Everything else (attention mixers, prompts, rows past the GEMV's)
 takes the block's own forward.
 
-``FUSE``: whether unimax.fast_step's view fuses (bench/profile_step.py's "draft-nofuse" times
-the unfused draft beside it).
+``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
+"draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (off;
+"fla+gemv-fused" times the BF16 step fused).
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ from .ops.fused_gemv import fused_small_m_linear
 from .ops.gemv import PROGRAM_ROWS
 
 FUSE = True
+FUSE_BF16 = False  # the BF16 fast step's blocks too (fuse_blocks): bench variant "-fused"
 
 
 def fusable(linear) -> bool:
-    """An FP8 linear whose decode GEMV the fused kernel replaces: the Triton GEMV's mode on a
-    GPU with FP8 (the same kernel family), or the CPU's emulation (where the op runs the twin,
-    the emulation's own arithmetic)."""
-    return isinstance(linear, FP8Linear) and (
-        linear.mode == "fp8_gemv" or (linear.mode == "emulated" and not linear.weight.is_cuda))
+    """A linear whose decode GEMV the fused kernel replaces: an FP8 linear in the Triton GEMV's
+    mode on a GPU with FP8 (the same kernel family), or the CPU's emulation (where the op runs
+    the twin, the emulation's own arithmetic); or a BF16 GemvLinear marked ``fused``
+    (``fuse_blocks(bf16=True)``)."""
+    if isinstance(linear, FP8Linear):
+        return linear.mode == "fp8_gemv" or (linear.mode == "emulated"
+                                             and not linear.weight.is_cuda)
+    return getattr(linear, "fused", False)
 
 
 def fused_linear(linear: FP8Linear, x: torch.Tensor, prologue: str, norm=None,
@@ -49,7 +54,8 @@ def fused_linear(linear: FP8Linear, x: torch.Tensor, prologue: str, norm=None,
     """``linear(prologue(x)) (+ residual)`` for x (M, ...) through the fused GEMV; ``norm``:
     the RMSNorm or GatedRMSNorm module whose weight, eps (and offset) the prologue takes."""
     return fused_small_m_linear(
-        x, linear.weight, linear.weight_scale, linear.out_features, linear.in_features,
+        x, linear.weight, getattr(linear, "weight_scale", None), linear.out_features,
+        linear.in_features,
         prologue, None if norm is None else norm.weight, z, residual,
         1e-6 if norm is None else norm.eps, getattr(norm, "offset", 0.0))
 
@@ -80,12 +86,20 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     return fused_linear(mlp.down_proj, gate_up, "swiglu", residual=h).reshape(x.shape)
 
 
-def fuse_fp8_blocks(view) -> int:
-    """Mark the blocks of ``view`` (a view: its blocks are its own shallow copies) that hold an
-    FP8 linear for the fused forward; returns how many."""
+def fuse_blocks(view, bf16: bool = False) -> int:
+    """Mark the blocks of ``view`` (a view: its blocks and linears are its own shallow copies)
+    that hold a fusable linear for the fused forward; returns how many. ``bf16``: its BF16
+    GemvLinears too (the BF16 fast step: it already rounds as inductor's fusions do, not as the
+    eager model; verified mode stays exact either way). Off by default until measured:
+    ``FUSE_BF16``."""
+    from .fast_step import GemvLinear  # (fast_step builds its views with this module)
+
     count = 0
     for block in view.layers:
+        for module in block.modules() if bf16 else ():
+            if isinstance(module, GemvLinear):
+                module.fused = True
         if any(fusable(m) for m in block.modules()):
-            block.fuse_fp8 = True
+            block.fused = True
             count += 1
     return count

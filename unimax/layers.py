@@ -151,11 +151,11 @@ class GDNBlock(nn.Module):
     """norm -> token mixer -> residual, norm -> MLP -> residual. The mixer is a GDN layer, or in
     hybrid models gated attention (unimax.attention).
 
-    ``fuse_fp8`` (set on a draft's view by unimax.fused_draft, never on the exact model): its
-    FP8 linears' decode steps run with the norms, gates and residual adds around them folded
-    into their GEMVs."""
+    ``fused`` (set on a fast step's view by unimax.fused_draft, never on the exact model): its
+    FP8 linears' decode steps (and with FUSE_BF16 its BF16 GEMVs') run with the norms, gates
+    and residual adds around them folded into their GEMVs."""
 
-    fuse_fp8 = False
+    fused = False
 
     def __init__(self, config: GDNConfig, attention: bool = False):
         super().__init__()
@@ -168,7 +168,7 @@ class GDNBlock(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
-        if self.fuse_fp8:
+        if self.fused:
             return fused_block_forward(self, x, state)
         return self.mlp_part(self.mixer_part(x, state))
 
