@@ -26,6 +26,8 @@
 #                                           torch forms of the norms, 8k chunks, graphs to 512
 #                                           only (the old settings) side by side;
 #                                           "ttft qwen3.5-4b": the 4B hybrid shape
+#   run: bash bench/gpu_bench.sh ttft-all   TTFT beside transformers at 128 .. 64k tokens, the
+#                                           defaults only ("ttft-all qwen3.5-4b": that shape)
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -76,6 +78,10 @@ case "${1:-}" in
       --repeats 3 --variants torch-norms chunk8k graphs512 \
       --json "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
     grep -v Assertion "$OUT/ttft.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
+  ttft-all)
+    timeout 560 python3 bench/ttft.py --shapes "${2:-qwen3.5-0.8b}" --repeats 3 \
+      --json "$OUT/ttft-all.json" > "$OUT/ttft-all.log" 2>&1
+    grep -v Assertion "$OUT/ttft-all.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
   profile)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b \
       --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
@@ -94,5 +100,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|fused|recurrent|ttft|sampled|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|fused|recurrent|ttft|ttft-all|sampled|profile|prefill|demo"; exit 2 ;;
 esac
