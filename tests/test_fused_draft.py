@@ -221,3 +221,25 @@ def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, 
     assert calls and report.generated_tokens == 20
     if block > 1:  # (these seeds: drafts rejected, the rollback taken)
         assert report.rejected_blocks >= 1
+
+
+def test_fused_draft_step_compiles_in_one_graph():
+    """Inductor (here its CPU backend, as the compiled step uses it on a GPU) traces the fused
+    draft step with no graph break (fullgraph) through the fused op, and the compiled steps
+    compute the eager ones' logits and states."""
+    from unimax import GDNForCausalLM
+    from unimax.tiny import TINY_CONFIG
+
+    model = GDNForCausalLM.random(TINY_CONFIG, seed=3)
+    view = gemv_view(quantize_view(model, "full"))
+    assert all(block.fused for block in view.layers)
+    compiled = torch.compile(
+        lambda ids, cache: view.forward_unchecked(ids, cache, logits_to_keep=1), fullgraph=True)
+    caches = view.make_recurrent_cache(), view.make_recurrent_cache()
+    with torch.inference_mode():
+        for token in (3, 7, 11):
+            ids = torch.tensor([[token]])
+            got = compiled(ids, caches[0])
+            expected = view.forward_unchecked(ids, caches[1], logits_to_keep=1)
+            assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
