@@ -48,11 +48,12 @@ def fusable(linear) -> bool:
     return getattr(linear, "fused", False)
 
 
-def fused_linear(linear: FP8Linear, x: torch.Tensor, prologue: str, norm=None,
+def fused_linear(linear, x: torch.Tensor, prologue: str, norm=None,
                  z: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(prologue(x)) (+ residual)`` for x (M, ...) through the fused GEMV; ``norm``:
-    the RMSNorm or GatedRMSNorm module whose weight, eps (and offset) the prologue takes."""
+    """``linear(prologue(x)) (+ residual)`` for x (M, ...) through the fused GEMV; ``linear``:
+    a ``fusable`` one (FP8, or a marked GemvLinear: no scales); ``norm``: the RMSNorm or
+    GatedRMSNorm module whose weight, eps (and offset) the prologue takes."""
     return fused_small_m_linear(
         x, linear.weight, getattr(linear, "weight_scale", None), linear.out_features,
         linear.in_features,
@@ -61,7 +62,7 @@ def fused_linear(linear: FP8Linear, x: torch.Tensor, prologue: str, norm=None,
 
 
 def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
-    """GDNBlock.forward with its FP8 parts fused (module docstring); x (B, T, hidden)."""
+    """GDNBlock.forward with its fusable parts fused (module docstring); x (B, T, hidden)."""
     batch, tokens, hidden = x.shape
     rows = batch * tokens
     # (the fused op has no backward: a caller in default grad mode gets the plain forms)
