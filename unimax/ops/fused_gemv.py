@@ -130,6 +130,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  out_features, in_features, x.stride(0), z.stride(0) if gated else 0,
                  weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
                  eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
+                 KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
                  HAS_SCALE=scale is not None, HAS_RES=residual is not None, **fixed)
     return y
 

@@ -22,15 +22,23 @@ def sigmoid(x):
 
 
 @triton.jit
-def row_rstd(x_ptr, row, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x[row]^2) + eps) in fp32: RMSNorm's factor, one pass over x (from L2:
-    every program of the launch reads the same vector)."""
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+def row_rstd(x_ptr, row, K, stride_xm, eps, KP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x[row]^2) + eps) in fp32: RMSNorm's factor, before the main loop (every
+    program of the launch reads the same vector, from L2). With KP (K rounded up to a power of
+    2) up to 8192, the whole row in one load: a loop of K / BLOCK_K dependent loads would put
+    that many L2 round trips ahead of the first weight tile."""
+    if KP <= 8192:
+        rk = tl.arange(0, KP)
         x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-        squares += x * x
-    return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        total = tl.sum(x * x, axis=0)
+    else:
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+            squares += x * x
+        total = tl.sum(squares, axis=0)
+    return tl.rsqrt(total / K + eps)
 
 
 @triton.jit
@@ -64,7 +72,8 @@ def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, o
 @triton.jit
 def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, stride_xm,
                       stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
-                      PRO: tl.constexpr, HEAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
+                      HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
@@ -73,7 +82,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rstd = 1.0
     if PRO == 1:
-        rstd = row_rstd(x_ptr, row, K, stride_xm, eps, BLOCK_K)
+        rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
