@@ -30,9 +30,10 @@ PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 # Programmatic dependent launch (Hopper and later): each GEMV may start while the kernel before
 # it drains, reading its first tile of weights before it waits for x. On the H200 each GEMV
 # has ~3 us of fixed cost (ramp and tail) whatever its bytes, x 129 GEMVs per 4B step: cost the
-# FP8 draft step pays in full (bench/RESULTS.md, 2026-11-30, sixth session). Off until
-# bench/profile_step.py's "-pdl" variants measure it; read at launch (so when a graph is
-# captured).
+# FP8 draft step pays in full (bench/RESULTS.md, 2026-11-30, sixth session). Measured in the
+# seventh: it lost (4B step 2846 -> 2962 us, draft 2023 -> 2112: the kernels' time the same,
+# the gaps between them doubled), so off; kept for other GPUs (bench/profile_step.py "-pdl").
+# Read at launch (so when a graph is captured).
 PDL = False
 
 
