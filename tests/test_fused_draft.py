@@ -23,10 +23,11 @@ for dtype in (torch.float32, torch.bfloat16):
     for m, n, k, head in [(1, 100, 128, 32), (2, 70, 256, 64), (1, 33, 192, 64), (3, 40, 64, 16)]:
         w = torch.randn(n + 5, k + 16)  # padded past (n, k), as an FP8Linear's weight is
         q, s = quantize_rows(w)
-        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu"):
+        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
+                         "sigmoid_gate"):
             gated = prologue.startswith("gated")
             x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
-            z = torch.randn(m, k).to(dtype) if gated else None
+            z = torch.randn(m, k).to(dtype) if gated or prologue == "sigmoid_gate" else None
             norm = (1 + 0.1 * torch.randn(head if gated else k)
                     if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
             offset = 1.0 if prologue == "rms" else 0.0
@@ -82,8 +83,8 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
     """The fused view of a full-FP8 draft computes the unfused view's logits step after step
     (here the op runs its twin, the torch forms: up to the matmuls' summation order, since
     the twin reads the FP8 weight unpadded, and in BF16 the gates' sigmoid, which the fused
-    step leaves unrounded), with the fused op really taken: four GEMVs per GDN block, two (the
-    MLP's) per attention block."""
+    step leaves unrounded), with the fused op really taken: four GEMVs per block, GDN and
+    attention alike."""
     model = pure_or_hybrid.to(dtype)
     try:
         draft = quantize_view(model, "full")
@@ -94,9 +95,7 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
         monkeypatch.setattr(fused_draft, "fused_small_m_linear",
                             spied(fused_small_m_linear, "fused", calls))
         got, expected = steps(fused, tokens), steps(plain, tokens)
-        gdn = sum(not model.config.is_attention(i) for i in range(model.config.num_hidden_layers))
-        attention = model.config.num_hidden_layers - gdn
-        assert len(calls) == tokens.shape[1] * (4 * gdn + 2 * attention)
+        assert len(calls) == tokens.shape[1] * 4 * model.config.num_hidden_layers
         tol = 1e-5 if dtype == torch.float32 else 5e-2  # (bf16: beta unrounded, 12 steps)
         for a, b in zip(got, expected, strict=True):
             assert float((a.float() - b.float()).norm() / b.float().norm()) < tol
@@ -120,8 +119,7 @@ def test_bf16_step_fused_on_request(pure_or_hybrid, monkeypatch):
                            generator=torch.Generator().manual_seed(2))
     for a, b in zip(steps(fused, tokens), steps(gemv_view(model), tokens), strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
-    gdn = sum(not model.config.is_attention(i) for i in range(model.config.num_hidden_layers))
-    assert len(calls) == 6 * (4 * gdn + 2 * (model.config.num_hidden_layers - gdn))
+    assert len(calls) == 6 * 4 * model.config.num_hidden_layers
 
 
 def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_hybrid,
@@ -160,12 +158,15 @@ def test_fused_op_names_bad_input():
     with pytest.raises(ValueError, match="head size 24 must be a power of 2"):
         fused_small_m_linear(x, w, None, 40, 64, "gated_silu", torch.ones(24), x, None, 1e-6,
                              0.0)
+    with pytest.raises(ValueError, match="sigmoid_gate prologue: z must have x's shape"):
+        fused_small_m_linear(x, w, None, 40, 64, "sigmoid_gate", None, None, None, 1e-6, 0.0)
     with pytest.raises(ValueError, match=r"x must be \(M, 128\)"):
         fused_small_m_linear(x, w, None, 40, 64, "swiglu", None, None, None, 1e-6, 0.0)
     with pytest.raises(ValueError, match=r"residual must be \(1, 40\)"):
         fused_small_m_linear(x, w, None, 40, 64, "none", None, None, torch.randn(1, 39), 1e-6,
                              0.0)
-    assert set(PROLOGUES) == {"none", "rms", "gated_silu", "gated_sigmoid", "swiglu"}
+    assert set(PROLOGUES) == {"none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
+                              "sigmoid_gate"}
 
 
 PTX_CHILD = """

@@ -359,14 +359,15 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(4)
     for prologue, n, k in (("rms", 12352, 2560), ("gated_silu", 2560, 4096),
                            ("gated_sigmoid", 2560, 4096), ("swiglu", 2560, 9216),
-                           ("none", 18432, 2560)):
+                           ("sigmoid_gate", 2560, 4096), ("none", 18432, 2560)):
         q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=gen))
         x = 4 * torch.randn(1, 2 * k if prologue == "swiglu" else k, device="cuda",
                             generator=gen).to(torch.bfloat16)
         gated = prologue.startswith("gated")
-        z = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16) if gated else None
+        z = (torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+             if gated or prologue == "sigmoid_gate" else None)
         norm = (1 + 0.1 * torch.randn(128 if gated else k, device="cuda", generator=gen)
-                ).to(torch.bfloat16) if prologue not in ("none", "swiglu") else None
+                ).to(torch.bfloat16) if prologue in ("rms", "gated_silu", "gated_sigmoid") else None
         for residual in (None, torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)):
             ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
                                                       residual, 1e-6, 1.0)

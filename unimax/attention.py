@@ -94,16 +94,24 @@ class GatedAttention(nn.Module):
         return apply(q), apply(k)
 
     def forward(self, x: torch.Tensor, state: AttentionLayerState | None) -> torch.Tensor:
+        out, gate = self.core(self.in_proj(x), state)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def core(self, projected: torch.Tensor, state: AttentionLayerState | None):
+        """From the in-projection's output (B, T, .) to the attention output and its gate, both
+        (B, T, heads * dim), before ``o_proj(out * sigmoid(gate))``: the forward's middle,
+        shared with the draft's fused block (unimax.fused_draft), which folds the gate into
+        the out-projection."""
         cfg = self.config
-        batch, seq_len, _ = x.shape
+        batch, seq_len, _ = projected.shape
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
-        qg, k, v = torch.split(self.in_proj(x), self.sizes, dim=-1)
+        qg, k, v = torch.split(projected, self.sizes, dim=-1)
         qg = qg.view(batch, seq_len, heads, 2 * dim)
         q, gate = qg[..., :dim], qg[..., dim:].reshape(batch, seq_len, heads * dim)
         q = self.q_norm(q).transpose(1, 2)  # (B, H, T, D)
         k = self.k_norm(k.view(batch, seq_len, kv_heads, dim)).transpose(1, 2)
         v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
-        offsets = torch.arange(seq_len, device=x.device)
+        offsets = torch.arange(seq_len, device=projected.device)
         positions = offsets if state is None else state.position + offsets
         q, k = self.rope(q, k, positions)
         scale = dim ** -0.5
@@ -126,7 +134,7 @@ class GatedAttention(nn.Module):
                 if state.window_exact:  # on kept KV: the queries are the last seq_len keys
                     mask = causal_lower_right(seq_len, length) if seq_len > 1 else None
                 else:  # a graph's window: entries past the position are not written yet
-                    keys = torch.arange(length, device=x.device)
+                    keys = torch.arange(length, device=projected.device)
                     mask = keys[None, :] <= positions[:, None]  # (T, L)
                 if mask is not None and not state.window_exact and \
                         1 < seq_len <= ROWS_ATTENTION_MAX:
@@ -134,5 +142,4 @@ class GatedAttention(nn.Module):
                 else:
                     out = F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask,
                                                          scale=scale, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(batch, seq_len, heads * dim)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return out.transpose(1, 2).reshape(batch, seq_len, heads * dim), gate

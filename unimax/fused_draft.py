@@ -12,12 +12,13 @@ not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
     gu = gate_up(rms_norm(h))                    one fused GEMV (prologue "rms")
     h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
 
-(six launches per GDN layer: four GEMVs, fla's conv update and recurrence; ~12 before). The
+(six launches per GDN layer: four GEMVs, fla's conv update and recurrence; ~12 before; a
+gated-attention block folds its norm, its output gate and both residual adds the same way). The
 GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Only where the
 linears are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's
 tokens are checked by the exact model whatever it computes, so a fused form that rounds a little
 differently from the unfused one costs at most acceptance; the BF16 step and the verifier keep
-the exact model's kernels. Everything else (attention mixers, prompts, rows past the GEMV's)
+the exact model's kernels. Everything else (prompts, rows past the GEMV's, default grad mode)
 takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
@@ -78,6 +79,11 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
         gated = mixer.norm
         h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",
                          gated, z=z.reshape(rows, -1), residual=x2)
+    elif (hasattr(mixer, "core") and fusable(mixer.in_proj) and fusable(mixer.o_proj)):
+        projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)  # gated attention
+        out, gate = mixer.core(projected.reshape(batch, tokens, -1), state)
+        h = fused_linear(mixer.o_proj, out.reshape(rows, -1), "sigmoid_gate",
+                         z=gate.reshape(rows, -1), residual=x2)
     else:
         h = block.mixer_part(x, state).reshape(rows, hidden)
     mlp = block.mlp

@@ -12,6 +12,7 @@ reads it through a prologue instead:
 - ``rms``: RMSNorm(x) * (offset + w), the norm's factor from one extra pass over x;
 - ``gated_silu`` / ``gated_sigmoid``: the mixer's per-head gated RMSNorm of x, gate z;
 - ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
+- ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
 and ``residual`` adds r to the output as it is stored (x + linear(...)). The draft only: the
 exact model (BF16 steps, the verifier) keeps its own kernels and rounding; a draft's tokens
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from ..norms import gated_rms_norm_ref, rms_norm_ref
 from .gemv import PROGRAM_ROWS, _interpreted, _time_us, gemv_ref
 
-PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu")
+PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 
 
 def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
@@ -47,6 +48,8 @@ def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
         return out.reshape(x.shape)
     if prologue == "swiglu":
         return F.silu(x[:, :in_features]) * x[:, in_features: 2 * in_features]
+    if prologue == "sigmoid_gate":
+        return x * torch.sigmoid(z)
     return x
 
 
@@ -74,15 +77,16 @@ def check(x, weight, out_features: int, in_features: int, prologue: str, norm_we
             or weight.stride(1) != 1:
         problems.append(f"weight {tuple(weight.shape)} must hold ({out_features}, "
                         f"{in_features}) with contiguous rows")
-    if prologue != "none" and prologue != "swiglu" and norm_weight is None:
+    if prologue in ("rms", "gated_silu", "gated_sigmoid") and norm_weight is None:
         problems.append(f"the {prologue} prologue needs the norm's weight")
     if prologue.startswith("gated"):
         head = 0 if norm_weight is None else norm_weight.shape[0]
         if head & (head - 1) or head == 0 or in_features % head:
             problems.append(f"gated prologue: head size {head} must be a power of 2 dividing "
                             f"{in_features}")
-        if z is None or z.shape != x.shape or z.stride(1) != 1:
-            problems.append("gated prologue: z must have x's shape, with contiguous rows")
+    if (prologue.startswith("gated") or prologue == "sigmoid_gate") and (
+            z is None or z.shape != x.shape or z.stride(1) != 1):
+        problems.append(f"the {prologue} prologue: z must have x's shape, with contiguous rows")
     if residual is not None and (residual.shape != (x.shape[0], out_features)
                                  or residual.stride(1) != 1):
         problems.append(f"residual must be ({x.shape[0]}, {out_features}) with contiguous rows")
@@ -125,9 +129,9 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
-    launch[grid](x, z if gated else x, x if norm_weight is None else norm_weight, weight,
+    launch[grid](x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
                  x if scale is None else scale, x if residual is None else residual, y,
-                 out_features, in_features, x.stride(0), z.stride(0) if gated else 0,
+                 out_features, in_features, x.stride(0), 0 if z is None else z.stride(0),
                  weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
                  eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,

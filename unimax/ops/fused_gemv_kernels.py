@@ -13,7 +13,7 @@ import triton.language as tl
 from .gemv_kernels import tile_products
 
 # Prologues (the PRO constexpr; fused_gemv.PROLOGUES names them)
-NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU = 0, 1, 2, 3, 4
+NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU, SIGMOID_GATE = 0, 1, 2, 3, 4, 5
 
 
 @triton.jit
@@ -47,7 +47,8 @@ def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, o
     """x[row]'s slice rk as the linear's input: through the prologue, rounded to x's dtype
     where the torch forms round (the twins in unimax.norms, in the same order of operations).
     RMS: x * rstd * (offset + w). GATED_*: per head of HEAD (BLOCK_K holds whole heads),
-    x * rsqrt(mean(x^2) + eps) * w * act(z). SWIGLU: silu(x[rk]) * x[K + rk] (gate, up)."""
+    x * rsqrt(mean(x^2) + eps) * w * act(z). SWIGLU: silu(x[rk]) * x[K + rk] (gate, up).
+    SIGMOID_GATE: x * sigmoid(z) (gated attention's output)."""
     mask = rk < K
     x = tl.load(x_ptr + row * stride_xm + rk, mask=mask, other=0.0)
     if PRO == 1:
@@ -66,6 +67,10 @@ def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, o
         g = x.to(tl.float32)
         silu = (g * sigmoid(g)).to(x.dtype)
         x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    elif PRO == 5:
+        z = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0)
+        gate = sigmoid(z.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
     return x
 
 
