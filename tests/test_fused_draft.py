@@ -250,3 +250,22 @@ def test_fused_draft_step_compiles_in_one_graph():
             expected = view.forward_unchecked(ids, caches[1], logits_to_keep=1)
             assert float((got - expected).norm() / expected.norm()) < 1e-5
     assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
+
+
+def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
+    """Value heads of 24 (not a power of 2): the mixer's part takes the plain forms, the MLP's
+    is still fused, and the steps equal the unfused view's."""
+    from unimax import GDNConfig, GDNForCausalLM
+
+    config = GDNConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_k_heads=2,
+                       num_v_heads=4, head_k_dim=16, head_v_dim=24, intermediate_size=96)
+    model = GDNForCausalLM.random(config, seed=5)
+    draft = quantize_view(model, "full")
+    calls = []
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    tokens = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(5))
+    got = steps(gemv_view(draft, fuse=True), tokens)
+    assert len(calls) == 5 * 2 * config.num_hidden_layers
+    for a, b in zip(got, steps(gemv_view(draft, fuse=False), tokens), strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5

@@ -71,7 +71,9 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
         return block.mlp_part(block.mixer_part(x, state))
     x2 = x.reshape(rows, hidden)
     mixer = block.mixer
-    if (hasattr(mixer, "decode_core") and fusable(mixer.in_proj) and fusable(mixer.out_proj)
+    head = mixer.norm.weight.shape[0] if hasattr(mixer, "decode_core") else 0
+    if (head and not head & (head - 1)  # (the gated prologue takes power-of-2 heads)
+            and fusable(mixer.in_proj) and fusable(mixer.out_proj)
             and mixer._one_op_step(state, tokens)):
         projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
         o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state,

@@ -9,14 +9,15 @@ seventh sessions). Those do not shrink with the weights' bytes, so they hold the
 ~0.71 of a BF16 step where its bytes say ~0.5. Each GEMV program reads all of x anyway; here it
 reads it through a prologue instead:
 
-- ``rms``: RMSNorm(x) * (offset + w), the norm's factor from one extra pass over x;
+- ``rms``: RMSNorm(x) * (offset + w), the norm's factor from one more read of x;
 - ``gated_silu`` / ``gated_sigmoid``: the mixer's per-head gated RMSNorm of x, gate z;
 - ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
 - ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
-and ``residual`` adds r to the output as it is stored (x + linear(...)). The draft only: the
-exact model (BF16 steps, the verifier) keeps its own kernels and rounding; a draft's tokens
-are checked by the exact model whatever they are. The prologues round where the torch forms
+and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft (and,
+with fused_draft.FUSE_BF16, the BF16 fast step): the exact model itself and the verifier keep
+their own kernels and rounding; a draft's tokens are checked by the exact model whatever they
+are. The prologues round where the torch forms
 round (``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
 """
 
