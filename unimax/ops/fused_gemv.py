@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .gemv import PROGRAM_ROWS, _interpreted, _time_us, gemv_ref
+from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, _time_us, gemv_ref
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 
@@ -103,9 +103,7 @@ def _kernel(f16: bool, head: int):
 
     from .fused_gemv_kernels import fused_gemv_kernel
 
-    tiles = sorted({(n, max(k, head), w) for n, k, w in (
-        (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-        (16, 512, 8), (32, 256, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8), (128, 128, 8))})
+    tiles = sorted({(n, max(k, head), w) for n, k, w in GEMV_TILES})
     if _interpreted():
         return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]

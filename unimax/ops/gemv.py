@@ -50,6 +50,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter (tests): no timing
 
 
+# The GEMV's autotuned tiles (BLOCK_N, BLOCK_K, warps); the fused GEMVs (ops/fused_gemv.py)
+# tune over the same.
+GEMV_TILES = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
+              (16, 512, 8), (32, 256, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8),
+              (128, 128, 8))
+
+
 @functools.cache
 def _gemv_kernel(scaled: bool, f16: bool = False):
     """Rows of x as programs. One autotuned kernel per weight kind (FP8 with scales, BF16
@@ -67,9 +74,7 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
     from .gemv_kernels import gemv_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-               for n, k, w in ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
-                               (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 4),
-                               (32, 512, 8), (64, 128, 4), (64, 256, 8), (128, 128, 8))]
+               for n, k, w in GEMV_TILES]
     if _interpreted():
         return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "F16": f16}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel),
