@@ -40,10 +40,13 @@ class GatedDeltaNetMixer(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
         cfg = self.config
         batch, seq_len, _ = x.shape
-        projected = self.in_proj(x)
-        if self._one_op_step(state, seq_len):
-            return self._gated_out(*self.decode_core(projected, state))
-        mixed, z, b, a = self._split(projected)
+        if seq_len > LONG and type(self.in_proj) is nn.Linear:
+            mixed, z, b, a = self._project_prompt(x)
+        else:
+            projected = self.in_proj(x)
+            if self._one_op_step(state, seq_len):
+                return self._gated_out(*self.decode_core(projected, state))
+            mixed, z, b, a = self._split(projected)
 
         if state is None:
             conv_state = x.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
@@ -110,6 +113,17 @@ class GatedDeltaNetMixer(nn.Module):
         cfg = self.config
         return torch.split(projected, [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads,
                                        cfg.num_v_heads], dim=-1)
+
+    def _project_prompt(self, x: torch.Tensor):
+        """The in-projection of a prompt as three products with row blocks of the one weight,
+        [q k v], [z], [b a]: z then comes out contiguous, where as a column slice of one product
+        fla's gated norm copied it (T x value_dim per layer; its inputs are made contiguous).
+        The q/k/v block is read in place by the convolution either way."""
+        cfg = self.config
+        blocks = self.in_proj.weight.split([cfg.conv_dim, cfg.value_dim, 2 * cfg.num_v_heads])
+        mixed, z, ba = (F.linear(x, block) for block in blocks)
+        b, a = ba.split(cfg.num_v_heads, dim=-1)
+        return mixed, z, b, a
 
     def decode_core(self, projected: torch.Tensor, state: RecurrentLayerState,
                     beta_in_kernel: bool = False):
