@@ -12,10 +12,6 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
-#   run: bash bench/gpu_bench.sh pdl        gdn-4b: the BF16 step and the draft step with the GEMVs
-#                                           launched with programmatic dependent launch
-#                                           ("-pdl"), and inductor's kernels too ("-pdl2");
-#                                           "pdl qwen3.5-0.8b": another shape
 #   run: bash bench/gpu_bench.sh fused      gdn-4b and qwen3.5-0.8b: the BF16 step unfused and
 #                                           fused ("-fused", FUSE_BF16), the draft step (fused:
 #                                           unimax.fused_draft) and unfused ("draft-nofuse");
@@ -62,10 +58,6 @@ case "${1:-}" in
     timeout 500 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
       fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
-  pdl)
-    timeout 560 python3 bench/profile_step.py --shapes "${2:-gdn-4b}" --variants fla+gemv fla+gemv-pdl \
-      draft draft-pdl draft-pdl2 --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
-    grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
   fused)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-fused draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
@@ -100,5 +92,5 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|pdl|fused|recurrent|ttft|ttft-all|sampled|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|fused|recurrent|ttft|ttft-all|sampled|profile|prefill|demo"; exit 2 ;;
 esac

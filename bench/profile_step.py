@@ -11,10 +11,7 @@ with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch
 fla's recurrent kernel instead of one op (unimax.ops.decode_step); draft-nofuse: the draft
 without its norms, gates and residual adds folded into the FP8 GEMVs (unimax.fused_draft, on
 by default; draft-unfused-nofuse: neither); fla+gemv-fused: the BF16 step with the same
-folding (fused_draft.FUSE_BF16, off by default); any variant, engine ones
-too, with "-pdl": the GEMVs launched with programmatic dependent launch (unimax.ops.gemv.PDL),
-or "-pdl2": that and inductor's own kernels too (torch._inductor.config.triton.enable_pdl,
-experimental), both off by default until measured here; engine-bf16,
+folding (fused_draft.FUSE_BF16, off by default); engine-bf16,
 engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
 compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
@@ -25,7 +22,6 @@ Random weights, batch 1; the state after a 64-token prompt.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -102,32 +98,8 @@ def engine_graph(model, variant: str):
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
-@contextlib.contextmanager
-def launch_settings(variant: str):
-    """The variant without its "-pdl"/"-pdl2" suffix, those settings on meanwhile."""
-    import torch._inductor.config as inductor_config
-
-    import unimax.ops.gemv as gemv_ops
-
-    base = variant.removesuffix("-pdl2").removesuffix("-pdl")
-    suffix = variant[len(base):]
-    saved = gemv_ops.PDL, inductor_config.triton.enable_pdl
-    gemv_ops.PDL = bool(suffix)
-    inductor_config.triton.enable_pdl = suffix == "-pdl2"
-    try:
-        yield base
-    finally:
-        gemv_ops.PDL, inductor_config.triton.enable_pdl = saved
-
-
 @torch.inference_mode()
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
-    with launch_settings(variant) as base:
-        row = profile_captured(model, base, bandwidth)
-    return {**row, "variant": variant}
-
-
-def profile_captured(model, variant: str, bandwidth: float) -> dict:
     if variant.startswith("engine-"):
         graph, per = engine_graph(model, variant)
     else:

@@ -91,62 +91,15 @@ fn = g._gemv_kernel(True, True)[1].fn
 sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "N": "i32",
        "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
        "HAS_SCALE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-       "F16": "constexpr", "PDL": "constexpr"}
+       "F16": "constexpr"}
 for arch in (90, 89):  # H100/H200, L4
     for f16 in (True, False):
-        consts = {"HAS_SCALE": True, "BLOCK_N": 8, "BLOCK_K": 512, "F16": f16, "PDL": False}
+        consts = {"HAS_SCALE": True, "BLOCK_N": 8, "BLOCK_K": 512, "F16": f16}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", arch, 32)).asm["ptx"]
         print(arch, f16, ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("fma.rn.f16x2"),
               ptx.count("fma.rn.f32"))
 """
-
-PDL_CHILD = r"""
-import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import unimax.ops.gemv as g
-
-def ptx(fn, sig, consts):
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-
-rows = g._gemv_kernel(True, True)[1].fn
-sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "N": "i32",
-       "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-       "HAS_SCALE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-       "F16": "constexpr", "PDL": "constexpr"}
-for pdl in (False, True):
-    code = ptx(rows, sig, {"HAS_SCALE": True, "BLOCK_N": 8, "BLOCK_K": 512, "F16": True,
-                           "PDL": pdl})
-    # where the wait sits: after the first weight load, before any load of x (bf16: b16)
-    lines = code.splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), -1)
-    loads = [i for i, line in enumerate(lines) if re.search(r"ld\.global", line)]
-    print("rows", pdl, code.count("griddepcontrol.wait"), wait > min(loads) if pdl else "-")
-dot = g._dot_kernel(True)[1].fn
-sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
-       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-       "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-       "BLOCK_K": "constexpr", "DOT_F32": "constexpr", "PDL": "constexpr"}
-for pdl in (False, True):
-    code = ptx(dot, sig, {"HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
-                          "DOT_F32": False, "PDL": pdl})
-    print("dot", pdl, code.count("griddepcontrol.wait"), "-")
-"""
-
-
-def test_pdl_kernels_wait_for_the_kernel_before():
-    """The GEMVs' programmatic-dependent-launch form (ops/gemv.PDL), compiled for sm_90 without
-    a GPU: with PDL the kernels wait (griddepcontrol.wait) for the kernel before, the GEMV
-    after its first weight load; without, no wait at all. (Whether it pays is the H200's to
-    say: bench/profile_step.py's -pdl variants; its sums are the same either way, which the
-    interpreter tests check for the PDL-free path and tests/test_gpu_engine.py on the GPU.)"""
-    out = run_with_triton(PDL_CHILD, interpret=False)
-    rows = [line.split() for line in out.strip().splitlines()]
-    assert rows == [["rows", "False", "0", "-"], ["rows", "True", "1", "True"],
-                    ["dot", "False", "0", "-"], ["dot", "True", "1", "-"]], rows
 
 
 def test_rows16_compiles_to_packed_f16_math():
@@ -163,4 +116,3 @@ def test_rows16_compiles_to_packed_f16_math():
             assert int(hfma2) > 0 and int(ffma) == 0, (arch, hfma2, ffma)
         else:
             assert int(hfma2) == 0 and int(ffma) > 0, (arch, hfma2, ffma)
-

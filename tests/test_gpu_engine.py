@@ -157,49 +157,6 @@ def test_triton_gemv_on_gpu(model):
     assert torch.equal(graphs.generate_fast(prompt_ids, 40), eager.generate_fast(prompt_ids, 40))
 
 
-def test_gemv_pdl_on_gpu(model, monkeypatch):
-    """The GEMVs with programmatic dependent launch (ops/gemv.PDL, off by default): each GEMV
-    may start while the kernel before it (here a GEMM that writes its x) still runs, and must
-    wait for it before reading x. In a captured graph, its output equals the PDL-free kernel's
-    bit for bit (same tile, same sums) for every kernel and a decode-step's and a verify
-    block's row counts; then the BF16 fast step's graphs decode the same tokens with it on."""
-    import unimax.ops.gemv as gemv_ops
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    n, k = 7168, 1024
-    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, device="cuda", generator=gen) + 0.5
-    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    a = torch.randn(16, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
-    for kernel, m, weight, s in (("rows", 1, w, scale), ("rows16", 1, w, scale),
-                                 ("rows", 1, w16, None), ("dot", 9, w, scale),
-                                 ("dot", 9, w16, None)):
-        def body():
-            return gemv_ops.gemv(a[:m] @ b, weight, s, kernel=kernel)  # noqa: B023
-
-        monkeypatch.setattr(gemv_ops, "PDL", True)
-        assert gemv_ops._pdl(a)["launch_pdl"]  # (the PDL form really launches here)
-        body()  # (warm-up: compile and autotune outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = body()
-        a.mul_(-1)  # new inputs: a replay that read x early would show the old ones
-        monkeypatch.setattr(gemv_ops, "PDL", False)
-        expected = body()
-        graph.replay()
-        assert torch.equal(out, expected), (kernel, m)
-    x = prompt(60, seed=3)
-    monkeypatch.setattr(gemv_ops, "PDL", False)
-    plain = build_engine(model, decode="bf16", block_size=8, compile_step=True)
-    want = plain.generate_fast(x, 24)
-    monkeypatch.setattr(gemv_ops, "PDL", True)
-    pdl = build_engine(model, decode="bf16", block_size=8, compile_step=True)
-    assert torch.equal(pdl.generate_fast(x, 24), want)
-
-
 @pytest.mark.parametrize("draft", ["tail", "full"])
 def test_verified_sampling_on_gpu(model, draft):
     """Speculative sampling in captured graphs (the draft's recorded distributions, the

@@ -27,14 +27,6 @@ import torch
 GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
 KERNELS = ("rows", "rows16", "dot")
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
-# Programmatic dependent launch (Hopper and later): each GEMV may start while the kernel before
-# it drains, reading its first tile of weights before it waits for x. On the H200 each GEMV
-# has ~3 us of fixed cost (ramp and tail) whatever its bytes, x 129 GEMVs per 4B step: cost the
-# FP8 draft step pays in full (bench/RESULTS.md, 2026-11-30, sixth session). Measured in the
-# seventh: it lost (4B step 2846 -> 2962 us, draft 2023 -> 2112: the kernels' time the same,
-# the gaps between them doubled), so off; kept for other GPUs (bench/profile_step.py "-pdl").
-# Read at launch (so when a graph is captured).
-PDL = False
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
@@ -99,15 +91,6 @@ def _dot_kernel(scaled: bool):
             {"DOT_F32": False})
 
 
-def _pdl(x: torch.Tensor) -> dict:
-    """The launch's PDL arguments: on (``PDL``) only on CUDA devices of compute capability 9+
-    (an L4, 8.9, has no programmatic dependent launch), never in the interpreter (no PTX).
-    (PDL is not in the autotuning key: both forms use one tile, so their sums are the same.)"""
-    on = PDL and x.is_cuda and not _interpreted() and \
-        torch.cuda.get_device_capability(x.device)[0] >= 9
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
@@ -134,13 +117,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16")
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed, **_pdl(x))
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
     else:
         triton, launch, fixed = _dot_kernel(scaled)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed,
-                     **_pdl(x))
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed)
     return y
 
 

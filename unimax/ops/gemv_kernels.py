@@ -6,15 +6,6 @@ import triton.language as tl
 
 
 @triton.jit
-def wait_for_the_kernel_before():
-    """PTX griddepcontrol.wait (Triton's gdc_wait, written out: its import path moved between
-    Triton versions): with programmatic dependent launch (``PDL``), the kernel before may still
-    be finishing; everything it wrote is visible after this."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def row_tile(acc, x_ptr, w, row, rk, K, stride_xm, F16: tl.constexpr):
     """acc + W's tile (BLOCK_N, BLOCK_K) times x[row]'s slice rk, elementwise per lane."""
     x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
@@ -35,25 +26,13 @@ def tile_products(acc, x, w, F16: tl.constexpr):
 
 @triton.jit
 def row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr,
-             PDL: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr):
     """x[row] . W[rn] (fp32, (BLOCK_N,)), streaming W's rows once.
 
     ``F16`` ("rows16", FP8 weights): products and the per-lane running sums in FP16, x scaled
-    by 1/64 first (the caller multiplies the sums back by 64); see gemv._gemv_kernel.
-    ``PDL`` (launched with programmatic dependent launch, Hopper): the weights never depend on
-    the kernel before, so the first tile of W is read while that kernel drains, and x (its
-    output) only after waiting for it. Same sums in the same order either way."""
+    by 1/64 first (the caller multiplies the sums back by 64); see gemv._gemv_kernel."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-    start = 0
-    if PDL:
-        rk = tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        wait_for_the_kernel_before()
-        acc = row_tile(acc, x_ptr, w, row, rk, K, stride_xm, F16)
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -64,10 +43,10 @@ def row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn,
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                 HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                F16: tl.constexpr, PDL: tl.constexpr):
+                F16: tl.constexpr):
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K, F16, PDL)
+    y = row_sums(x_ptr, w_ptr, row, rn, N, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K, F16)
     if F16:
         y = y * 64.0
     if HAS_SCALE:
@@ -78,12 +57,10 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_y
 @triton.jit
 def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PDL:  # (see row_sums: here nothing is read before the wait, x and W alike)
-        wait_for_the_kernel_before()
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
