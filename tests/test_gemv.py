@@ -116,3 +116,29 @@ def test_rows16_compiles_to_packed_f16_math():
             assert int(hfma2) > 0 and int(ffma) == 0, (arch, hfma2, ffma)
         else:
             assert int(hfma2) == 0 and int(ffma) > 0, (arch, hfma2, ffma)
+
+
+def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
+    """The per-shape choice behind small_m_linear and the fused GEMVs: each candidate timed
+    once per key, the fastest kept; the default (not kept) where nothing can be timed; a lone
+    candidate kept untimed."""
+    from unimax.ops import gemv as ops
+
+    timed = []
+    speeds = {"rows": 5.0, "rows16": 3.0, "cublas": 4.0}
+    monkeypatch.setattr(ops, "_time_us", lambda fn: fn())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU)
+    table = {}
+
+    def run(name):
+        timed.append(name)
+        return speeds[name]
+
+    names = ("rows", "rows16", "cublas")
+    assert ops.timed_choice(table, ("k",), names, "rows", False, run) == "rows"
+    assert table == {} and timed == []  # off CUDA: the default, nothing timed or kept
+    assert ops.timed_choice(table, ("k",), names, "rows", True, run) == "rows16"
+    assert ops.timed_choice(table, ("k",), names, "rows", True, run) == "rows16"
+    assert sorted(timed) == sorted(names) and table == {("k",): "rows16"}  # timed once
+    assert ops.timed_choice(table, ("one",), ("dot",), "rows", True, run) == "dot"
+    assert len(timed) == 3 and table[("one",)] == "dot"

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, _time_us, gemv_ref
+from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, gemv_ref, timed_choice
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 
@@ -141,18 +141,6 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> rows | rows16
 
 
-def choose(key: tuple, scaled: bool, on_cuda: bool, run) -> str:
-    """rows or rows16 (FP8 weights), timed once per ``key`` as ops.gemv.choose times its
-    kernels; the default ("rows") off CUDA and while a graph is being captured."""
-    if key not in CHOICES:
-        if not scaled or not on_cuda or _interpreted() or \
-                torch.cuda.is_current_stream_capturing():
-            return "rows"
-        times = {name: _time_us(lambda name=name: run(kernel=name)) for name in ("rows", "rows16")}
-        CHOICES[key] = min(times, key=times.get)
-    return CHOICES[key]
-
-
 # (Optional, not "| None": torch reads the op's schema from these annotations)
 @torch.library.custom_op("unimax::fused_small_m_linear", mutates_args=())
 def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -173,7 +161,9 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                             offset=offset)
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
-    return run(kernel=choose(key, scale is not None, x.is_cuda, run))
+    names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
+    return run(kernel=timed_choice(CHOICES, key, names, "rows", True,
+                                   lambda name: run(kernel=name)))
 
 
 @fused_small_m_linear.register_fake

@@ -150,19 +150,28 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
     return ("rows", "rows16") if scaled else ("rows", "cublas")
 
 
-def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
-    """The fastest of ``candidates`` for this shape, timed once. Off CUDA, and for a shape first
-    met while a CUDA graph is being captured (it cannot be timed), the default Triton kernel."""
-    key = (x.shape[0], *weight.shape, weight.dtype)
-    if key not in CHOICES:
-        default = "rows" if x.shape[0] <= PROGRAM_ROWS else "dot"
-        if not x.is_cuda or _interpreted() or torch.cuda.is_current_stream_capturing():
+def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, on_cuda: bool,
+                 run) -> str:
+    """The fastest of ``names`` for ``key`` (``run(name)``: one call with that kernel), timed
+    once and kept in ``table``. Off CUDA, in the interpreter, and for a key first met while a
+    CUDA graph is being captured (it cannot be timed there): ``default``, not kept. Also the
+    fused GEMVs' choice (ops/fused_gemv.py)."""
+    if key not in table:
+        if not on_cuda or _interpreted() or torch.cuda.is_current_stream_capturing():
             return default
-        names = candidates(x.shape[0], scale is not None)
-        times = {name: _time_us(lambda name=name: _run(name, x, weight, scale))
+        times = {name: _time_us(lambda name=name: run(name))
                  for name in names} if len(names) > 1 else {names[0]: 0.0}
-        CHOICES[key] = min(times, key=times.get)
-    return CHOICES[key]
+        table[key] = min(times, key=times.get)
+    return table[key]
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """The fastest of ``candidates`` for this shape, timed once (``timed_choice``); the default
+    Triton kernel where it cannot be timed."""
+    return timed_choice(CHOICES, (x.shape[0], *weight.shape, weight.dtype),
+                        candidates(x.shape[0], scale is not None),
+                        "rows" if x.shape[0] <= PROGRAM_ROWS else "dot", x.is_cuda,
+                        lambda name: _run(name, x, weight, scale))
 
 
 def _run(choice: str, x, weight, scale) -> torch.Tensor:
