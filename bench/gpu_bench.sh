@@ -7,14 +7,14 @@
 #                                           "verified 15": blocks of 15 drafts (16 rows: the
 #                                           verify GEMVs pad to 16 rows anyway);
 #                                           "verified 8 qwen3.5-0.8b": another shape;
-#                                           "verified 8 gdn-4b --fuse-bf16": BF16-only with
-#                                           the folded GEMVs too (FUSE_BF16)
+#                                           "verified 8 gdn-4b --no-fuse-bf16": BF16-only
+#                                           without the folded GEMVs (FUSE_BF16 off)
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
-#   run: bash bench/gpu_bench.sh fused      gdn-4b and qwen3.5-0.8b: the BF16 step unfused and
-#                                           fused ("-fused", FUSE_BF16), the draft step (fused:
-#                                           unimax.fused_draft) and unfused ("draft-nofuse");
+#   run: bash bench/gpu_bench.sh fused      gdn-4b and qwen3.5-0.8b: the BF16 step and the
+#                                           draft step, fused (the default: unimax.fused_draft)
+#                                           and unfused ("-nofuse");
 #                                           "fused gdn-4b": one shape
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
@@ -60,7 +60,7 @@ case "${1:-}" in
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
   fused)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
-      fla+gemv fla+gemv-fused draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
+      fla+gemv fla+gemv-nofuse draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
     grep -v Assertion "$OUT/fused.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
   recurrent)
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1

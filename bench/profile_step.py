@@ -5,13 +5,13 @@ usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs com
        [--json FILE]
 Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
 inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
-linears through the Triton GEMV: unimax.fast_step; the BF16 fast step); draft (the full-FP8
+linears through the Triton GEMV: unimax.fast_step; the BF16 fast step, its norms, gates and
+residual adds folded into the GEMVs: unimax.fused_draft.FUSE_BF16); draft (the full-FP8
 draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these
 with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
-fla's recurrent kernel instead of one op (unimax.ops.decode_step); draft-nofuse: the draft
-without its norms, gates and residual adds folded into the FP8 GEMVs (unimax.fused_draft, on
-by default; draft-unfused-nofuse: neither); fla+gemv-fused: the BF16 step with the same
-folding (fused_draft.FUSE_BF16, off by default); engine-bf16,
+fla's recurrent kernel instead of one op (unimax.ops.decode_step); "-nofuse" (draft-nofuse,
+fla+gemv-nofuse): without the norms, gates and residual adds folded into the GEMVs
+(unimax.fused_draft, on by default; draft-unfused-nofuse: neither); engine-bf16,
 engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
 compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
@@ -36,7 +36,6 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 from unimax import GDNForCausalLM  # noqa: E402
 from unimax.fast_step import gemv_view  # noqa: E402
 from unimax.fp8 import quantize_view, shallow_view  # noqa: E402
-from unimax.fused_draft import fuse_blocks  # noqa: E402
 from unimax.graph import MaxTurboGraphDecoder  # noqa: E402
 
 BLOCK = 8
@@ -45,15 +44,12 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
-    variant, bf16_fused = variant.removesuffix("-fused"), variant.endswith("-fused")
     variant, nofuse = variant.removesuffix("-nofuse"), variant.endswith("-nofuse")
     variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
         variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model, fuse=not nofuse) if gemv == "gemv" else shallow_view(model)
-    if bf16_fused:
-        fuse_blocks(view, bf16=True)
     view.set_backend(backend)
     for block in view.layers if unfused else ():
         if hasattr(block.mixer, "decode_op"):  # the step's torch forms around fla's kernel

@@ -311,12 +311,12 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also the kernels of the BF16 step, the draft step, the verify "
                              "block and an exact run (the captured graphs measured here)")
-    parser.add_argument("--fuse-bf16", action="store_true",
-                        help="BF16-only's fast step with the draft's folded GEMVs too "
-                             "(unimax.fused_draft.FUSE_BF16)")
+    parser.add_argument("--no-fuse-bf16", action="store_true",
+                        help="BF16-only's fast step without the folded GEMVs "
+                             "(unimax.fused_draft.FUSE_BF16 off; on by default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    unimax.fused_draft.FUSE_BF16 = args.fuse_bf16
+    unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
               "shapes": {}}
@@ -342,7 +342,8 @@ def main() -> None:
             print(f"{r['mode']:<30}{r['tok_s']:>7.0f}{r['tok_s'] / bf16:>7.2f}"
                   f"{100 * r['of_floor']:>7.1f}{r.get('acceptance', float('nan')):>7.2f}"
                   f"{r.get('mean_k', float('nan')):>7.2f}"
-                  f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}")
+                  f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}"
+                  + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else ""))
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))

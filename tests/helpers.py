@@ -20,6 +20,30 @@ def cache_states(cache) -> list[torch.Tensor]:
                       *getattr(layer, "recurrent_states", {}).values())]
 
 
+# The GPU tests' model (tests/test_gpu_engine.py, tests/test_gpu_fused.py)
+def _gpu_config():
+    from unimax import GDNConfig
+
+    return GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
+                     num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)
+
+
+GPU_CONFIG = _gpu_config()
+
+
+def gpu_model():
+    from unimax import GDNForCausalLM
+
+    m = GDNForCausalLM.random(GPU_CONFIG, device="cuda", dtype=torch.bfloat16, seed=2)
+    m.init_random_weights(seed=2, std=0.08)
+    return m
+
+
+def gpu_prompt(length, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, GPU_CONFIG.vocab_size, (1, length), device="cuda", generator=gen)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())

@@ -105,30 +105,36 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
         pure_or_hybrid.float()
 
 
-def test_bf16_step_fused_on_request(pure_or_hybrid, monkeypatch):
-    """``fuse_blocks(bf16=True)`` (FUSE_BF16, off by default) marks a BF16 fast step's GEMVs
-    and blocks too, on the view only; its steps compute the unfused view's logits."""
+def test_bf16_step_fused_by_default(pure_or_hybrid, monkeypatch):
+    """The BF16 fast step's view (FUSE_BF16, on) marks its GEMVs and blocks, on the view only;
+    its steps compute the unfused view's logits. With FUSE_BF16 off it marks nothing."""
     model = pure_or_hybrid
-    fused = gemv_view(model, fuse=False)
-    assert fused_draft.fuse_blocks(fused, bf16=True) == model.config.num_hidden_layers
-    assert not any(getattr(m, "fused", False) for m in gemv_view(model).modules())
+    fused = gemv_view(model)
+    assert all(b.fused for b in fused.layers)
+    assert not any(getattr(m, "fused", False) for m in model.modules())
+    plain = gemv_view(model, fuse=False)
+    assert not any(getattr(m, "fused", False) for m in plain.modules())
     calls = []
     monkeypatch.setattr(fused_draft, "fused_small_m_linear",
                         spied(fused_small_m_linear, "fused", calls))
     tokens = torch.randint(0, model.config.vocab_size, (1, 6),
                            generator=torch.Generator().manual_seed(2))
-    for a, b in zip(steps(fused, tokens), steps(gemv_view(model), tokens), strict=True):
+    for a, b in zip(steps(fused, tokens), steps(plain, tokens), strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
     assert len(calls) == 6 * 4 * model.config.num_hidden_layers
+    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
+    assert not any(getattr(m, "fused", False) for m in gemv_view(model).modules())
 
 
 def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_hybrid,
                                                                       monkeypatch):
-    """The exact model and its BF16 step view are never marked; the FP8 tail marks its last
-    block only; the model itself is untouched by a draft view. In default grad mode (the op
-    has no backward) a fused view takes the plain forms, with the same numbers."""
+    """Without FUSE_BF16, fuse_blocks marks only blocks with FP8 linears: none of the BF16
+    step's, the FP8 tail's last block only; the model itself is untouched by a draft view. In
+    default grad mode (the op has no backward) a fused view takes the plain forms, with the
+    same numbers."""
     model = pure_or_hybrid
     last = model.config.num_hidden_layers - 1
+    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
     assert fused_draft.fuse_blocks(gemv_view(model)) == 0  # (bf16=False: FP8 linears only)
     tail = gemv_view(quantize_view(model, "tail"))
     assert [b.fused for b in tail.layers] == [i == last for i in range(last + 1)]

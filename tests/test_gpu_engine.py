@@ -5,26 +5,19 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, verifier_launches
-from unimax import GDNConfig, GDNForCausalLM, SamplingParams, build_engine
+from helpers import GPU_CONFIG, gpu_model, rel_err, verifier_launches
+from helpers import gpu_prompt as prompt
+from unimax import GDNForCausalLM, SamplingParams, build_engine
 from unimax.fp8 import FP8Linear
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
-                   num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)
+CONFIG = GPU_CONFIG
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = GDNForCausalLM.random(CONFIG, device="cuda", dtype=torch.bfloat16, seed=2)
-    m.init_random_weights(seed=2, std=0.08)
-    return m
-
-
-def prompt(length, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randint(0, CONFIG.vocab_size, (1, length), device="cuda", generator=gen)
+    return gpu_model()
 
 
 @pytest.mark.parametrize("decode", ["bf16", "fp8"])
@@ -299,71 +292,3 @@ def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
     print("acceptance", report.acceptance_rate, "blocks", kinds, "verify ms",
           {k: round(ms, 3) for k, ms in engine.draft_length.verify_ms.items()})
     assert set(launched) <= set(engine.verifier.runner.graphs)  # nothing captured late
-
-
-def test_fused_draft_on_gpu(model, monkeypatch):
-    """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
-    model's shapes, each prologue, FP8 weights with fp32 and FP16 products, with and without
-    the residual; a full-FP8 draft view's fused steps track the unfused view's logits with the
-    fused kernel really taken; the compiled fused draft in captured graphs decodes what it
-    decodes eagerly."""
-    import unimax.fused_draft as fused_draft
-    import unimax.ops.fused_gemv as fused_gemv
-    from helpers import spied
-    from unimax.fast_step import gemv_view
-    from unimax.fp8 import quantize_rows, quantize_view
-
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    for prologue, n, k in (("rms", 12352, 2560), ("gated_silu", 2560, 4096),
-                           ("gated_sigmoid", 2560, 4096), ("swiglu", 2560, 9216),
-                           ("sigmoid_gate", 2560, 4096), ("none", 18432, 2560)):
-        q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=gen))
-        x = 4 * torch.randn(1, 2 * k if prologue == "swiglu" else k, device="cuda",
-                            generator=gen).to(torch.bfloat16)
-        gated = prologue.startswith("gated")
-        z = (torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-             if gated or prologue == "sigmoid_gate" else None)
-        norm = (1 + 0.1 * torch.randn(128 if gated else k, device="cuda", generator=gen)
-                ).to(torch.bfloat16) if prologue in ("rms", "gated_silu", "gated_sigmoid") else None
-        for residual in (None, torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)):
-            ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
-                                                      residual, 1e-6, 1.0)
-            for kernel in ("rows", "rows16"):
-                got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
-                                            1.0, kernel=kernel)
-                assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
-
-    draft = quantize_view(model, "full")
-    fused, plain = gemv_view(draft, fuse=True), gemv_view(draft, fuse=False)
-    tokens = prompt(20, seed=5)
-    caches = fused.make_recurrent_cache(), plain.make_recurrent_cache()
-    with torch.inference_mode():
-        fused(input_ids=tokens[:, :1], past_key_values=fused.make_recurrent_cache(),
-              use_cache=True)  # (first use: each shape's kernel choice, timed)
-        calls = []
-        monkeypatch.setattr(fused_gemv, "fused_gemv",
-                            spied(fused_gemv.fused_gemv, "fused", calls))
-        for i in range(tokens.shape[1]):
-            a, b = (view(input_ids=tokens[:, i: i + 1], past_key_values=cache,
-                         use_cache=True).logits
-                    for view, cache in zip((fused, plain), caches, strict=True))
-            assert rel_err(a.float(), b.float()) < 3e-2, i
-    assert len(calls) == 20 * 4 * CONFIG.num_hidden_layers
-    assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
-    x = prompt(60, seed=6)
-    graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
-    assert all(block.fused for block in graphs.decode_model.layers)
-    eager = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True,
-                         use_graphs=False)
-    assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
-    # FUSE_BF16 (off by default): the BF16 fast step fused too decodes the exact model's tokens
-    # up to BF16 near-ties, as the unfused compiled step does
-    from unimax.reference import first_divergence, is_near_tie
-
-    monkeypatch.setattr(fused_draft, "FUSE_BF16", True)
-    bf16 = build_engine(model, decode="bf16", block_size=8, compile_step=True)
-    assert all(block.fused for block in bf16.decode_model.layers)
-    assert not any(getattr(block, "fused", False) for block in model.layers)
-    got = bf16.generate_fast(x, 48)[0].tolist()
-    reference = unimax.exact_greedy_tokens(model, x, 48)[0].tolist()
-    assert is_near_tie(first_divergence(model, x, got, reference))

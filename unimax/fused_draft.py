@@ -14,16 +14,20 @@ not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
 
 (six launches per GDN layer: four GEMVs, fla's conv update and recurrence; ~12 before; a
 gated-attention block folds its norm, its output gate and both residual adds the same way). The
-GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Only where the
-linears are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's
-tokens are checked by the exact model whatever it computes, so a fused form that rounds a little
-differently from the unfused one costs at most acceptance; the BF16 step and the verifier keep
-the exact model's kernels. Everything else (prompts, rows past the GEMV's, default grad mode)
-takes the block's own forward.
+GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Where the linears
+are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's tokens are
+checked by the exact model whatever it computes, so a fused form that rounds a little
+differently from the unfused one costs at most acceptance. With ``FUSE_BF16`` (on) the BF16
+fast step's blocks fold the same way: like the unfused fast step, that step decodes the exact
+model's greedy tokens up to BF16 near-ties (its GEMVs and unrounded norms round differently
+from the exact forward). The exact model itself and the verifier keep their own kernels.
+Everything else (prompts, rows past the GEMV's, default grad mode) takes the block's own
+forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
-"draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (off;
-"fla+gemv-fused" times the BF16 step fused).
+"draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
+"fla+gemv-nofuse" times the BF16 step unfused). H200, 4B: draft step 2008 -> 1840 us, BF16
+step 2916 -> 2684 us; 0.8B BF16 step 1116 -> 988 us (bench/RESULTS.md, eighth session).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .ops.fused_gemv import fused_small_m_linear
 from .ops.gemv import PROGRAM_ROWS
 
 FUSE = True
-FUSE_BF16 = False  # the BF16 fast step's blocks too (fuse_blocks): bench variant "-fused"
+FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
 
 
 def fusable(linear) -> bool:
@@ -99,8 +103,7 @@ def fuse_blocks(view, bf16: bool = False) -> int:
     """Mark the blocks of ``view`` (a view: its blocks and linears are its own shallow copies)
     that hold a fusable linear for the fused forward; returns how many. ``bf16``: its BF16
     GemvLinears too (the BF16 fast step: it already rounds as inductor's fusions do, not as the
-    eager model; verified mode stays exact either way). Off by default until measured:
-    ``FUSE_BF16``."""
+    eager model; verified mode stays exact either way): ``FUSE_BF16``, on."""
     from .fast_step import GemvLinear  # (fast_step builds its views with this module)
 
     count = 0

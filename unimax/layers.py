@@ -178,7 +178,7 @@ class GDNBlock(nn.Module):
     hybrid models gated attention (unimax.attention).
 
     ``fused`` (set on a fast step's view by unimax.fused_draft, never on the exact model): its
-    FP8 linears' decode steps (and with FUSE_BF16 its BF16 GEMVs') run with the norms, gates
+    FP8 linears' decode steps (and with FUSE_BF16, on, its BF16 GEMVs') run with the norms, gates
     and residual adds around them folded into their GEMVs."""
 
     fused = False

@@ -14,8 +14,8 @@ reads it through a prologue instead:
 - ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
 - ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
-and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft (and,
-with fused_draft.FUSE_BF16, the BF16 fast step): the exact model itself and the verifier keep
+and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft and
+(fused_draft.FUSE_BF16, on) the BF16 fast step: the exact model itself and the verifier keep
 their own kernels and rounding; a draft's tokens are checked by the exact model whatever they
 are. The prologues round where the torch forms
 round (``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
