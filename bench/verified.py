@@ -58,8 +58,9 @@ class ForcedDrafts:
     reply (``stream``): the verifier's rows are computed independently of how the reply was cut
     into blocks (same block length, same kernels; the rewind runs the same recurrence), so it
     emits that stream again. Where it does not (a different kernel for a short last block), the
-    stream is recomputed from the reply so far by the BF16 engine, and that time is taken out of
-    the measurement (``excluded_s``, ``resyncs``).
+    stream is recomputed from the reply so far by ``bf16_engine``, a BF16 engine that rounds as
+    the verifier does (no folded blocks), and that time is taken out of the measurement
+    (``excluded_s``, ``resyncs``).
 
     The replacement is picked on the device from the draft's own position (a block's drafts are
     queued before the host has read the block before: engine.pipelined), so the stream and the
@@ -195,6 +196,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
     emit({**row_of("bf16", timed_generate(bf16, ids, args.new, "fast"), weight_bytes,
                    bandwidth, reference, model, ids),
           "warmup_s": time.perf_counter() - start})
+    # The forced rows' resyncs recompute the stream the verifier would emit: a BF16 engine
+    # that rounds as the verifier does (its view is never folded: unimax.verifier.exact_view),
+    # not BF16-only's folded step, which breaks near ties its own way (ForcedDrafts).
+    unimax.fused_draft.FUSE_BF16 = False
+    resync = build_engine(model, decode="bf16", block_size=k, compile_step=True)
+    unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
     parts["bf16_step_ms"] = bf16_block / k
     kernels = {}
@@ -222,7 +229,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
         label = "" if draft_block else " adaptive"
         for rate in args.acceptance:
             engine.draft_length.forget()
-            forced = ForcedDrafts(engine, bf16, ids, args.new, rate, natural.tokens,
+            forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
                                   draft_block=draft_block)
             forced.run()  # warm-up
             result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
@@ -232,7 +239,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
         if draft_block and args.acceptance:  # the same first rate with the plain loop
             engine.pipelined = False
             rate = args.acceptance[0]
-            forced = ForcedDrafts(engine, bf16, ids, args.new, rate, natural.tokens,
+            forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
                                   draft_block=draft_block)
             forced.run()
             result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)

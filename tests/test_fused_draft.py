@@ -275,3 +275,21 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
     assert len(calls) == 5 * 2 * config.num_hidden_layers
     for a, b in zip(got, steps(gemv_view(draft, fuse=False), tokens), strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_the_verifier_view_is_never_folded(pure_or_hybrid, monkeypatch):
+    """The verifier compiles the exact model's GEMV view without folded blocks even with
+    FUSE_BF16 on: the fused forms take one-row forwards only, and the verifier's one-row and
+    block forwards must round alike (unimax.verifier.exact_view)."""
+    from unimax.verifier import exact_view
+
+    assert fused_draft.FUSE_BF16
+    view = exact_view(pure_or_hybrid)
+    assert not any(getattr(m, "fused", False) for m in view.modules())
+    calls = []
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    with torch.inference_mode():
+        view(input_ids=torch.tensor([[3]]), past_key_values=view.make_recurrent_cache(),
+             use_cache=True)
+    assert calls == []

@@ -58,6 +58,18 @@ def allow_recompiles(limit: int = 512) -> None:
             setattr(config, name, max(getattr(config, name), limit))
 
 
+def exact_view(exact_model):
+    """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
+    with no folded blocks (unimax.fused_draft), whatever ``FUSE_BF16`` says. The fused forms
+    take only up to PROGRAM_ROWS rows, so a folded view would round its one-row forwards (k = 0,
+    exact runs) one way and its blocks of block_size + 1 another: at a near tie the reply would
+    depend on how it was cut into blocks (measured: forced-acceptance streams broke, 2026-11-30,
+    bench/RESULTS.md). One rounding for every block; the exact model's own."""
+    from .fast_step import gemv_view
+
+    return gemv_view(exact_model, fuse=False)
+
+
 class Verifier:
     def __init__(self, exact_model, exact_cache: RecurrentCache,
                  decoder: MaxTurboGraphDecoder, resync_draft: CacheCopier,
@@ -102,10 +114,8 @@ class Verifier:
             # when drafts are poor, which must then cost what a BF16 step does). Shorter
             # blocks run the full block's forward, padded (``span``); only where a hybrid's KV
             # buffers leave no room for the padding does a block run the plain forward.
-            from .fast_step import gemv_view
-
             allow_recompiles()
-            self.compiled = torch.compile(gemv_view(exact_model).forward_unchecked,
+            self.compiled = torch.compile(exact_view(exact_model).forward_unchecked,
                                           dynamic=False)
 
     # --- graph bodies --------------------------------------------------------------------
