@@ -66,6 +66,51 @@ def test_fused_gemv_matches_its_twin_in_the_interpreter():
     assert out.count("ok") == 9 and "compiled 0.0" in out, out
 
 
+DOT_CHILD = """
+import torch
+from unimax.fp8 import quantize_rows
+from unimax.ops.fused_gemv import fused_gemv, fused_small_m_linear_ref
+torch.manual_seed(1)
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+for dtype in (torch.float32, torch.bfloat16):
+    for m, n, k, head in [(5, 70, 256, 64), (9, 40, 192, 32), (16, 33, 128, 16)]:
+        w = torch.randn(n + 5, k + 16)  # padded past (n, k), as an FP8Linear's weight is
+        q, s = quantize_rows(w)
+        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
+                         "sigmoid_gate"):
+            gated = prologue.startswith("gated")
+            x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
+            z = torch.randn(m, k).to(dtype) if gated or prologue == "sigmoid_gate" else None
+            norm = (1 + 0.1 * torch.randn(head if gated else k)
+                    if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
+            offset = 1.0 if prologue == "rms" else 0.0
+            for res in (None, torch.randn(m, n).to(dtype)):
+                for weight, scale in ((q, s), (w.to(dtype), None)):
+                    ref = fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
+                                                   res, 1e-6, offset)
+                    y = fused_gemv(x, weight, scale, n, k, prologue, norm, z, res, 1e-6, offset)
+                    err = rel(y, ref)
+                    assert y.shape == ref.shape == (m, n) and y.dtype == dtype
+                    assert err < (1e-5 if dtype == torch.float32 else 2e-2), (
+                        dtype, m, prologue, res is None, scale is None, err)
+        print("ok", dtype, m, n, k)
+try:
+    fused_gemv(torch.randn(17, 64), torch.randn(8, 64), None, 8, 64, "none")
+except ValueError as e:
+    print("refused", e)
+"""
+
+
+def test_fused_dot_matches_its_twin_in_the_interpreter():
+    """The tensor-core form (a verifier block's 5 .. 16 rows, the default above PROGRAM_ROWS):
+    every prologue, FP8 and plain weights, with and without the residual, K over several tiles,
+    rows padded to 16; 17 rows refused by name."""
+    out = run_with_triton(DOT_CHILD)
+    assert out.count("ok") == 6, out
+    assert "refused fused_gemv: the dot kernel takes at most 16 rows, got 17" in out, out
+
+
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Logits of one-token decode steps over ``tokens`` on a fresh cache (as the decoder runs
     them: inference mode)."""
@@ -210,6 +255,41 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     for arch, pro, f16, cvt, hfma2 in rows:
         assert int(cvt) > 0, (arch, pro, f16)
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
+
+
+DOT_PTX_CHILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import unimax.ops.fused_gemv as f
+
+fn = f._dot(128)[1].fn
+for arch in (90, 89):  # H100/H200, L4
+    for weights, scale in (("*bf16", "*bf16"), ("*fp8e4nv", "*fp32")):  # (verifier, draft)
+        for pro in range(len(f.PROLOGUES)):
+            sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": weights,
+                   "s_ptr": scale, "r_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                   "K": "i32", "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32",
+                   "stride_rm": "i32", "stride_ym": "i32", "eps": "fp32", "offset": "fp32",
+                   "PRO": "constexpr", "HEAD": "constexpr", "HAS_SCALE": "constexpr",
+                   "HAS_RES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                   "BLOCK_K": "constexpr", "DOT_F32": "constexpr"}
+            consts = {"PRO": pro, "HEAD": 128, "HAS_SCALE": weights != "*bf16",
+                      "HAS_RES": pro % 2 == 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256,
+                      "DOT_F32": False}
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                 target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+            print(arch, weights, pro, ptx.count("mma"))
+"""
+
+
+def test_fused_dot_compiles_for_hopper_and_ada():
+    """The tensor-core form compiles to PTX with every prologue for the H200 (sm_90) and the
+    L4 (sm_89), BF16 weights (the verifier) and FP8 ones, its products on the tensor cores."""
+    out = run_with_triton(DOT_PTX_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert len(rows) == 2 * 2 * len(PROLOGUES), out
+    assert all(int(mma) > 0 for *_, mma in rows), out
 
 
 @pytest.mark.parametrize("block", [1, 4])

@@ -30,7 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, gemv_ref, timed_choice
+from .gemv import (
+    DOT_TILES,
+    GEMV_ROWS,
+    GEMV_TILES,
+    PROGRAM_ROWS,
+    _interpreted,
+    gemv_ref,
+    timed_choice,
+)
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 
@@ -111,19 +119,46 @@ def _kernel(f16: bool, head: int):
         fused_gemv_kernel), {"F16": f16})
 
 
+@functools.cache
+def _dot(head: int):
+    """The fused tensor-core kernel, autotuned like the fused GEMV over ops.gemv's DOT_TILES,
+    BLOCK_K at least one head."""
+    import triton
+
+    from .fused_gemv_kernels import fused_dot_kernel
+
+    tiles = sorted({(n, max(k, head), w, s) for n, k, w, s in DOT_TILES})
+    if _interpreted():
+        return triton, fused_dot_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head),
+                                          "DOT_F32": True}
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+               for n, k, w, s in tiles]
+    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES"])(
+        fused_dot_kernel), {"DOT_F32": False})
+
+
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
                norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
-               kernel: str = "rows") -> torch.Tensor:
-    """The Triton kernel (CUDA, or Triton's interpreter), M <= PROGRAM_ROWS rows; the same
+               kernel: str | None = None) -> torch.Tensor:
+    """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS rows; the same
     contract as the twin. ``kernel``: "rows" or "rows16" (FP16 products, FP8 weights: see
-    ops.gemv)."""
+    ops.gemv), a program per row, up to PROGRAM_ROWS rows; "dot" (the tensor cores, all rows
+    in one program: a verifier block's, W read once). By default by M, as ops.gemv does."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
-    if x.shape[0] > PROGRAM_ROWS:
-        raise ValueError(f"fused_gemv: at most {PROGRAM_ROWS} rows, got {x.shape[0]}")
+    m = x.shape[0]
+    kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
+    if kernel not in ("rows", "rows16", "dot"):
+        raise ValueError(f"fused_gemv: kernel must be rows, rows16 or dot, got {kernel!r}")
+    limit = GEMV_ROWS if kernel == "dot" else PROGRAM_ROWS
+    if m > limit:
+        raise ValueError(f"fused_gemv: the {kernel} kernel takes at most {limit} rows, got {m}")
     if kernel == "rows16" and scale is None:
         raise ValueError("fused_gemv: rows16 (FP16 products) is for FP8 weights only")
     gated = prologue.startswith("gated")
     head = norm_weight.shape[0] if gated else 1
+    if kernel == "dot":
+        return _launch_dot(x, weight, scale, out_features, in_features, prologue, norm_weight,
+                           z, residual, eps, offset, head)
     triton, launch, fixed = _kernel(kernel == "rows16", head)
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
@@ -138,7 +173,22 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     return y
 
 
-CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> rows | rows16
+def _launch_dot(x, weight, scale, out_features, in_features, prologue, norm_weight, z,
+                residual, eps, offset, head) -> torch.Tensor:
+    triton, launch, fixed = _dot(head)
+    m = x.shape[0]
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)  # noqa: E731
+    launch[grid](x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
+                 x if scale is None else scale, x if residual is None else residual, y, m,
+                 out_features, in_features, x.stride(0), 0 if z is None else z.stride(0),
+                 weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
+                 eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
+                 HAS_SCALE=scale is not None, HAS_RES=residual is not None, BLOCK_M=16, **fixed)
+    return y
+
+
+CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel
 
 
 # (Optional, not "| None": torch reads the op's schema from these annotations)
@@ -150,8 +200,9 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                          z: Optional[torch.Tensor],  # noqa: UP045
                          residual: Optional[torch.Tensor],  # noqa: UP045
                          eps: float, offset: float) -> torch.Tensor:
-    """prologue(x) (M <= PROGRAM_ROWS rows) @ W^T (* scale) (+ residual): the fused Triton
-    kernel on CUDA, the twin elsewhere."""
+    """prologue(x) (M <= GEMV_ROWS rows) @ W^T (* scale) (+ residual): the fused Triton
+    kernels on CUDA (a program per row up to PROGRAM_ROWS rows, the tensor-core one above),
+    the twin elsewhere."""
     if not x.is_cuda:
         check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
         return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,
@@ -161,8 +212,9 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                             offset=offset)
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
-    names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
-    return run(kernel=timed_choice(CHOICES, key, names, "rows", True,
+    names = (("dot",) if x.shape[0] > PROGRAM_ROWS  # (a verifier block: W read once)
+             else ("rows", "rows16") if scale is not None else ("rows",))  # (rows16: FP8 only)
+    return run(kernel=timed_choice(CHOICES, key, names, names[0], True,
                                    lambda name: run(kernel=name)))
 
 

@@ -106,3 +106,84 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
         r = tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_ym + rn, y, mask=rn < N)
+
+
+# --- the verifier's blocks: all rows (up to 16) against a tile of W on the tensor cores -------
+
+@triton.jit
+def rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """row_rstd for every row of the block at once ((BLOCK_M,) fp32), K in slices: a whole
+    16-row block at once would not fit a program's registers."""
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
+           PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """x_slice for the rows rm at once ((BLOCK_M, BLOCK_K)): the same prologues, rounded at the
+    same points, in the same order of operations."""
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    if PRO == 1:
+        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd[:, None] * (offset + w[None, :])).to(x.dtype)
+    elif PRO == 2 or PRO == 3:
+        heads = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        r = tl.rsqrt(tl.sum(heads * heads, axis=2) / HEAD + eps)
+        w = tl.reshape(tl.load(nw_ptr + rk % HEAD).to(tl.float32), (1, BLOCK_K // HEAD, HEAD))
+        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        z = tl.reshape(z, (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
+        x = tl.reshape(heads * r[:, :, None] * w * gate, (BLOCK_M, BLOCK_K)).to(x.dtype)
+    elif PRO == 4:
+        up = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g * sigmoid(g)).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    elif PRO == 5:
+        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask, other=0.0)
+        gate = sigmoid(z.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def fused_dot_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
+                     stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
+                     PRO: tl.constexpr, HEAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """y[rm, rn] = (prologue(x[rm]) @ W[rn]^T) * s[rn] (+ r[rm, rn]) for M <= BLOCK_M rows:
+    gemv_kernels.dot_kernel with x read through x_tile and the residual added at the store."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if PRO == 1:
+        rstd = rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
+                   PRO, HEAD, BLOCK_M, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        if DOT_F32:  # (the interpreter: see dot_kernel)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = acc.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
+    if HAS_RES:  # then the residual add, rounded once more
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)

@@ -73,6 +73,12 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
             {"F16": f16})
 
 
+# The tensor-core kernel's autotuned tiles (BLOCK_N, BLOCK_K, warps, stages); the fused one
+# (ops/fused_gemv.py) tunes over the same.
+DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4),
+             (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))
+
+
 @functools.cache
 def _dot_kernel(scaled: bool):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
@@ -82,9 +88,7 @@ def _dot_kernel(scaled: bool):
     from .gemv_kernels import dot_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-               for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3),
-                                  (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                                  (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))]
+               for n, k, w, s in DOT_TILES]
     if _interpreted():
         return triton, dot_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "DOT_F32": True}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(dot_kernel),
