@@ -58,8 +58,8 @@ class ForcedDrafts:
     reply (``stream``): the verifier's rows are computed independently of how the reply was cut
     into blocks (same block length, same kernels; the rewind runs the same recurrence), so it
     emits that stream again. Where it does not (a different kernel for a short last block), the
-    stream is recomputed from the reply so far by ``bf16_engine``, a BF16 engine that rounds as
-    the verifier does (no folded blocks), and that time is taken out of the measurement
+    stream is recomputed from the reply so far by ``bf16_engine``, a BF16 engine whose step
+    rounds as the verifier's view does, and that time is taken out of the measurement
     (``excluded_s``, ``resyncs``).
 
     The replacement is picked on the device from the draft's own position (a block's drafts are
@@ -197,11 +197,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
                    bandwidth, reference, model, ids),
           "warmup_s": time.perf_counter() - start})
     # The forced rows' resyncs recompute the stream the verifier would emit: a BF16 engine
-    # that rounds as the verifier does (its view is never folded: unimax.verifier.exact_view),
-    # not BF16-only's folded step, which breaks near ties its own way (ForcedDrafts).
-    unimax.fused_draft.FUSE_BF16 = False
+    # whose step rounds as the verifier's view does (unimax.verifier.exact_view: sigmoid(b)
+    # outside the recurrence's kernel), not BF16-only's, which breaks near ties its own way.
     resync = build_engine(model, decode="bf16", block_size=k, compile_step=True)
-    unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
+    for block in resync.decode_model.layers:  # (read when the step is first compiled)
+        block.beta_in_kernel = False
     bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
     parts["bf16_step_ms"] = bf16_block / k
     kernels = {}

@@ -357,19 +357,61 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-def test_the_verifier_view_is_never_folded(pure_or_hybrid, monkeypatch):
-    """The verifier compiles the exact model's GEMV view without folded blocks even with
-    FUSE_BF16 on: the fused forms take one-row forwards only, and the verifier's one-row and
-    block forwards must round alike (unimax.verifier.exact_view)."""
+def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, monkeypatch):
+    """The verifier's view (unimax.verifier.exact_view) folds its blocks as BF16-only's step
+    does, for its one-token forwards and its recorded blocks of up to GEMV_ROWS tokens alike,
+    with sigmoid(b) outside the recurrence's kernel; its logits and, after the rewind, its
+    states are the unfolded view's (fp32, the twin); with FUSE_BF16 off it folds nothing."""
+    import unimax
+    from helpers import cache_states
     from unimax.verifier import exact_view
 
+    model = pure_or_hybrid
     assert fused_draft.FUSE_BF16
-    view = exact_view(pure_or_hybrid)
-    assert not any(getattr(m, "fused", False) for m in view.modules())
-    calls = []
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                        spied(fused_small_m_linear, "fused", calls))
+    view, plain = exact_view(model), gemv_view(model, fuse=False)
+    assert all(b.fused and not b.beta_in_kernel for b in view.layers)
+    assert not any(getattr(m, "fused", False) for m in model.modules())
+    rows, betas = [], []
+
+    def fused_op(x, *args):
+        rows.append(x.shape[0])
+        return fused_small_m_linear(x, *args)
+
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear", fused_op)
+    real_core = type(model.layers[0].mixer).decode_core
+
+    def decode_core(self, projected, state, beta_in_kernel=False):
+        betas.append(beta_in_kernel)
+        return real_core(self, projected, state, beta_in_kernel)
+
+    monkeypatch.setattr(type(model.layers[0].mixer), "decode_core", decode_core)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 7), generator=gen)
+    block = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
     with torch.inference_mode():
-        view(input_ids=torch.tensor([[3]]), past_key_values=view.make_recurrent_cache(),
-             use_cache=True)
-    assert calls == []
+        caches = []
+        for v in (view, plain):
+            cache = v.make_recurrent_cache()
+            v(input_ids=prompt, past_key_values=cache, use_cache=True)
+            before = cache.empty_like(share_kv=True)
+            unimax.copy_cache_(before, cache)
+            tape = v.make_tape(9)
+            with cache.recording(tape):  # the verifier's block: 8 drafts + 1
+                logits = v.forward_unchecked(block, cache)
+            v.rewind_unchecked(cache, before, tape, 5)  # 4 drafts accepted
+            cache.seen_tokens = before.seen_tokens + 5
+            with cache.attending(cache.seen_tokens + 1):  # an exact step (k = 0) after it
+                one = v.forward_unchecked(block[:, 5:6], cache)
+            caches.append((logits, one, cache))
+    (a, a1, got), (b, b1, want) = caches
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a1, b1, rtol=1e-5, atol=1e-5)
+    for x, y in zip(cache_states(got), cache_states(want), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    blocks = model.config.num_hidden_layers
+    # the prompt (7 rows) and the block (9) through the tensor-core form, the step by rows
+    assert sorted(set(rows)) == [1, 7, 9] and len(rows) == 3 * 4 * blocks, rows
+    gdn = sum(not model.config.is_attention(i) for i in range(blocks))
+    assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
+    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
+    assert not any(getattr(m, "fused", False) for m in exact_view(model).modules())

@@ -20,9 +20,11 @@ checked by the exact model whatever it computes, so a fused form that rounds a l
 differently from the unfused one costs at most acceptance. With ``FUSE_BF16`` (on) the BF16
 fast step's blocks fold the same way: like the unfused fast step, that step decodes the exact
 model's greedy tokens up to BF16 near-ties (its GEMVs and unrounded norms round differently
-from the exact forward). The exact model itself and the verifier keep their own kernels.
-Everything else (prompts, rows past the GEMV's, default grad mode) takes the block's own
-forward.
+from the exact forward). The verifier's view folds too, alike for its one-token forwards and
+its blocks of up to GEMV_ROWS tokens (those through the fused tensor-core kernel; the mixer's
+``core`` in between, recorded for the rewind), with sigmoid(b) left to the torch forms
+(unimax.verifier.exact_view). The exact model itself is never folded. Everything else (long
+prompts, rows past the GEMVs', default grad mode) takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
@@ -36,7 +38,7 @@ import torch
 
 from .fp8 import FP8Linear
 from .ops.fused_gemv import fused_small_m_linear
-from .ops.gemv import PROGRAM_ROWS
+from .ops.gemv import GEMV_ROWS
 
 FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
@@ -71,21 +73,23 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     batch, tokens, hidden = x.shape
     rows = batch * tokens
     # (the fused op has no backward: a caller in default grad mode gets the plain forms)
-    if rows > PROGRAM_ROWS or torch.is_grad_enabled() or not x.is_contiguous():
+    if rows > GEMV_ROWS or torch.is_grad_enabled() or not x.is_contiguous():
         return block.mlp_part(block.mixer_part(x, state))
     x2 = x.reshape(rows, hidden)
     mixer = block.mixer
     head = mixer.norm.weight.shape[0] if hasattr(mixer, "decode_core") else 0
     if (head and not head & (head - 1)  # (the gated prologue takes power-of-2 heads)
-            and fusable(mixer.in_proj) and fusable(mixer.out_proj)
-            and mixer._one_op_step(state, tokens)):
+            and fusable(mixer.in_proj) and fusable(mixer.out_proj)):
         projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
-        o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state,
-                                 beta_in_kernel=True)
+        projected = projected.reshape(batch, tokens, -1)
+        if mixer._one_op_step(state, tokens):
+            o, z = mixer.decode_core(projected, state, beta_in_kernel=block.beta_in_kernel)
+        else:  # (a verifier block, recorded for its rewind; a padded or first forward)
+            o, z = mixer.core(projected, state)
         gated = mixer.norm
         h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",
                          gated, z=z.reshape(rows, -1), residual=x2)
-    elif (hasattr(mixer, "core") and fusable(mixer.in_proj) and fusable(mixer.o_proj)):
+    elif (hasattr(mixer, "o_proj") and fusable(mixer.in_proj) and fusable(mixer.o_proj)):
         projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)  # gated attention
         out, gate = mixer.core(projected.reshape(batch, tokens, -1), state)
         h = fused_linear(mixer.o_proj, out.reshape(rows, -1), "sigmoid_gate",
@@ -99,11 +103,14 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     return fused_linear(mlp.down_proj, gate_up, "swiglu", residual=h).reshape(x.shape)
 
 
-def fuse_blocks(view, bf16: bool = False) -> int:
+def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True) -> int:
     """Mark the blocks of ``view`` (a view: its blocks and linears are its own shallow copies)
     that hold a fusable linear for the fused forward; returns how many. ``bf16``: its BF16
     GemvLinears too (the BF16 fast step: it already rounds as inductor's fusions do, not as the
-    eager model; verified mode stays exact either way): ``FUSE_BF16``, on."""
+    eager model; verified mode stays exact either way): ``FUSE_BF16``, on.
+    ``beta_in_kernel``: a one-token step takes sigmoid(b) inside the recurrence's kernel,
+    unrounded; the verifier's view (unimax.verifier.exact_view) says no, so that its one-token
+    forwards round beta as its blocks do."""
     from .fast_step import GemvLinear  # (fast_step builds its views with this module)
 
     count = 0
@@ -113,5 +120,6 @@ def fuse_blocks(view, bf16: bool = False) -> int:
                 module.fused = True
         if any(fusable(m) for m in block.modules()):
             block.fused = True
+            block.beta_in_kernel = beta_in_kernel
             count += 1
     return count

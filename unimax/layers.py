@@ -38,18 +38,26 @@ class GatedDeltaNetMixer(nn.Module):
         self.backend = "auto"  # gated delta rule kernel: see ops.gated_delta.gated_delta_rule
 
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
-        cfg = self.config
-        batch, seq_len, _ = x.shape
+        seq_len = x.shape[1]
         if seq_len > LONG and type(self.in_proj) is nn.Linear:
-            mixed, z, b, a = self._project_prompt(x)
-        else:
-            projected = self.in_proj(x)
-            if self._one_op_step(state, seq_len):
-                return self._gated_out(*self.decode_core(projected, state))
-            mixed, z, b, a = self._split(projected)
+            return self._gated_out(*self._core(*self._project_prompt(x), state))
+        projected = self.in_proj(x)
+        if self._one_op_step(state, seq_len):
+            return self._gated_out(*self.decode_core(projected, state))
+        return self._gated_out(*self.core(projected, state))
 
+    def core(self, projected: torch.Tensor, state: RecurrentLayerState | None):
+        """From the in-projection's output (B, T, .) to the recurrence's output o (B, T, HV, V)
+        and the gate z, the states updated (or, recording, the tape written): the forward's
+        middle for any T up to LONG, shared with the fused block (unimax.fused_draft), which
+        folds the norms around it into the projections (``decode_core``: the one-op step)."""
+        return self._core(*self._split(projected), state)
+
+    def _core(self, mixed, z, b, a, state: RecurrentLayerState | None):
+        cfg = self.config
+        batch, seq_len, _ = mixed.shape
         if state is None:
-            conv_state = x.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
+            conv_state = mixed.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
             recurrent_state = None
         else:
             conv_state, recurrent_state = state.conv_states[0], state.recurrent_states[0]
@@ -105,8 +113,7 @@ class GatedDeltaNetMixer(nn.Module):
                     state.conv_states[0].copy_(new_conv_state)
                     state.recurrent_states[0].copy_(new_recurrent_state)
             state.has_previous_state[0] = True
-
-        return self._gated_out(o, z)
+        return o, z
 
     def _split(self, projected: torch.Tensor):
         """The in-projection's output -> mixed (q, k, v before the conv), z, b, a."""
@@ -182,6 +189,7 @@ class GDNBlock(nn.Module):
     and residual adds around them folded into their GEMVs."""
 
     fused = False
+    beta_in_kernel = True  # (fused blocks: see fused_draft.fuse_blocks)
 
     def __init__(self, config: GDNConfig, attention: bool = False):
         super().__init__()

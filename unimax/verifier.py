@@ -60,14 +60,19 @@ def allow_recompiles(limit: int = 512) -> None:
 
 def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
-    with no folded blocks (unimax.fused_draft), whatever ``FUSE_BF16`` says. The fused forms
-    take only up to PROGRAM_ROWS rows, so a folded view would round its one-row forwards (k = 0,
-    exact runs) one way and its blocks of block_size + 1 another: at a near tie the reply would
-    depend on how it was cut into blocks (measured: forced-acceptance streams broke, 2026-11-30,
-    bench/RESULTS.md). One rounding for every block; the exact model's own."""
+    with its blocks folded as BF16-only's step is (``fused_draft.FUSE_BF16``) at every length
+    the GEMVs take (up to GEMV_ROWS rows: a block of up to 15 drafts), so that its one-row
+    forwards (k = 0, exact runs) and its blocks round alike; and with sigmoid(b) rounded as the
+    block's torch forms round it, not inside the one-token recurrence kernel. (Folded for one
+    row only, it broke near ties by how a reply was cut into blocks: the forced-acceptance
+    streams of 2026-11-30, bench/RESULTS.md.) Blocks past GEMV_ROWS rows take the plain forms."""
+    from . import fused_draft
     from .fast_step import gemv_view
 
-    return gemv_view(exact_model, fuse=False)
+    view = gemv_view(exact_model, fuse=False)
+    if fused_draft.FUSE and fused_draft.FUSE_BF16:
+        fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False)
+    return view
 
 
 class Verifier:
