@@ -12,38 +12,44 @@ from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
 
-CHILD = """
+CASES = """
 import torch
 from unimax.fp8 import quantize_rows
 from unimax.ops.fused_gemv import fused_gemv, fused_small_m_linear, fused_small_m_linear_ref
-torch.manual_seed(0)
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
+def cases(dtype, m, n, k, head):
+    \"\"\"Every prologue's inputs, with and without the residual, and the weights: FP8 with
+    scales and plain, padded past (n, k) as an FP8Linear's weight is.\"\"\"
+    w = torch.randn(n + 5, k + 16)
+    q, s = quantize_rows(w)
+    for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate"):
+        gated = prologue.startswith("gated")
+        x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
+        z = torch.randn(m, k).to(dtype) if gated or prologue == "sigmoid_gate" else None
+        norm = (1 + 0.1 * torch.randn(head if gated else k)
+                if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
+        offset = 1.0 if prologue == "rms" else 0.0
+        for res in (None, torch.randn(m, n).to(dtype)):
+            for weight, scale in ((q, s), (w.to(dtype), None)):
+                ref = fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z, res,
+                                               1e-6, offset)
+                yield prologue, (x, weight, scale, n, k, prologue, norm, z, res, 1e-6,
+                                 offset), ref
+"""
+
+CHILD = CASES + """
+torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     for m, n, k, head in [(1, 100, 128, 32), (2, 70, 256, 64), (1, 33, 192, 64), (3, 40, 64, 16)]:
-        w = torch.randn(n + 5, k + 16)  # padded past (n, k), as an FP8Linear's weight is
-        q, s = quantize_rows(w)
-        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
-                         "sigmoid_gate"):
-            gated = prologue.startswith("gated")
-            x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
-            z = torch.randn(m, k).to(dtype) if gated or prologue == "sigmoid_gate" else None
-            norm = (1 + 0.1 * torch.randn(head if gated else k)
-                    if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
-            offset = 1.0 if prologue == "rms" else 0.0
-            for res in (None, torch.randn(m, n).to(dtype)):
-                for weight, scale, kernels in ((q, s, ("rows", "rows16")),
-                                               (w.to(dtype), None, ("rows",))):
-                    ref = fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
-                                                   res, 1e-6, offset)
-                    for kernel in kernels:
-                        y = fused_gemv(x, weight, scale, n, k, prologue, norm, z, res, 1e-6,
-                                       offset, kernel=kernel)
-                        err = rel(y, ref)
-                        exact = dtype == torch.float32 and kernel == "rows"
-                        assert y.shape == ref.shape == (m, n) and y.dtype == dtype
-                        assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
-                                                                  res is None, kernel, err)
+        for prologue, args, ref in cases(dtype, m, n, k, head):
+            for kernel in ("rows", "rows16") if args[2] is not None else ("rows",):
+                y = fused_gemv(*args, kernel=kernel)
+                err = rel(y, ref)
+                exact = dtype == torch.float32 and kernel == "rows"
+                assert y.shape == ref.shape == (m, n) and y.dtype == dtype
+                assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
+                                                          args[8] is None, kernel, err)
         print("ok", dtype, m, n, k)
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
 x, norm, w = torch.randn(1, 8200), 1 + 0.1 * torch.randn(8200), torch.randn(8, 8200)
@@ -66,34 +72,16 @@ def test_fused_gemv_matches_its_twin_in_the_interpreter():
     assert out.count("ok") == 9 and "compiled 0.0" in out, out
 
 
-DOT_CHILD = """
-import torch
-from unimax.fp8 import quantize_rows
-from unimax.ops.fused_gemv import fused_gemv, fused_small_m_linear_ref
+DOT_CHILD = CASES + """
 torch.manual_seed(1)
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 for dtype in (torch.float32, torch.bfloat16):
     for m, n, k, head in [(5, 70, 256, 64), (9, 40, 192, 32), (16, 33, 128, 16)]:
-        w = torch.randn(n + 5, k + 16)  # padded past (n, k), as an FP8Linear's weight is
-        q, s = quantize_rows(w)
-        for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
-                         "sigmoid_gate"):
-            gated = prologue.startswith("gated")
-            x = (3 * torch.randn(m, 2 * k if prologue == "swiglu" else k)).to(dtype)
-            z = torch.randn(m, k).to(dtype) if gated or prologue == "sigmoid_gate" else None
-            norm = (1 + 0.1 * torch.randn(head if gated else k)
-                    if prologue in ("rms", "gated_silu", "gated_sigmoid") else None)
-            offset = 1.0 if prologue == "rms" else 0.0
-            for res in (None, torch.randn(m, n).to(dtype)):
-                for weight, scale in ((q, s), (w.to(dtype), None)):
-                    ref = fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
-                                                   res, 1e-6, offset)
-                    y = fused_gemv(x, weight, scale, n, k, prologue, norm, z, res, 1e-6, offset)
-                    err = rel(y, ref)
-                    assert y.shape == ref.shape == (m, n) and y.dtype == dtype
-                    assert err < (1e-5 if dtype == torch.float32 else 2e-2), (
-                        dtype, m, prologue, res is None, scale is None, err)
+        for prologue, args, ref in cases(dtype, m, n, k, head):
+            y = fused_gemv(*args)
+            err = rel(y, ref)
+            assert y.shape == ref.shape == (m, n) and y.dtype == dtype
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (
+                dtype, m, prologue, args[8] is None, args[2] is None, err)
         print("ok", dtype, m, n, k)
 try:
     fused_gemv(torch.randn(17, 64), torch.randn(8, 64), None, 8, 64, "none")
