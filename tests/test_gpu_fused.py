@@ -68,7 +68,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
 
     # In fp32 the fused view computes the unfused view's logits (up to the FP16 products' order,
     # bench/fused_accuracy.py: 0.0000 with fp32 products everywhere, 7e-4 with FP16). In BF16
-    # the two round in different places (the fused one keeps norms and gates unrounded) and on
+    # the two round in different places (sums in other orders, sigmoid(b) unrounded) and on
     # this random model drift apart by ~2% on average (both ~2.1% from the fp32 draft, 40
     # steps on the H200), single steps more (a 3.4% step, and a 12% one against fp32 seen).
     draft, draft32 = (quantize_view(m, "full") for m in (model, copy.deepcopy(model).float()))

@@ -19,12 +19,13 @@ are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a dra
 checked by the exact model whatever it computes, so a fused form that rounds a little
 differently from the unfused one costs at most acceptance. With ``FUSE_BF16`` (on) the BF16
 fast step's blocks fold the same way: like the unfused fast step, that step decodes the exact
-model's greedy tokens up to BF16 near-ties (its GEMVs and unrounded norms round differently
-from the exact forward). The verifier's view folds too, alike for its one-token forwards and
-its blocks of up to GEMV_ROWS tokens (those through the fused tensor-core kernel; the mixer's
-``core`` in between, recorded for the rewind), with sigmoid(b) left to the torch forms
-(unimax.verifier.exact_view). The exact model itself is never folded. Everything else (long
-prompts, rows past the GEMVs', default grad mode) takes the block's own forward.
+model's greedy tokens up to BF16 near-ties (its GEMVs sum in another order, its norms' factors
+come from another reduction, and sigmoid(b) stays unrounded inside the recurrence's kernel).
+The verifier's view folds too, alike for its one-token forwards and its blocks of up to
+GEMV_ROWS tokens (those through the fused tensor-core kernel; the mixer's ``core`` in between,
+recorded for the rewind), with sigmoid(b) left to the torch forms (unimax.verifier.exact_view).
+The exact model itself is never folded. Everything else (long prompts, rows past the GEMVs',
+default grad mode) takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;

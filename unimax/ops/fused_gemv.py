@@ -14,11 +14,11 @@ reads it through a prologue instead:
 - ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
 - ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
-and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft and
-(fused_draft.FUSE_BF16, on) the BF16 fast step: the exact model itself and the verifier keep
-their own kernels and rounding; a draft's tokens are checked by the exact model whatever they
-are. The prologues round where the torch forms
-round (``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
+and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft, and
+(fused_draft.FUSE_BF16, on) the BF16 fast step and the verifier's view, whose blocks of 5 to
+16 rows take the tensor-core form (``kernel="dot"``); the exact model itself keeps its own
+kernels. The prologues round where the torch forms round (``fused_small_m_linear_ref``, the
+twin, is those forms: unimax.norms).
 """
 
 from __future__ import annotations
