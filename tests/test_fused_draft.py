@@ -326,6 +326,36 @@ def test_fused_draft_step_compiles_in_one_graph():
     assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
 
 
+def test_folded_verifier_compiles_in_one_graph():
+    """The verifier's folded view (unimax.verifier.exact_view) traces with no graph break
+    (fullgraph, inductor's CPU backend) for what the verifier compiles: a recorded block of
+    9 tokens and a one-token step; the compiled forwards compute the eager ones' logits, tape
+    and states."""
+    from unimax import GDNForCausalLM
+    from unimax.tiny import TINY_CONFIG
+    from unimax.verifier import exact_view
+
+    model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
+    view = exact_view(model)
+    assert all(block.fused for block in view.layers)
+    compiled = torch.compile(view.forward_unchecked, fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, TINY_CONFIG.vocab_size, (1, 20), generator=gen)
+    block = torch.randint(0, TINY_CONFIG.vocab_size, (1, 9), generator=gen)
+    out = []
+    with torch.inference_mode():
+        for forward in (compiled, view.forward_unchecked):
+            cache = view.make_recurrent_cache()
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            tape = model.make_tape(9)
+            with cache.recording(tape):
+                logits = forward(block, cache, logits_to_keep=9)
+            step = forward(block[:, :1], cache, logits_to_keep=1)  # (as k = 0 would)
+            out.append((logits, step, tape.conv_input.clone(), cache.recurrent_buffer.clone()))
+    for got, expected in zip(*out, strict=True):
+        assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
 def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
     """Value heads of 24 (not a power of 2): the mixer's part takes the plain forms, the MLP's
     is still fused, and the steps equal the unfused view's."""
