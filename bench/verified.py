@@ -319,8 +319,8 @@ def main() -> None:
                         help="also the kernels of the BF16 step, the draft step, the verify "
                              "block and an exact run (the captured graphs measured here)")
     parser.add_argument("--no-fuse-bf16", action="store_true",
-                        help="BF16-only's fast step without the folded GEMVs "
-                             "(unimax.fused_draft.FUSE_BF16 off; on by default)")
+                        help="BF16-only's fast step and the verifier's view without the "
+                             "folded GEMVs (unimax.fused_draft.FUSE_BF16 off; on by default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
