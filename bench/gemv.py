@@ -6,6 +6,10 @@ in CUDA-graph replays over enough weight copies that L2 cannot serve them. Print
 the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
 
 usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
+       python bench/gemv.py --tiles [--shape gdn-4b]   the FP8 GEMV (rows and rows16) at M = 1
+           on the K-long linears (out_proj, down: 45-60% of copy bandwidth where the wide ones
+           reach 75-80%) over a wider tile space than GEMV_TILES, num_stages included, each
+           tile launched as is: whether a tile closes the gap (then GEMV_TILES takes it)
 """
 
 from __future__ import annotations
@@ -79,13 +83,72 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     return row
 
 
+# (BLOCK_N, BLOCK_K, warps, stages) swept by --tiles; GEMV_TILES leaves stages to Triton
+SWEEP = [(n, k, w, st) for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for w in (4, 8)
+         for st in (1, 3, 5)]
+
+
+def sweep_tiles(name, n, k, bandwidth) -> list[dict]:
+    """Each SWEEP tile of the FP8 GEMV (fp32 and FP16 products) for one (N, K) at M = 1, and
+    the autotuned choice beside it."""
+    from unimax.ops.gemv_kernels import gemv_kernel
+
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    copies = max(2, min(64, -(-400_000_000 // q.numel())))
+    weights = [(q.clone(), scale.clone()) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for f16 in (False, True):
+        auto = graph_us(lambda i, f16=f16: gemv_mod.gemv(x, *weights[i],
+                                                         kernel="rows16" if f16 else "rows"),
+                        copies)
+        for bn, bk, warps, stages in SWEEP:
+            def launch(i, bn=bn, bk=bk, warps=warps, stages=stages, f16=f16):
+                w, s = weights[i]
+                gemv_kernel[(-(-n // bn), 1)](x, w, s, y, n, k, x.stride(0), w.stride(0),
+                                             y.stride(0), HAS_SCALE=True, BLOCK_N=bn,
+                                             BLOCK_K=bk, F16=f16, num_warps=warps,
+                                             num_stages=stages)
+            try:
+                us = graph_us(launch, copies)
+            except Exception as e:  # (a tile past the registers or shared memory)
+                us = float("nan")
+                print(f"{name} {bn}x{bk} w{warps} s{stages}: {type(e).__name__}", flush=True)
+            rows.append({"name": name, "N": n, "K": k, "f16": f16, "tile": [bn, bk, warps, stages],
+                         "us": us, "bw": q.numel() / (us * 1e-6) / bandwidth,
+                         "autotuned_us": auto})
+    return rows
+
+
+def tiles_main(args, bandwidth) -> None:
+    shapes = linear_shapes(SHAPES[args.shape])
+    rows = [r for name in ("out_proj", "down")
+            for r in sweep_tiles(name, *shapes[name][:2], bandwidth)]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; FP8 GEMV tiles at M = 1, shape "
+          f"{args.shape}: the five fastest per linear and products, beside the autotuned one")
+    for name in ("out_proj", "down"):
+        for f16 in (False, True):
+            sel = sorted((r for r in rows if r["name"] == name and r["f16"] == f16
+                          and r["us"] == r["us"]), key=lambda r: r["us"])
+            auto = sel[0]["autotuned_us"] if sel else float("nan")
+            print(f"{name} {'rows16' if f16 else 'rows'}: autotuned {auto:.2f} us; " + ", ".join(
+                f"{r['tile']} {r['us']:.2f} ({r['bw']:.2f})" for r in sel[:5]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gdn-4b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 9])
+    parser.add_argument("--tiles", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    if args.tiles:
+        return tiles_main(args, bandwidth)
     shapes = linear_shapes(SHAPES[args.shape])
     rows = []
     for kind in ("fp8", "bf16"):
