@@ -304,6 +304,35 @@ def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, 
         assert report.rejected_blocks >= 1
 
 
+def test_compiled_folded_verifier_decodes_exact_greedy(pure_or_hybrid, monkeypatch):
+    """An engine with the compiled verifier (inductor's CPU backend here, as on a GPU) over its
+    folded view, the fused full-FP8 draft drafting: fixed blocks of 8 and 3 drafts and the
+    adaptive length, rejections included, decode exactly the exact model's greedy tokens, the
+    verifier's 9-row blocks through the fused op."""
+    import unimax
+
+    model = pure_or_hybrid
+    rows = []
+
+    def fused_op(x, *args):
+        rows.append(x.shape[0])
+        return fused_small_m_linear(x, *args)
+
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear", fused_op)
+    draft = gemv_view(quantize_view(model, "full"))
+    engine = unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, 8),
+                                 state_safe_draft=False, compile_verifier=True)
+    x = torch.randint(0, model.config.vocab_size, (1, 9),
+                      generator=torch.Generator().manual_seed(4))
+    reference = unimax.exact_greedy_tokens(model, x, 30)
+    rejected = 0
+    for block in (8, 3, None):
+        got, report = engine.generate_verified(x, 30, draft_block=block)
+        assert torch.equal(got, reference), block
+        rejected += report.rejected_blocks
+    assert rejected and 9 in rows
+
+
 def test_fused_draft_step_compiles_in_one_graph():
     """Inductor (here its CPU backend, as the compiled step uses it on a GPU) traces the fused
     draft step with no graph break (fullgraph) through the fused op, and the compiled steps
