@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from unimax import GDNConfig, GDNForCausalLM
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,19 +23,11 @@ def cache_states(cache) -> list[torch.Tensor]:
 
 
 # The GPU tests' model (tests/test_gpu_engine.py, tests/test_gpu_fused.py)
-def _gpu_config():
-    from unimax import GDNConfig
-
-    return GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
-                     num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)
-
-
-GPU_CONFIG = _gpu_config()
+GPU_CONFIG = GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
+                       num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)
 
 
 def gpu_model():
-    from unimax import GDNForCausalLM
-
     m = GDNForCausalLM.random(GPU_CONFIG, device="cuda", dtype=torch.bfloat16, seed=2)
     m.init_random_weights(seed=2, std=0.08)
     return m

@@ -156,35 +156,23 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
         raise ValueError("fused_gemv: rows16 (FP16 products) is for FP8 weights only")
     gated = prologue.startswith("gated")
     head = norm_weight.shape[0] if gated else 1
-    if kernel == "dot":
-        return _launch_dot(x, weight, scale, out_features, in_features, prologue, norm_weight,
-                           z, residual, eps, offset, head)
-    triton, launch, fixed = _kernel(kernel == "rows16", head)
-    m = x.shape[0]
+    dot = kernel == "dot"
+    triton, launch, fixed = _dot(head) if dot else _kernel(kernel == "rows16", head)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
-    launch[grid](x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
-                 x if scale is None else scale, x if residual is None else residual, y,
-                 out_features, in_features, x.stride(0), 0 if z is None else z.stride(0),
-                 weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
-                 eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
-                 KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
-                 HAS_SCALE=scale is not None, HAS_RES=residual is not None, **fixed)
-    return y
-
-
-def _launch_dot(x, weight, scale, out_features, in_features, prologue, norm_weight, z,
-                residual, eps, offset, head) -> torch.Tensor:
-    triton, launch, fixed = _dot(head)
-    m = x.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)  # noqa: E731
-    launch[grid](x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
-                 x if scale is None else scale, x if residual is None else residual, y, m,
-                 out_features, in_features, x.stride(0), 0 if z is None else z.stride(0),
-                 weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
-                 eps, offset, PRO=PROLOGUES.index(prologue), HEAD=head,
-                 HAS_SCALE=scale is not None, HAS_RES=residual is not None, BLOCK_M=16, **fixed)
+    pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
+                x if scale is None else scale, x if residual is None else residual, y)
+    shape = (m, out_features, in_features) if dot else (out_features, in_features)
+    strides = (x.stride(0), 0 if z is None else z.stride(0), weight.stride(0),
+               0 if residual is None else residual.stride(0), y.stride(0))
+    flags = dict(PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
+                 HAS_RES=residual is not None, **fixed)
+    if dot:  # all rows in each program (padded to 16)
+        flags["BLOCK_M"] = 16
+    else:  # a program per row; the RMS pre-pass loads the row at once up to 8192 wide
+        flags["KP"] = triton.next_power_of_2(in_features) if prologue == "rms" else 1
+    grid = lambda meta: ((triton.cdiv(out_features, meta["BLOCK_N"]),)  # noqa: E731
+                         + (() if dot else (m,)))
+    launch[grid](*pointers, *shape, *strides, eps, offset, **flags)
     return y
 
 
