@@ -11,6 +11,7 @@ from helpers import run_with_triton, spied
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
+from unimax.ops.gemv import GEMV_ROWS
 
 CASES = """
 import torch
@@ -307,8 +308,8 @@ def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, 
 def test_compiled_folded_verifier_decodes_exact_greedy(pure_or_hybrid, monkeypatch):
     """An engine with the compiled verifier (inductor's CPU backend here, as on a GPU) over its
     folded view, the fused full-FP8 draft drafting: fixed blocks of 8 and 3 drafts and the
-    adaptive length, rejections included, decode exactly the exact model's greedy tokens, the
-    verifier's 9-row blocks through the fused op."""
+    adaptive length, rejections included, decode exactly the exact model's greedy tokens: the
+    steps and one-token forwards through the fused op, the verifier's 9-row blocks not."""
     import unimax
 
     model = pure_or_hybrid
@@ -330,7 +331,7 @@ def test_compiled_folded_verifier_decodes_exact_greedy(pure_or_hybrid, monkeypat
         got, report = engine.generate_verified(x, 30, draft_block=block)
         assert torch.equal(got, reference), block
         rejected += report.rejected_blocks
-    assert rejected and 9 in rows
+    assert rejected and 1 in rows and 9 not in rows
 
 
 def test_fused_draft_step_compiles_in_one_graph():
@@ -355,15 +356,17 @@ def test_fused_draft_step_compiles_in_one_graph():
     assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
 
 
-def test_folded_verifier_compiles_in_one_graph():
+@pytest.mark.parametrize("fold_rows", [fused_draft.FOLD_ROWS, GEMV_ROWS])
+def test_folded_verifier_compiles_in_one_graph(fold_rows, monkeypatch):
     """The verifier's folded view (unimax.verifier.exact_view) traces with no graph break
     (fullgraph, inductor's CPU backend) for what the verifier compiles: a recorded block of
-    9 tokens and a one-token step; the compiled forwards compute the eager ones' logits, tape
-    and states."""
+    9 tokens and a one-token step, with the blocks plain (the default) or folded too; the
+    compiled forwards compute the eager ones' logits, tape and states."""
     from unimax import GDNForCausalLM
     from unimax.tiny import TINY_CONFIG
     from unimax.verifier import exact_view
 
+    monkeypatch.setattr(fused_draft, "FOLD_ROWS", fold_rows)
     model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
     view = exact_view(model)
     assert all(block.fused for block in view.layers)
@@ -404,15 +407,18 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, monkeypatch):
+@pytest.mark.parametrize("fold_rows", [fused_draft.FOLD_ROWS, GEMV_ROWS])
+def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, fold_rows, monkeypatch):
     """The verifier's view (unimax.verifier.exact_view) folds its blocks as BF16-only's step
-    does, for its one-token forwards and its recorded blocks of up to GEMV_ROWS tokens alike,
-    with sigmoid(b) outside the recurrence's kernel; its logits and, after the rewind, its
-    states are the unfolded view's (fp32, the twin); with FUSE_BF16 off it folds nothing."""
+    does, for its one-token forwards (by default) and its recorded blocks of up to GEMV_ROWS
+    tokens too (FOLD_ROWS raised), with sigmoid(b) outside the recurrence's kernel; its logits
+    and, after the rewind, its states are the unfolded view's (fp32, the twin); with FUSE_BF16
+    off it folds nothing."""
     import unimax
     from helpers import cache_states
     from unimax.verifier import exact_view
 
+    monkeypatch.setattr(fused_draft, "FOLD_ROWS", fold_rows)
     model = pure_or_hybrid
     assert fused_draft.FUSE_BF16
     view, plain = exact_view(model), gemv_view(model, fuse=False)
@@ -456,8 +462,9 @@ def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, monkeypatch):
     for x, y in zip(cache_states(got), cache_states(want), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     blocks = model.config.num_hidden_layers
-    # the prompt (7 rows) and the block (9) through the tensor-core form, the step by rows
-    assert sorted(set(rows)) == [1, 7, 9] and len(rows) == 3 * 4 * blocks, rows
+    # the step by rows; raised, the prompt (7 rows) and the block (9) by the tensor-core form
+    folded = [1, 7, 9] if fold_rows == GEMV_ROWS else [1]
+    assert sorted(set(rows)) == folded and len(rows) == len(folded) * 4 * blocks, rows
     gdn = sum(not model.config.is_attention(i) for i in range(blocks))
     assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
     monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
