@@ -59,7 +59,13 @@ class GraphRunner:
                 warm_up(fn, writes)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # "thread_local": only this thread's unsafe calls (a sync, a cudaMalloc) spoil the
+            # capture, not another thread's (the app's server threads, a compiler's workers
+            # loading kernels). Under the default "global" one capture of the GPU suite failed
+            # once at fla's launch, "a previous error during capture", and passed when re-run
+            # (bench/RESULTS.md, 2026-12-01; whether another thread did it is not known).
+            # Inductor captures its own graphs this way too.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 fn()
             replay_ms = None
             if self.timed:
