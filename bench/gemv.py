@@ -6,10 +6,11 @@ in CUDA-graph replays over enough weight copies that L2 cannot serve them. Print
 the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
 
 usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
-       python bench/gemv.py --tiles [--shape gdn-4b]   the FP8 GEMV (rows and rows16) at M = 1
-           on the K-long linears (out_proj, down: 45-60% of copy bandwidth where the wide ones
-           reach 75-80%) over a wider tile space than GEMV_TILES, num_stages included, each
-           tile launched as is: whether a tile closes the gap (then GEMV_TILES takes it)
+       python bench/gemv.py --tiles [in_proj out_proj gate_up down] [--shape gdn-4b]   the FP8
+           GEMV (rows and rows16) at M = 1 on those linears (default: the K-long out_proj and
+           down, 45-60% of copy bandwidth where the wide ones reach 75-80%) over a wider tile
+           space than GEMV_TILES, num_stages included, each tile launched as is: whether a
+           tile closes the gap (then GEMV_TILES takes it)
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     return row
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) swept by --tiles; GEMV_TILES leaves stages to Triton
-SWEEP = [(n, k, w, st) for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for w in (4, 8)
-         for st in (1, 3, 5)]
+# (BLOCK_N, BLOCK_K, warps, stages) swept by --tiles, per K (BLOCK_K past K wastes lanes, well
+# under it adds iterations); GEMV_TILES leaves stages to Triton
+def sweep(k: int) -> list[tuple[int, int, int, int]]:
+    widths = (256, 512, 1024) if k <= 4096 else (512, 1024, 2048)
+    return [(n, bk, w, st) for n in (2, 4, 8, 16) for bk in widths for w in (4, 8)
+            for st in (1, 3, 5)]
 
 
 def sweep_tiles(name, n, k, bandwidth) -> list[dict]:
@@ -104,7 +108,7 @@ def sweep_tiles(name, n, k, bandwidth) -> list[dict]:
         auto = graph_us(lambda i, f16=f16: gemv_mod.gemv(x, *weights[i],
                                                          kernel="rows16" if f16 else "rows"),
                         copies)
-        for bn, bk, warps, stages in SWEEP:
+        for bn, bk, warps, stages in sweep(k):
             def launch(i, bn=bn, bk=bk, warps=warps, stages=stages, f16=f16):
                 w, s = weights[i]
                 gemv_kernel[(-(-n // bn), 1)](x, w, s, y, n, k, x.stride(0), w.stride(0),
@@ -124,13 +128,16 @@ def sweep_tiles(name, n, k, bandwidth) -> list[dict]:
 
 def tiles_main(args, bandwidth) -> None:
     shapes = linear_shapes(SHAPES[args.shape])
-    rows = [r for name in ("out_proj", "down")
-            for r in sweep_tiles(name, *shapes[name][:2], bandwidth)]
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    names = args.tiles
+    rows = []
+    for name in names:  # each linear's rows as they come (a call cut short keeps them)
+        rows += sweep_tiles(name, *shapes[name][:2], bandwidth)
+        print(json.dumps([r for r in rows if r["name"] == name]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; FP8 GEMV tiles at M = 1, shape "
           f"{args.shape}: the five fastest per linear and products, beside the autotuned one")
-    for name in ("out_proj", "down"):
+    for name in names:
         for f16 in (False, True):
             sel = sorted((r for r in rows if r["name"] == name and r["f16"] == f16
                           and r["us"] == r["us"]), key=lambda r: r["us"])
@@ -143,11 +150,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gdn-4b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 9])
-    parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--tiles", nargs="*", choices=("in_proj", "out_proj", "gate_up", "down"),
+                        help="sweep the FP8 GEMV's tiles on these linears (none named: "
+                             "out_proj down)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    if args.tiles:
+    if args.tiles is not None:
+        args.tiles = args.tiles or ["out_proj", "down"]
         return tiles_main(args, bandwidth)
     shapes = linear_shapes(SHAPES[args.shape])
     rows = []

@@ -3,7 +3,8 @@
 # bench/gpu_tests.sh first). With fla's wheels carried in .whl (see bench/gpu_tests.sh):
 #   run: bash bench/gpu_bench.sh kernels    gemv per shape (rows16), attention (rows), TTFT
 #   run: bash bench/gpu_bench.sh tiles      gdn-4b: the FP8 GEMV's tiles (num_stages too) on
-#                                           the K-long linears, beside the autotuned choice
+#                                           the K-long linears, beside the autotuned choice;
+#                                           "tiles in_proj gate_up": the wide ones
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
 #                                           per-part times, the kernels of each graph;
 #                                           "verified 15": blocks of 15 drafts (16 rows: the
@@ -49,8 +50,9 @@ case "${1:-}" in
     timeout 240 python3 bench/ttft.py --shapes qwen3.5-0.8b --variants torch-norms --json "$OUT/ttft.json" 2>&1 \
       | quiet | tail -9 ;;
   tiles)
-    timeout 560 python3 bench/gemv.py --tiles --json "$OUT/tiles.json" > "$OUT/tiles.log" 2>&1
-    grep -v '^{' "$OUT/tiles.log" | quiet | tail -8 ;;
+    timeout 560 python3 bench/gemv.py --tiles "${@:2}" --json "$OUT/tiles.json" \
+      > "$OUT/tiles.log" 2>&1
+    grep -v -E '^[[{]' "$OUT/tiles.log" | quiet | tail -12 ;;
   verified)
     timeout 560 python3 bench/verified.py --shapes "${3:-gdn-4b}" --acceptance 1.0 0.95 \
       --kernels --block "${2:-8}" "${@:4}" --json "$OUT/verified.json" > "$OUT/verified.log" 2>&1
