@@ -19,6 +19,9 @@
 #                                           draft step, fused (the default: unimax.fused_draft)
 #                                           and unfused ("-nofuse");
 #                                           "fused gdn-4b": one shape
+#   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
+#                                           draft step with and without inductor's combo
+#                                           kernels (the verify block's small kernels)
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -69,6 +72,11 @@ case "${1:-}" in
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-nofuse draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
     grep -v Assertion "$OUT/fused.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
+  combo)
+    timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \
+      engine-verify-combo fla+gemv fla+gemv-combo draft draft-combo --json "$OUT/combo.json" \
+      > "$OUT/combo.log" 2>&1
+    grep -v Assertion "$OUT/combo.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
   recurrent)
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;

@@ -15,7 +15,9 @@ fla+gemv-nofuse): without the norms, gates and residual adds folded into the GEM
 engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
 compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
-token, with the rollback inside).
+token, with the rollback inside); any variant with "-combo" last (engine-verify-combo): the
+same with inductor's combo kernels, which launch independent small kernels (the verify
+block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one.
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -28,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, median_device_seconds  # noqa: E402
@@ -94,8 +97,16 @@ def engine_graph(model, variant: str):
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
-@torch.inference_mode()
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
+    """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
+    compiled with inductor's combo kernels (independent small kernels launched as one)."""
+    base = variant.removesuffix("-combo")
+    combo = torch._inductor.config.patch(combo_kernels=base != variant)
+    with combo, torch.inference_mode():
+        return {**measure_variant(model, base, bandwidth), "variant": variant}
+
+
+def measure_variant(model, variant: str, bandwidth: float) -> dict:
     if variant.startswith("engine-"):
         graph, per = engine_graph(model, variant)
     else:
