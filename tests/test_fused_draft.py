@@ -11,7 +11,6 @@ from helpers import run_with_triton, spied
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
-from unimax.ops.gemv import GEMV_ROWS
 
 CASES = """
 import torch
@@ -71,33 +70,6 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out, out
-
-
-DOT_CHILD = CASES + """
-torch.manual_seed(1)
-for dtype in (torch.float32, torch.bfloat16):
-    for m, n, k, head in [(5, 70, 256, 64), (9, 40, 192, 32), (16, 33, 128, 16)]:
-        for prologue, args, ref in cases(dtype, m, n, k, head):
-            y = fused_gemv(*args)
-            err = rel(y, ref)
-            assert y.shape == ref.shape == (m, n) and y.dtype == dtype
-            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (
-                dtype, m, prologue, args[8] is None, args[2] is None, err)
-        print("ok", dtype, m, n, k)
-try:
-    fused_gemv(torch.randn(17, 64), torch.randn(8, 64), None, 8, 64, "none")
-except ValueError as e:
-    print("refused", e)
-"""
-
-
-def test_fused_dot_matches_its_twin_in_the_interpreter():
-    """The tensor-core form (a verifier block's 5 .. 16 rows, the default above PROGRAM_ROWS):
-    every prologue, FP8 and plain weights, with and without the residual, K over several tiles,
-    rows padded to 16; 17 rows refused by name."""
-    out = run_with_triton(DOT_CHILD)
-    assert out.count("ok") == 6, out
-    assert "refused fused_gemv: the dot kernel takes at most 16 rows, got 17" in out, out
 
 
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -246,41 +218,6 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
 
 
-DOT_PTX_CHILD = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import unimax.ops.fused_gemv as f
-
-fn = f._dot(128)[1].fn
-for arch in (90, 89):  # H100/H200, L4
-    for weights, scale in (("*bf16", "*bf16"), ("*fp8e4nv", "*fp32")):  # (verifier, draft)
-        for pro in range(len(f.PROLOGUES)):
-            sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": weights,
-                   "s_ptr": scale, "r_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
-                   "K": "i32", "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32",
-                   "stride_rm": "i32", "stride_ym": "i32", "eps": "fp32", "offset": "fp32",
-                   "PRO": "constexpr", "HEAD": "constexpr", "HAS_SCALE": "constexpr",
-                   "HAS_RES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                   "BLOCK_K": "constexpr", "DOT_F32": "constexpr"}
-            consts = {"PRO": pro, "HEAD": 128, "HAS_SCALE": weights != "*bf16",
-                      "HAS_RES": pro % 2 == 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256,
-                      "DOT_F32": False}
-            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                 target=GPUTarget("cuda", arch, 32)).asm["ptx"]
-            print(arch, weights, pro, ptx.count("mma"))
-"""
-
-
-def test_fused_dot_compiles_for_hopper_and_ada():
-    """The tensor-core form compiles to PTX with every prologue for the H200 (sm_90) and the
-    L4 (sm_89), BF16 weights (the verifier) and FP8 ones, its products on the tensor cores."""
-    out = run_with_triton(DOT_PTX_CHILD, interpret=False)
-    rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 2 * 2 * len(PROLOGUES), out
-    assert all(int(mma) > 0 for *_, mma in rows), out
-
-
 @pytest.mark.parametrize("block", [1, 4])
 def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, block,
                                                                monkeypatch):
@@ -356,17 +293,15 @@ def test_fused_draft_step_compiles_in_one_graph():
     assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
 
 
-@pytest.mark.parametrize("fold_rows", [fused_draft.FOLD_ROWS, GEMV_ROWS])
-def test_folded_verifier_compiles_in_one_graph(fold_rows, monkeypatch):
+def test_folded_verifier_compiles_in_one_graph():
     """The verifier's folded view (unimax.verifier.exact_view) traces with no graph break
     (fullgraph, inductor's CPU backend) for what the verifier compiles: a recorded block of
-    9 tokens and a one-token step, with the blocks plain (the default) or folded too; the
-    compiled forwards compute the eager ones' logits, tape and states."""
+    9 tokens (plain forms) and a one-token step (folded); the compiled forwards compute the
+    eager ones' logits, tape and states."""
     from unimax import GDNForCausalLM
     from unimax.tiny import TINY_CONFIG
     from unimax.verifier import exact_view
 
-    monkeypatch.setattr(fused_draft, "FOLD_ROWS", fold_rows)
     model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
     view = exact_view(model)
     assert all(block.fused for block in view.layers)
@@ -407,18 +342,16 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("fold_rows", [fused_draft.FOLD_ROWS, GEMV_ROWS])
-def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, fold_rows, monkeypatch):
+def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypatch):
     """The verifier's view (unimax.verifier.exact_view) folds its blocks as BF16-only's step
-    does, for its one-token forwards (by default) and its recorded blocks of up to GEMV_ROWS
-    tokens too (FOLD_ROWS raised), with sigmoid(b) outside the recurrence's kernel; its logits
-    and, after the rewind, its states are the unfolded view's (fp32, the twin); with FUSE_BF16
-    off it folds nothing."""
+    does for its one-token forwards, with sigmoid(b) outside the recurrence's kernel, and
+    leaves its prompt and its recorded 9-token blocks to the plain forms; its logits and,
+    after the rewind, its states are the unfolded view's (fp32, the twin); with FUSE_BF16 off
+    it folds nothing."""
     import unimax
     from helpers import cache_states
     from unimax.verifier import exact_view
 
-    monkeypatch.setattr(fused_draft, "FOLD_ROWS", fold_rows)
     model = pure_or_hybrid
     assert fused_draft.FUSE_BF16
     view, plain = exact_view(model), gemv_view(model, fuse=False)
@@ -462,9 +395,8 @@ def test_the_verifier_view_folds_every_block_alike(pure_or_hybrid, fold_rows, mo
     for x, y in zip(cache_states(got), cache_states(want), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     blocks = model.config.num_hidden_layers
-    # the step by rows; raised, the prompt (7 rows) and the block (9) by the tensor-core form
-    folded = [1, 7, 9] if fold_rows == GEMV_ROWS else [1]
-    assert sorted(set(rows)) == folded and len(rows) == len(folded) * 4 * blocks, rows
+    # the step through the fused op (4 linears per block), the prompt and the block not
+    assert rows == [1] * 4 * blocks, rows
     gdn = sum(not model.config.is_attention(i) for i in range(blocks))
     assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
     monkeypatch.setattr(fused_draft, "FUSE_BF16", False)

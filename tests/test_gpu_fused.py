@@ -24,7 +24,7 @@ def model():
 def test_fused_draft_on_gpu(model, monkeypatch):
     """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
     model's shapes, each prologue, FP8 weights with fp32 and FP16 products, with and without
-    the residual, and a 9-row block on the tensor cores (BF16 and FP8 weights); a full-FP8
+    the residual; a full-FP8
     draft view's fused steps track the unfused view's logits with the fused kernel really
     taken; the compiled fused draft in captured graphs decodes what it decodes eagerly."""
     import unimax.fused_draft as fused_draft
@@ -52,19 +52,6 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=kernel)
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
-        # a verifier block's 9 rows through the tensor-core form, BF16 weights (the exact
-        # model's) and FP8 ones
-        x9, z9, r9 = (None if t is None else t.expand(9, -1) * torch.linspace(
-            0.5, 1.5, 9, device="cuda", dtype=torch.bfloat16)[:, None]
-            for t in (x, z, residual))
-        w = (q.float() * s[:, None]).to(torch.bfloat16)
-        for weight, scale in ((w, None), (q, s)):
-            ref = fused_gemv.fused_small_m_linear_ref(x9.contiguous(), weight, scale, n, k,
-                                                      prologue, norm, z9, r9, 1e-6, 1.0)
-            got = fused_gemv.fused_gemv(x9.contiguous(), weight, scale, n, k, prologue, norm,
-                                        None if z9 is None else z9.contiguous(),
-                                        None if r9 is None else r9.contiguous(), 1e-6, 1.0)
-            assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, "dot", scale is None)
 
     # In fp32 the fused view computes the unfused view's logits (up to the FP16 products' order,
     # bench/fused_accuracy.py: 0.0000 with fp32 products everywhere, 7e-4 with FP16). In BF16

@@ -21,12 +21,10 @@ differently from the unfused one costs at most acceptance. With ``FUSE_BF16`` (o
 fast step's blocks fold the same way: like the unfused fast step, that step decodes the exact
 model's greedy tokens up to BF16 near-ties (its GEMVs sum in another order, its norms' factors
 come from another reduction, and sigmoid(b) stays unrounded inside the recurrence's kernel).
-The verifier's view folds too (unimax.verifier.exact_view), with sigmoid(b) left to the torch
-forms: its one-token forwards by the rows kernel; with ``FOLD_ROWS`` raised to GEMV_ROWS its
-blocks too, by the fused tensor-core kernel (the mixer's ``core`` in between, recorded for the
-rewind), exact but slower than the plain forms on the H200, so off. The exact model itself is
-never folded. Everything else (long prompts, rows past FOLD_ROWS, default grad mode) takes the
-block's own forward.
+The verifier's view folds its one-token forwards too (unimax.verifier.exact_view), with
+sigmoid(b) left to the torch forms; its blocks of k + 1 rows take the plain forms. The exact
+model itself is never folded. Everything else (long prompts, rows past ``FOLD_ROWS``, default
+grad mode) takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
@@ -40,15 +38,14 @@ import torch
 
 from .fp8 import FP8Linear
 from .ops.fused_gemv import fused_small_m_linear
-from .ops.gemv import GEMV_ROWS
 
 FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
-# Blocks fold up to this many rows: one (the steps, the verifier's one-token forwards); the
-# verifier's blocks take the plain forms, whose GEMVs choose per shape between a program per
-# row and the tensor cores. The fused tensor-core form (kernel "dot", up to GEMV_ROWS rows) is
-# exact but lost on the H200: a 4B verify block of 9 rows spent 7152 us in it against 1985 us
-# in the plain dot GEMVs (bench/RESULTS.md, ninth session). Tests raise it to check that form.
+# Blocks fold up to this many rows (at most ops.gemv.PROGRAM_ROWS, the fused kernel's): one,
+# the steps and the verifier's one-token forwards. Its blocks take the plain forms, whose GEMVs
+# choose per shape between a program per row and the tensor cores; a fused tensor-core form
+# for them was exact but lost on the H200 (a 4B verify block 4.0 -> 8.7 ms busy:
+# bench/RESULTS.md, ninth session).
 FOLD_ROWS = 1
 
 
@@ -81,7 +78,7 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     batch, tokens, hidden = x.shape
     rows = batch * tokens
     # (the fused op has no backward: a caller in default grad mode gets the plain forms)
-    if rows > min(FOLD_ROWS, GEMV_ROWS) or torch.is_grad_enabled() or not x.is_contiguous():
+    if rows > FOLD_ROWS or torch.is_grad_enabled() or not x.is_contiguous():
         return block.mlp_part(block.mixer_part(x, state))
     x2 = x.reshape(rows, hidden)
     mixer = block.mixer

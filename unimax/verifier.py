@@ -60,12 +60,11 @@ def allow_recompiles(limit: int = 512) -> None:
 
 def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
-    its blocks folded as BF16-only's step is (``fused_draft.FUSE_BF16``) for
-    ``fused_draft.FOLD_ROWS`` rows: its one-token forwards (k = 0, exact runs); its blocks of
-    k + 1 rows take the plain forms, the fused tensor-core form having lost on the H200 (4B
-    verify block 4.0 -> 8.7 ms busy, bench/RESULTS.md ninth session). sigmoid(b) is rounded as
-    the block's torch forms round it, not inside the one-token recurrence kernel, so that the
-    exact runs and the blocks round the gates alike."""
+    its one-token forwards (k = 0, exact runs) folded as BF16-only's step is
+    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows in the plain forms (a fused
+    tensor-core form for them lost on the H200: bench/RESULTS.md, ninth session). sigmoid(b)
+    is rounded as the block's torch forms round it, not inside the one-token recurrence
+    kernel, so that the exact runs and the blocks round the gates alike."""
     from . import fused_draft
     from .fast_step import gemv_view
 

@@ -15,9 +15,11 @@ reads it through a prologue instead:
 - ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
 and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft, and
-(fused_draft.FUSE_BF16, on) the BF16 fast step and the verifier's view, whose blocks of 5 to
-16 rows take the tensor-core form (``kernel="dot"``); the exact model itself keeps its own
-kernels. The prologues round where the torch forms round (``fused_small_m_linear_ref``, the
+(fused_draft.FUSE_BF16, on) the BF16 fast step and the verifier's one-token forwards; the exact
+model itself keeps its own kernels. Up to PROGRAM_ROWS rows, a program per row. (A tensor-core
+form for the verifier's 9-row blocks was exact but took 7152 us per 4B block against 1985 us
+for the plain GEMVs it replaced on the H200, and was removed: bench/RESULTS.md, ninth
+session.) The prologues round where the torch forms round (``fused_small_m_linear_ref``, the
 twin, is those forms: unimax.norms).
 """
 
@@ -30,15 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .gemv import (
-    DOT_TILES,
-    GEMV_ROWS,
-    GEMV_TILES,
-    PROGRAM_ROWS,
-    _interpreted,
-    gemv_ref,
-    timed_choice,
-)
+from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, gemv_ref, timed_choice
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 
@@ -119,60 +113,35 @@ def _kernel(f16: bool, head: int):
         fused_gemv_kernel), {"F16": f16})
 
 
-@functools.cache
-def _dot(head: int):
-    """The fused tensor-core kernel, autotuned like the fused GEMV over ops.gemv's DOT_TILES,
-    BLOCK_K at least one head."""
-    import triton
-
-    from .fused_gemv_kernels import fused_dot_kernel
-
-    tiles = sorted({(n, max(k, head), w, s) for n, k, w, s in DOT_TILES})
-    if _interpreted():
-        return triton, fused_dot_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head),
-                                          "DOT_F32": True}
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-               for n, k, w, s in tiles]
-    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES"])(
-        fused_dot_kernel), {"DOT_F32": False})
-
-
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
                norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
                kernel: str | None = None) -> torch.Tensor:
-    """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS rows; the same
-    contract as the twin. ``kernel``: "rows" or "rows16" (FP16 products, FP8 weights: see
-    ops.gemv), a program per row, up to PROGRAM_ROWS rows; "dot" (the tensor cores, all rows
-    in one program: a verifier block's, W read once). By default by M, as ops.gemv does."""
+    """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
+    PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
+    products, FP8 weights: see ops.gemv)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
-    kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
-    if kernel not in ("rows", "rows16", "dot"):
-        raise ValueError(f"fused_gemv: kernel must be rows, rows16 or dot, got {kernel!r}")
-    limit = GEMV_ROWS if kernel == "dot" else PROGRAM_ROWS
-    if m > limit:
-        raise ValueError(f"fused_gemv: the {kernel} kernel takes at most {limit} rows, got {m}")
+    kernel = kernel or "rows"
+    if kernel not in ("rows", "rows16"):
+        raise ValueError(f"fused_gemv: kernel must be rows or rows16, got {kernel!r}")
+    if m > PROGRAM_ROWS:
+        raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel == "rows16" and scale is None:
         raise ValueError("fused_gemv: rows16 (FP16 products) is for FP8 weights only")
     gated = prologue.startswith("gated")
     head = norm_weight.shape[0] if gated else 1
-    dot = kernel == "dot"
-    triton, launch, fixed = _dot(head) if dot else _kernel(kernel == "rows16", head)
+    triton, launch, fixed = _kernel(kernel == "rows16", head)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
                 x if scale is None else scale, x if residual is None else residual, y)
-    shape = (m, out_features, in_features) if dot else (out_features, in_features)
     strides = (x.stride(0), 0 if z is None else z.stride(0), weight.stride(0),
                0 if residual is None else residual.stride(0), y.stride(0))
+    # the RMS pre-pass loads the row at once up to 8192 wide
     flags = dict(PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
-                 HAS_RES=residual is not None, **fixed)
-    if dot:  # all rows in each program (padded to 16)
-        flags["BLOCK_M"] = 16
-    else:  # a program per row; the RMS pre-pass loads the row at once up to 8192 wide
-        flags["KP"] = triton.next_power_of_2(in_features) if prologue == "rms" else 1
-    grid = lambda meta: ((triton.cdiv(out_features, meta["BLOCK_N"]),)  # noqa: E731
-                         + (() if dot else (m,)))
-    launch[grid](*pointers, *shape, *strides, eps, offset, **flags)
+                 HAS_RES=residual is not None,
+                 KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1, **fixed)
+    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
+    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags)
     return y
 
 
@@ -188,9 +157,8 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                          z: Optional[torch.Tensor],  # noqa: UP045
                          residual: Optional[torch.Tensor],  # noqa: UP045
                          eps: float, offset: float) -> torch.Tensor:
-    """prologue(x) (M <= GEMV_ROWS rows) @ W^T (* scale) (+ residual): the fused Triton
-    kernels on CUDA (a program per row up to PROGRAM_ROWS rows, the tensor-core one above),
-    the twin elsewhere."""
+    """prologue(x) (M <= PROGRAM_ROWS rows) @ W^T (* scale) (+ residual): the fused Triton
+    kernel on CUDA, the twin elsewhere."""
     if not x.is_cuda:
         check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
         return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,
@@ -200,8 +168,7 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                             offset=offset)
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
-    names = (("dot",) if x.shape[0] > PROGRAM_ROWS  # (a verifier block: W read once)
-             else ("rows", "rows16") if scale is not None else ("rows",))  # (rows16: FP8 only)
+    names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     return run(kernel=timed_choice(CHOICES, key, names, names[0], True,
                                    lambda name: run(kernel=name)))
 
