@@ -89,7 +89,7 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
         projected = projected.reshape(batch, tokens, -1)
         if mixer._one_op_step(state, tokens):
             o, z = mixer.decode_core(projected, state, beta_in_kernel=block.beta_in_kernel)
-        else:  # (a verifier block, recorded for its rewind; a padded or first forward)
+        else:  # (a one-token forward that is padded, recorded, or on no state)
             o, z = mixer.core(projected, state)
         gated = mixer.norm
         h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",

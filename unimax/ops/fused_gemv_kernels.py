@@ -106,4 +106,3 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
         r = tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_ym + rn, y, mask=rn < N)
-
