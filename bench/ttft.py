@@ -129,6 +129,31 @@ def variant(engine, name: str):
         unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill = saved
 
 
+def kept_kv_kernels(cfg, new: int = 512, kept: int = 1024) -> dict:
+    """Which of SDPA's fused kernels take a chunk's attention on kept KV (unimax.attention:
+    ``causal_lower_right`` with grouped KV heads) at this shape's heads. Where neither does,
+    torch materializes the mask and runs the math kernel: scores of (heads, new, kept + new)
+    in memory, ~34 GB per layer for a 16k chunk on 48k kept at 0.8B, a candidate for the
+    64k row's out of memory (2026-12-01)."""
+    from torch.backends.cuda import (
+        SDPAParams,
+        can_use_efficient_attention,
+        can_use_flash_attention,
+    )
+
+    heads, kv_heads, dim = (cfg.num_attention_heads or 8, cfg.num_key_value_heads or 2,
+                            cfg.attn_head_dim or 256)
+    q = torch.randn(1, heads, new, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, kept + new, dim, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for gqa in (True, False):
+        kk = k if gqa else k.repeat_interleave(heads // kv_heads, dim=1)
+        params = SDPAParams(q, kk, kk, None, 0.0, False, gqa)
+        out[f"flash_gqa{int(gqa)}"] = bool(can_use_flash_attention(params, True))
+        out[f"efficient_gqa{int(gqa)}"] = bool(can_use_efficient_attention(params, True))
+    return out
+
+
 def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str] = ()
                 ) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM
@@ -154,6 +179,8 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
     cached = cfg.has_attention
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = [fp32_check(shape, ours, ours32, theirs, theirs32, gen)]
+    if cfg.has_attention:
+        rows[-1]["kept_kv_kernels"] = kept_kv_kernels(cfg)
     print(json.dumps(rows[-1]), flush=True)
     del ours32, theirs32
     for length in lengths:
@@ -243,6 +270,8 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
                   f"ours FP32 {r['ours_fp32_rel_err']:.1e}, ours BF16 "
                   f"{r['ours_bf16_rel_err']:.1e}, transformers BF16 "
                   f"{r['transformers_bf16_rel_err']:.1e}")
+            if "kept_kv_kernels" in r:
+                print(f"{'':<14}kernels for a chunk on kept KV: {r['kept_kv_kernels']}")
         elif "kept" in r:
             also = "".join(f"   {name} {r[name + '_ms']:.2f}" if name + "_ms" in r
                            else f"   {name} error" for name in variants)
