@@ -5,8 +5,10 @@
 # Without arguments, each tests/test_gpu*.py file runs in a pytest process of its own, all at
 # once: their time is mostly Triton and inductor compiling on the host's 16 cores (one after the
 # other the two files took 340 + 311 s, past one call's 10 minutes), and these are correctness
-# tests, which share the GPU safely; speed is measured by bench/, never here. Arguments go to
-# one pytest process instead (e.g. one file, or -k to pick tests).
+# tests, which share the GPU safely; speed is measured by bench/, never here. (Ninth session:
+# three files, 485 s wall, test_gpu_engine.py the long pole at 475 s; its verified tests then
+# moved to test_gpu_verified.py.) Arguments go to one pytest process instead (e.g. one file,
+# or -k to pick tests).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

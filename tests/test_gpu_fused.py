@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused full-FP8 draft (unimax.fused_draft) and the
 fused BF16 fast step. A file of its own so that bench/gpu_tests.sh runs it in a process beside
-tests/test_gpu_engine.py (together they pass one call's 10 minutes)."""
+the other GPU test files (together they pass one call's 10 minutes)."""
 
 import copy
 
