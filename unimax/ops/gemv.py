@@ -73,8 +73,7 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
             {"F16": f16})
 
 
-# The tensor-core kernel's autotuned tiles (BLOCK_N, BLOCK_K, warps, stages); the fused one
-# (ops/fused_gemv.py) tunes over the same.
+# The tensor-core kernel's autotuned tiles (BLOCK_N, BLOCK_K, warps, stages).
 DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4),
              (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))
 
