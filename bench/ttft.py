@@ -73,6 +73,25 @@ def measured(row: dict, side: str, fn, repeats: int):
         return None
 
 
+def chunk_peaks(engine, ids: torch.Tensor) -> list[float]:
+    """The allocator's peak (GiB) while each prefill chunk of ``ids`` ran, then what stayed
+    allocated before the prefill: a peak that grows chunk by chunk grows with the kept length
+    (the 64k prompt's 47.9 GiB against 15.6 for 16k, 2026-12-01, in 16k chunks)."""
+    peaks = []
+
+    def progress(done: int, total: int) -> bool:
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+        return True
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    engine.prefill_exact(ids, on_progress=progress)
+    return peaks + [before]
+
+
 def median_ms(fn, repeats: int, before=None) -> float:
     times = []
     for i in range(repeats + 2):
@@ -190,6 +209,8 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
         # each side on its own: one running out of memory (one did at 64k on the H200,
         # 2026-12-01, unnamed) leaves the other's figures; the peaks say which and how far
         out = measured(row, "unimax", lambda ids=ids: engine.prefill_exact(ids)[1], repeats)
+        if out is not None and length > engine.prefill_chunk:
+            *row["unimax_chunk_peaks_gib"], row["unimax_base_gib"] = chunk_peaks(engine, ids)
         ref = measured(row, "transformers", lambda ids=ids: theirs(
             input_ids=ids, use_cache=cached, logits_to_keep=1), repeats)
         if ref is not None:
@@ -282,7 +303,9 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
                 f"{r[side + '_ms']:>11.2f}" if side + "_ms" in r else f"{'error':>11}"
                 for side in ("unimax", "transformers"))
                 + "".join(f"   {side}: {r[side + '_error'][:60]}"
-                          for side in ("unimax", "transformers") if side + "_error" in r))
+                          for side in ("unimax", "transformers") if side + "_error" in r)
+                + (f"   unimax peak GiB {r['unimax_peak_gib']:.1f}"
+                   if "unimax_peak_gib" in r else ""))
         else:
             fla = "".join(f"   {name} {r[name + '_ms']:.2f} (err {r[name + '_err']:.1e})"
                           if name + "_ms" in r else f"   {name} error"
@@ -291,6 +314,10 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
                   f"{r['transformers_ms']:>11.2f}{r['speedup']:>7.2f}"
                   f"{r['last_logits_rel_err']:>9.1e}{fla}   peak GiB "
                   f"{r['unimax_peak_gib']:.1f} / {r['transformers_peak_gib']:.1f}")
+        if "unimax_chunk_peaks_gib" in r:
+            print(f"{'':<14}unimax peak GiB per prefill chunk: " + ", ".join(
+                f"{peak:.1f}" for peak in r["unimax_chunk_peaks_gib"])
+                + f" (allocated before the prefill: {r['unimax_base_gib']:.1f})")
 
 
 if __name__ == "__main__":
