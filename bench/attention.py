@@ -14,8 +14,9 @@ Variants (all graph-capturable except where noted):
               SDPA with a mask over several query rows is the slow case, not the expansion.
   grouped-bucket  both.
   rows        unimax.attention.rows_attention over the bucket: the grouped query rows as two
-              fp32 matmuls and a softmax, no SDPA (T > 1 only; the verifier's path when
-              ROWS_ATTENTION_MAX >= T).
+              matmuls on the tensor cores (BF16 in, fp32 out) and a softmax, no SDPA (T > 1
+              only; the verifier's path when ROWS_ATTENTION_MAX >= T).
+  rows-fp32   the same with fp32 matmuls (its form until 2026-12-01: cuBLAS's FFMA kernels).
   exact       SDPA over exactly `length` + T keys, no mask (so not causal inside a block): a
               lower bound, not graph-safe (the shape changes every step).
 
@@ -51,15 +52,15 @@ def grouped_attention(q, k, v, mask, scale):
 
 
 def attend(q, k, v, keys: int, position: torch.Tensor | None, grouped: bool = False,
-           rows: bool = False):
+           rows: str | None = None):
     """q (1, H, T, D) at positions position..position+T-1 over the first `keys` cache entries."""
     k, v = k[:, :, :keys], v[:, :, :keys]
     if position is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     queries = position + torch.arange(q.shape[2], device=q.device)
     mask = torch.arange(keys, device=q.device)[None, :] <= queries[:, None]
-    if rows:
-        return rows_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    if rows:  # "tc" or "fp32"
+        return rows_attention(q, k, v, mask, q.shape[-1] ** -0.5, tensor_cores=rows == "tc")
     if grouped:
         return grouped_attention(q, k, v, mask, q.shape[-1] ** -0.5)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -82,11 +83,13 @@ def rows(max_context: int) -> list[dict]:
             row = {"max_context": max_context, "length": length, "tokens": t,
                    "kv_mib_at_length": 2 * length * KV_HEADS * DIM * 2 / 2**20}
             full = attend(q, k, v, max_context, position)
-            if t > 1:  # rows_attention: the verifier's block (and, if it wins, a short prompt)
-                got = attend(q, k, v, bucket, position, rows=True)
-                assert torch.allclose(got.float(), full.float(), atol=2e-2), "rows"
-                row["rows_us"] = time_graph(
-                    lambda q=q, b=bucket, p=position: attend(q, k, v, b, p, rows=True)) * 1e6
+            for form, name in (("tc", "rows"), ("fp32", "rows-fp32")):
+                if t == 1:  # rows_attention: the verifier's block (and, if it won, a prompt)
+                    break
+                got = attend(q, k, v, bucket, position, rows=form)
+                assert torch.allclose(got.float(), full.float(), atol=2e-2), name
+                row[f"{name}_us"] = time_graph(
+                    lambda q=q, b=bucket, p=position, f=form: attend(q, k, v, b, p, rows=f)) * 1e6
             for name, keys, pos in (("full-mask", max_context, position),
                                     ("bucket", bucket, position), ("exact", length + t, None),
                                     ("grouped", max_context, position),
@@ -116,11 +119,13 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     print(f"\n{'max ctx':>8}{'length':>8}{'T':>3}{'full-mask us':>14}{'bucket us':>11}"
-          f"{'exact us':>10}{'grouped us':>12}{'gr-bucket us':>14}{'rows us':>9}")
+          f"{'exact us':>10}{'grouped us':>12}{'gr-bucket us':>14}{'rows us':>9}"
+          f"{'rows-fp32 us':>14}")
     for r in table:
         print(f"{r['max_context']:>8}{r['length']:>8}{r['tokens']:>3}{r['full-mask_us']:>14.1f}"
               f"{r['bucket_us']:>11.1f}{r['exact_us']:>10.1f}{r['grouped_us']:>12.1f}"
-              f"{r['grouped-bucket_us']:>14.1f}{r.get('rows_us', float('nan')):>9.1f}")
+              f"{r['grouped-bucket_us']:>14.1f}{r.get('rows_us', float('nan')):>9.1f}"
+              f"{r.get('rows-fp32_us', float('nan')):>14.1f}")
 
 
 if __name__ == "__main__":

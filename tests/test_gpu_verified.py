@@ -135,3 +135,22 @@ def test_adaptive_verified_in_captured_graphs_is_exact(model, monkeypatch):
     print("acceptance", report.acceptance_rate, "blocks", kinds, "verify ms",
           {k: round(ms, 3) for k, ms in engine.draft_length.verify_ms.items()})
     assert set(launched) <= set(engine.verifier.runner.graphs)  # nothing captured late
+
+
+def test_rows_attention_tensor_cores_on_gpu():
+    """The verifier block's attention on the tensor cores (torch.bmm with fp32 output) against
+    its fp32 form and fp32 SDPA, at Qwen3.5-0.8B's heads, over a slice of a longer KV buffer."""
+    from unimax.attention import rows_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, 8, 9, 256, device="cuda", generator=gen).bfloat16()
+    buffer = torch.randn(2, 1, 2, 4096, 256, device="cuda", generator=gen).bfloat16()
+    k, v = buffer[:, :, :, :1500]
+    positions = 1480 + torch.arange(9, device="cuda")
+    mask = torch.arange(1500, device="cuda")[None, :] <= positions[:, None]
+    got = rows_attention(q, k, v, mask, 256 ** -0.5)  # the default on CUDA: tensor cores
+    fp32_form = rows_attention(q, k, v, mask, 256 ** -0.5, tensor_cores=False)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=256 ** -0.5, enable_gqa=True)
+    assert rel_err(got, want) < 1e-2  # (BF16 output: ~3e-3)
+    assert rel_err(got, fp32_form) < 1e-2

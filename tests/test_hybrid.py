@@ -308,6 +308,35 @@ def test_rows_attention_equals_sdpa(rows):
     assert torch.allclose(rows_attention(q, k, v, mask, 0.2), want, atol=1e-5)
 
 
+def test_rows_attention_tensor_core_form(monkeypatch):
+    """The CUDA form's arithmetic (BF16 inputs with fp32 products, probabilities rounded to
+    BF16 before V), with its fp32-output bmm stood in by fp32 matmuls (the CPU has no such
+    bmm): within BF16 rounding of fp32 SDPA, over a slice of a longer buffer, GQA included."""
+    import unimax.attention as attention
+
+    calls = []
+
+    def bmm_fp32(a, b):
+        calls.append((a.dtype, b.dtype))
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(attention, "_bmm_fp32", bmm_fp32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 9, 64, generator=gen).bfloat16()
+    buffer = torch.randn(2, 1, 2, 128, 64, generator=gen).bfloat16()
+    k, v = buffer[:, :, :, :100]  # the cache's first 100 entries
+    mask = torch.arange(100)[None, :] <= (90 + torch.arange(9))[:, None]
+    got = attention.rows_attention(q, k, v, mask, 0.125, tensor_cores=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125, enable_gqa=True)
+    assert calls == [(torch.bfloat16, torch.bfloat16)] * 2  # BF16 into both products
+    assert got.dtype == torch.bfloat16
+    rel = float((got.float() - want).norm() / want.norm())
+    assert rel < 1e-2, rel  # BF16 output and probabilities: ~3e-3
+    fp32_form = attention.rows_attention(q, k, v, mask, 0.125, tensor_cores=False)
+    assert float((got.float() - fp32_form.float()).norm() / want.norm()) < 1e-2
+
+
 def test_verified_with_rows_attention_is_exact(hybrid_model, monkeypatch):
     """With the verifier's blocks through rows_attention, verified decoding on a hybrid model
     is still exact greedy decoding."""

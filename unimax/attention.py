@@ -41,20 +41,46 @@ from .norms import RMSNorm
 # default block's verify (8 drafts + 1); longer blocks (and the short prefill's 16-token
 # bucket) keep SDPA until measured.
 ROWS_ATTENTION_MAX = 9
+# On CUDA its two matmuls on the tensor cores (BF16 in, fp32 out): in fp32 they were cuBLAS's
+# FFMA kernels, 33 us per attention layer of a 0.8B verify block on the H200, 197 of its 1838
+# us busy (bench/RESULTS.md, 2026-12-01). Not yet measured on a GPU (bench/attention.py's
+# "rows-tc" beside "rows"); False gives the fp32 form back.
+ROWS_TENSOR_CORES = True
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, tensor_cores: bool | None = None) -> torch.Tensor:
     """Attention as two matmuls and a softmax, for few query rows: q (B, H, T, D) over k, v
     (B, KVH, L, D) with a boolean mask (T, L). The g query heads of a KV head become g * T rows
-    against that head (no copy of K or V per query head); scores and softmax in fp32."""
+    against that head (no copy of K or V per query head); softmax in fp32.
+
+    Scores: BF16 products are exact in fp32, so BF16 inputs with fp32 accumulation (the tensor
+    cores, ``torch.bmm(..., out_dtype=float32)``, CUDA only) give the fp32 form's scores to
+    summation order. Output: the probabilities rounded to the activation dtype before the
+    product with V, as flash attention and cuDNN's SDPA (the one-token step's) round them;
+    the fp32 form keeps them fp32. ``tensor_cores``: None = ROWS_TENSOR_CORES on CUDA."""
     batch, heads, rows, dim = q.shape
-    group = heads // k.shape[1]
-    grouped = q.reshape(batch, k.shape[1], group * rows, dim).float()
-    scores = (grouped @ k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
-    out = scores.softmax(dim=-1) @ v.float()
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, group * rows, dim)
+    mask = mask.repeat(group, 1)
+    if tensor_cores is None:
+        tensor_cores = ROWS_TENSOR_CORES and q.is_cuda and q.dtype != torch.float32
+    if tensor_cores:
+        scores = _bmm_fp32(grouped, k.transpose(-1, -2)) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+        out = _bmm_fp32(probs, v)
+    else:
+        scores = (grouped.float() @ k.float().transpose(-1, -2)) * scale
+        out = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v.float()
     return out.reshape(batch, heads, rows, dim).to(q.dtype)
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, H, M, K) @ b (B, H, K, N) with fp32 output from BF16/FP16 inputs (CUDA), batch and
+    heads flattened (views at batch 1: the cache's slices are not copied)."""
+    out = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32)
+    return out.unflatten(0, a.shape[:2])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
