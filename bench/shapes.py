@@ -38,8 +38,14 @@ QWEN35_4B = dataclasses.replace(
                               for i in range(32)),
     num_attention_heads=16, num_key_value_heads=4, attn_head_dim=256, rope_theta=1e7,
     partial_rotary_factor=0.25, max_context=2048)
+# ~8B pure GDN (16 GB per token): gdn-4b's heads and depth with Qwen3-8B's widths (hidden
+# 4096, MLP 12288). On the H200 a step's fixed costs (kernel ramps, small kernels: ~0.5-0.8 ms
+# at 32 layers, bench/RESULTS.md, 2026-12-01) are a third of the 4B FP8 draft's time and
+# shrink beside the bytes as layers widen: this shape is nearer the byte-bound regime an L4
+# is in at every size.
+GDN_8B = dataclasses.replace(GDN_4B, hidden_size=4096, intermediate_size=12288)
 SHAPES = {"gdn-1.3b": GDN_1_3B, "gdn24-0.8b": GDN24_0_8B, "qwen3.5-0.8b": QWEN35_0_8B,
-          "gdn-4b": GDN_4B, "qwen3.5-4b": QWEN35_4B}
+          "gdn-4b": GDN_4B, "qwen3.5-4b": QWEN35_4B, "gdn-8b": GDN_8B}
 
 
 def decode_weight_bytes(model) -> int:
