@@ -30,6 +30,9 @@
 #                                           "ttft qwen3.5-4b": the 4B hybrid shape
 #   run: bash bench/gpu_bench.sh ttft-all   TTFT beside transformers at 128 .. 64k tokens, the
 #                                           defaults only ("ttft-all qwen3.5-4b": that shape)
+#   run: bash bench/gpu_bench.sh service    TTFT through the app's engine service, every mode:
+#                                           the demo model, then random qwen3.5-0.8b weights
+#                                           ("service qwen3.5-4b": that shape instead)
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
 #                                           verify block (where the fixed part goes)
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
@@ -107,5 +110,13 @@ case "${1:-}" in
     grep -v Assertion "$OUT/demo.log" | quiet | cut -c1-200 | tail -20
     timeout 120 python3 bench/service_ttft.py --json "$OUT/service_ttft.json" 2>&1 | quiet \
       | tail -5 ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|verified|steps|fused|recurrent|ttft|ttft-all|sampled|profile|prefill|demo"; exit 2 ;;
+  service)
+    timeout 200 python3 bench/service_ttft.py --json "$OUT/service_demo.json" \
+      > "$OUT/service_demo.log" 2>&1
+    timeout 340 python3 bench/service_ttft.py --shape "${2:-qwen3.5-0.8b}" \
+      --json "$OUT/service_shape.json" > "$OUT/service_shape.log" 2>&1
+    for log in "$OUT"/service_demo.log "$OUT"/service_shape.log; do
+      grep -v '^{' "$log" | quiet | tail -8
+    done ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|combo|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
 esac

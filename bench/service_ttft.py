@@ -3,22 +3,31 @@ chat template, the engine thread, the kept conversation state), per mode, for a 
 and for a second message on the kept state. The figure is the service's own ``ttft_ms`` stat
 (the panel's): from the request's start on the engine thread to its first token.
 
-usage: python bench/service_ttft.py [--preset presets/demo.yaml] [--repeats 5] [--json FILE]
+usage: python bench/service_ttft.py [--preset presets/demo.yaml] [--shape qwen3.5-0.8b]
+       [--repeats 5] [--json FILE]
 
 Every mode is warmed up first (graphs captured, as the app does at start-up). Median of
 --repeats, each in a fresh conversation. Runs on the CPU too (the demo preset's model is
-small), where the figures are the CPU's.
+small), where the figures are the CPU's. ``--shape``: the preset served with random weights of
+one of bench/shapes.py's hybrid Qwen3.5 shapes instead of its model, written by transformers
+into a temporary folder (as bench/ttft.py writes them) beside the demo model's tokenizer (its
+ids fit any of these vocabularies): TTFT at a real model's size through the whole service.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from unimax.modes import MODES  # noqa: E402
 from unimax.presets import load_preset  # noqa: E402
@@ -41,13 +50,55 @@ def ttft_ms(service, conversation: str, text: str, mode: str) -> tuple[float, in
     raise RuntimeError(f"{mode}: the reply did not finish")
 
 
+@contextlib.contextmanager
+def random_model_folder(shape: str):
+    """A folder holding random weights of ``shape`` (transformers' Qwen3_5ForCausalLM, saved as
+    a user's download is) and the demo model's tokenizer files."""
+    import torch
+    from shapes import SHAPES
+    from transformers import Qwen3_5ForCausalLM
+    from ttft import transformers_config
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(transformers_config(SHAPES[shape])).to(torch.bfloat16)
+    demo = Path(__file__).resolve().parents[1] / "models" / "unimax-demo"
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        del model
+        for name in ("tokenizer.model", "tokenizer_config.json"):
+            shutil.copy(demo / name, folder)
+        yield folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="presets/demo.yaml")
+    parser.add_argument("--shape", help="random weights of this bench/shapes.py hybrid shape")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    service = EngineService(load_preset(args.preset)).start()
+    preset = load_preset(args.preset)
+    with contextlib.ExitStack() as stack:
+        if args.shape:
+            folder = stack.enter_context(random_model_folder(args.shape))
+            preset = dataclasses.replace(preset, model=folder)
+        rows = run(preset, args)
+    label = args.preset + (f" with {args.shape}" if args.shape else "")
+    for row in rows:
+        row["preset"] = label
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\n{label}\n{'mode':<10}{'first msg ms':>14}{'(tokens)':>10}{'on kept ms':>12}"
+          f"{'(tokens)':>10}")
+    for r in rows:
+        print(f"{r['mode']:<10}{r['first_ms']:>14.2f}{r['first_tokens']:>10}"
+              f"{r['second_ms']:>12.2f}{r['second_tokens']:>10}")
+
+
+def run(preset, args) -> list[dict]:
+    service = EngineService(preset).start()
     try:
         service.warm_up()
         rows = []
@@ -60,19 +111,14 @@ def main() -> None:
                 ms, tokens["second"] = ttft_ms(service, conversation, SECOND, mode)
                 second.append(ms)
                 service.store.forget(conversation)
-            rows.append({"preset": args.preset, "mode": mode,
+            rows.append({"mode": mode,
                          "first_ms": statistics.median(first), "first_tokens": tokens["first"],
                          "second_ms": statistics.median(second),
                          "second_tokens": tokens["second"], "device": str(service.device)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         service.stop()
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'mode':<10}{'first msg ms':>14}{'(tokens)':>10}{'on kept ms':>12}{'(tokens)':>10}")
-    for r in rows:
-        print(f"{r['mode']:<10}{r['first_ms']:>14.2f}{r['first_tokens']:>10}"
-              f"{r['second_ms']:>12.2f}{r['second_tokens']:>10}")
+    return rows
 
 
 if __name__ == "__main__":
