@@ -22,6 +22,9 @@
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)
+#   run: bash bench/gpu_bench.sh pdl        gdn-4b and qwen3.5-0.8b: the BF16 step and the draft
+#                                           step with the fused GEMVs launched with
+#                                           programmatic dependent launch ("-pdl") and not
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -75,6 +78,10 @@ case "${1:-}" in
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-nofuse draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
     grep -v Assertion "$OUT/fused.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
+  pdl)
+    timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
+      fla+gemv fla+gemv-pdl draft draft-pdl --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
+    grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
   combo)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \
       engine-verify-combo fla+gemv fla+gemv-combo draft draft-combo --json "$OUT/combo.json" \
@@ -118,5 +125,5 @@ case "${1:-}" in
     for log in "$OUT"/service_demo.log "$OUT"/service_shape.log; do
       grep -v '^{' "$log" | quiet | tail -8
     done ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|combo|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
 esac

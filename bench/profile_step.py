@@ -17,7 +17,9 @@ compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 ste
 draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
 token, with the rollback inside); any variant with "-combo" last (engine-verify-combo): the
 same with inductor's combo kernels, which launch independent small kernels (the verify
-block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one.
+block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one; "-pdl"
+before it (draft-pdl, engine-bf16-pdl): the fused GEMVs with programmatic dependent launch
+(unimax.ops.fused_gemv.PDL, off by default until measured here).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -99,11 +101,21 @@ def engine_graph(model, variant: str):
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
     """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
-    compiled with inductor's combo kernels (independent small kernels launched as one)."""
+    compiled with inductor's combo kernels (independent small kernels launched as one); with
+    "-pdl" (before any "-combo"), its graphs are captured with the fused GEMVs launched with
+    programmatic dependent launch (unimax.ops.fused_gemv.PDL)."""
+    import unimax.ops.fused_gemv as fused_gemv
+
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
-    with combo, torch.inference_mode():
-        return {**measure_variant(model, base, bandwidth), "variant": variant}
+    pdl = base.endswith("-pdl")
+    saved, fused_gemv.PDL = fused_gemv.PDL, pdl
+    try:
+        with combo, torch.inference_mode():
+            row = measure_variant(model, base.removesuffix("-pdl"), bandwidth)
+    finally:
+        fused_gemv.PDL = saved
+    return {**row, "variant": variant}
 
 
 def measure_variant(model, variant: str, bandwidth: float) -> dict:

@@ -35,6 +35,13 @@ from ..norms import gated_rms_norm_ref, rms_norm_ref
 from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, gemv_ref, timed_choice
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
+# Programmatic dependent launch (compute capability 9+; read when a kernel launches, so when a
+# graph is captured): each fused GEMV lets the next start early and reads its first weight
+# tile before waiting for the kernel before. Off until measured (bench/profile_step.py's
+# "-pdl" variants). Its first form (2026-11-30, the plain GEMVs) lost 4% on the H200, but
+# there no kernel signalled its dependents early (they launched only at its end) and every
+# GEMV followed a norm or gate kernel; folded, three of a layer's four GEMVs follow a GEMV.
+PDL = False
 
 
 def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
@@ -141,8 +148,17 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1, **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
-    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags)
+    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
+                 **pdl_launch(x))
     return y
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """The launch's PDL arguments: on (``PDL``) only on CUDA devices of compute capability 9+
+    (an L4, 8.9, has no programmatic dependent launch), never in the interpreter (no PTX)."""
+    on = PDL and x.is_cuda and not _interpreted() and \
+        torch.cuda.get_device_capability(x.device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {}
 
 
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel

@@ -22,6 +22,23 @@ def sigmoid(x):
 
 
 @triton.jit
+def launch_dependents():
+    """PTX griddepcontrol.launch_dependents: the kernel after this one, if launched with
+    programmatic dependent launch, may start now (on SMs this kernel's programs free up); it
+    still waits (below) for this kernel to finish before reading what it writes."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_for_the_kernel_before():
+    """PTX griddepcontrol.wait: with programmatic dependent launch the kernel before may still
+    be running; once this returns it has finished and everything it wrote is visible."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def row_rstd(x_ptr, row, K, stride_xm, eps, KP: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / sqrt(mean(x[row]^2) + eps) in fp32: RMSNorm's factor, before the main loop (every
     program of the launch reads the same vector, from L2). With KP (K rounded up to a power of
@@ -80,16 +97,35 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
                       PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F16: tl.constexpr):
+                      F16: tl.constexpr, PDL: tl.constexpr = False):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
-    width (for SWIGLU, x holds 2K: gate then up)."""
+    width (for SWIGLU, x holds 2K: gate then up).
+
+    ``PDL`` (launched with programmatic dependent launch, compute capability 9+): the kernel
+    lets the next one start at once, and itself reads its first tile of W (which no kernel
+    writes) before waiting for the kernel before it; x, z, the residual and y only after.
+    Between two such GEMVs the next one's ramp overlaps this one's tail. The same tiles and
+    sums in the same order as without."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rstd = 1.0
-    if PRO == 1:
-        rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if PDL:
+        launch_dependents()
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        wait_for_the_kernel_before()
+        if PRO == 1:
+            rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
+        x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
+                    PRO, HEAD, BLOCK_K)
+        acc = tile_products(acc, x, w, F16)
+        start = BLOCK_K
+    elif PRO == 1:
+        rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
+    for k0 in range(start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
