@@ -38,6 +38,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
+import unimax.ops.fused_gemv  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
@@ -323,9 +324,14 @@ def main() -> None:
     parser.add_argument("--no-fuse-bf16", action="store_true",
                         help="BF16-only's fast step and the verifier's view without the "
                              "folded GEMVs (unimax.fused_draft.FUSE_BF16 off; on by default)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="every fused GEMV (BF16-only's step, the draft, the verifier's "
+                             "one-token forwards) with programmatic dependent launch "
+                             "(unimax.ops.fused_gemv.PDL; off by default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
+    unimax.ops.fused_gemv.PDL = args.pdl
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
               "shapes": {}}
