@@ -11,7 +11,10 @@
 #                                           verify GEMVs pad to 16 rows anyway);
 #                                           "verified 8 qwen3.5-0.8b": another shape;
 #                                           "verified 8 gdn-4b --no-fuse-bf16": BF16-only
-#                                           and the verifier without the folded GEMVs
+#                                           and the verifier without the folded GEMVs;
+#                                           "verified 8 gdn-4b --pdl": every fused GEMV with
+#                                           programmatic dependent launch;
+#                                           "verified 8 gdn-8b": the ~8B shape
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
