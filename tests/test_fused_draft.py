@@ -181,7 +181,8 @@ def test_fused_op_names_bad_input():
                               "sigmoid_gate"}
 
 
-PTX_CHILD = """
+# The fused GEMV kernel and its signature, compiled to PTX in a child process (no GPU)
+FUSED_KERNEL = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -194,15 +195,21 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr"}
+
+def ptx(consts, arch=90):
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+"""
+
+PTX_CHILD = FUSED_KERNEL + """
 for arch in (90, 89):  # H100/H200, L4
     for pro in range(len(f.PROLOGUES)):
         for f16 in (True, False):
             consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True,
                       "HAS_RES": pro % 2 == 0,
                       "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16, "PDL": False}
-            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                 target=GPUTarget("cuda", arch, 32)).asm["ptx"]
-            print(arch, pro, f16, ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("fma.rn.f16x2"))
+            code = ptx(consts, arch)
+            print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"))
 """
 
 
@@ -218,26 +225,13 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
 
 
-PDL_CHILD = r"""
+PDL_CHILD = FUSED_KERNEL + r"""
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import unimax.ops.fused_gemv as f
-
-fn = f._kernel(True, 128)[1].fn
-sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-       "s_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-       "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32", "stride_rm": "i32",
-       "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
-       "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
-       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr"}
 for pro in (1, 4):  # rms (reads x before the loop), swiglu
     for pdl in (False, True):
         consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True, "HAS_RES": True,
                   "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": pdl}
-        lines = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+        lines = ptx(consts).splitlines()
         def first(pattern):
             return next((i for i, line in enumerate(lines) if re.search(pattern, line)), -1)
         trigger, wait = first("griddepcontrol.launch_dependents"), first("griddepcontrol.wait")
@@ -251,7 +245,7 @@ def test_fused_gemv_pdl_form_compiles_for_hopper():
     """The fused GEMV's programmatic-dependent-launch form (ops.fused_gemv.PDL), compiled for
     sm_90 without a GPU: it lets its dependents launch first thing, loads (its first weight
     tile) before it waits for the kernel before, and waits once; without PDL, neither
-    instruction. (Its sums equal the PDL-free form's on the GPU: tests/test_gpu_fused.py.)"""
+    instruction. (Its sums equal the PDL-free form's on the GPU: tests/test_gpu_engine.py.)"""
     out = run_with_triton(PDL_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     assert rows == [["1", "False", "0", "-"], ["1", "True", "2", "True"],
