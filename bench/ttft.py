@@ -92,6 +92,28 @@ def chunk_peaks(engine, ids: torch.Tensor) -> list[float]:
     return peaks + [before]
 
 
+def largest_allocations(engine, ids: torch.Tensor, top: int = 8) -> list[str]:
+    """The ``top`` largest allocations of one prefill of ``ids``, each with its size (GiB) and
+    the innermost frames of unimax, fla or torch.nn that made it (the allocator's recorded
+    history): what the long prompt's peak is made of."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        engine.prefill_exact(ids)
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    allocs = sorted((e for e in events if e["action"] == "alloc"), key=lambda e: -e["size"])
+    out = []
+    for event in allocs[:top]:
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+                  for f in event.get("frames", [])
+                  if any(part in f["filename"] for part in ("unimax", "/fla/", "torch/nn"))]
+        out.append(f"{event['size'] / 2**30:.2f} GiB at " + " < ".join(frames[:4]))
+    return out
+
+
 def median_ms(fn, repeats: int, before=None) -> float:
     times = []
     for i in range(repeats + 2):
@@ -211,6 +233,11 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
         out = measured(row, "unimax", lambda ids=ids: engine.prefill_exact(ids)[1], repeats)
         if out is not None and length > engine.prefill_chunk:
             *row["unimax_chunk_peaks_gib"], row["unimax_base_gib"] = chunk_peaks(engine, ids)
+        if out is not None and length >= engine.prefill_chunk:  # (16k from empty: +10.8 GiB)
+            try:
+                row["unimax_largest_allocations"] = largest_allocations(engine, ids)
+            except Exception as err:  # (a private API of the allocator: record, go on)
+                row["unimax_largest_allocations"] = [repr(err)[:200]]
         ref = measured(row, "transformers", lambda ids=ids: theirs(
             input_ids=ids, use_cache=cached, logits_to_keep=1), repeats)
         if ref is not None:
@@ -318,6 +345,8 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
             print(f"{'':<14}unimax peak GiB per prefill chunk: " + ", ".join(
                 f"{peak:.1f}" for peak in r["unimax_chunk_peaks_gib"])
                 + f" (allocated before the prefill: {r['unimax_base_gib']:.1f})")
+            for line in r.get("unimax_largest_allocations", []):
+                print(f"{'':<14}  {line[:150]}")
 
 
 if __name__ == "__main__":
