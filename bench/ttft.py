@@ -345,8 +345,8 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
             print(f"{'':<14}unimax peak GiB per prefill chunk: " + ", ".join(
                 f"{peak:.1f}" for peak in r["unimax_chunk_peaks_gib"])
                 + f" (allocated before the prefill: {r['unimax_base_gib']:.1f})")
-            for line in r.get("unimax_largest_allocations", []):
-                print(f"{'':<14}  {line[:150]}")
+        for line in r.get("unimax_largest_allocations", []):
+            print(f"{'':<14}largest: {line[:150]}")
 
 
 if __name__ == "__main__":
