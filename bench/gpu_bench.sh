@@ -101,7 +101,7 @@ case "${1:-}" in
   ttft-all)
     timeout 560 python3 bench/ttft.py --shapes "${2:-qwen3.5-0.8b}" --repeats 3 \
       --json "$OUT/ttft-all.json" > "$OUT/ttft-all.log" 2>&1
-    grep -v Assertion "$OUT/ttft-all.log" | grep -v '^{' | quiet | cut -c1-400 | tail -12 ;;
+    grep -v Assertion "$OUT/ttft-all.log" | grep -v '^{' | quiet | cut -c1-400 | tail -40 ;;
   profile)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b \
       --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
