@@ -115,7 +115,11 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
             row = measure_variant(model, base.removesuffix("-pdl"), bandwidth)
     finally:
         fused_gemv.PDL = saved
-    return {**row, "variant": variant}
+    # the fused GEMVs' per-shape kernel choices so far (rows, rows16, split, split16)
+    choices = sorted({f"{key[0]}{'+res' if key[1] else ''} {key[3]}x{key[4]} "
+                      f"{str(key[5]).removeprefix('torch.')}: {name}"
+                      for key, name in fused_gemv.CHOICES.items()})
+    return {**row, "variant": variant, "fused_choices": choices}
 
 
 def measure_variant(model, variant: str, bandwidth: float) -> dict:
@@ -165,6 +169,8 @@ def main() -> None:
               f"{row['kernels']:.0f} kernels/token")
         for k in row["kernels_top"][:18]:
             print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:100]}")
+        if row.get("fused_choices"):
+            print("  fused GEMV choices: " + "; ".join(row["fused_choices"]))
 
 
 if __name__ == "__main__":

@@ -43,14 +43,17 @@ torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     for m, n, k, head in [(1, 100, 128, 32), (2, 70, 256, 64), (1, 33, 192, 64), (3, 40, 64, 16)]:
         for prologue, args, ref in cases(dtype, m, n, k, head):
-            for kernel in ("rows", "rows16") if args[2] is not None else ("rows",):
+            fp16 = ("rows16", "split16") if args[2] is not None else ()
+            for kernel in ("rows", "split") + fp16:  # (split-K: slices of K, some empty)
                 y = fused_gemv(*args, kernel=kernel)
                 err = rel(y, ref)
-                exact = dtype == torch.float32 and kernel == "rows"
+                exact = dtype == torch.float32 and kernel in ("rows", "split")
                 assert y.shape == ref.shape == (m, n) and y.dtype == dtype
                 assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
                                                           args[8] is None, kernel, err)
         print("ok", dtype, m, n, k)
+from unimax.ops.fused_gemv import _counters
+print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
 x, norm, w = torch.randn(1, 8200), 1 + 0.1 * torch.randn(8200), torch.randn(8, 8200)
 ref = fused_small_m_linear_ref(x, w, None, 8, 8200, "rms", norm, None, None, 1e-6, 0.0)
@@ -69,7 +72,7 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
-    assert out.count("ok") == 9 and "compiled 0.0" in out, out
+    assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
 
 
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -190,11 +193,13 @@ import unimax.ops.fused_gemv as f
 
 fn = f._kernel(True, 128)[1].fn
 sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-       "s_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+       "s_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+       "cnt_ptr": "*i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32", "stride_rm": "i32",
        "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
-       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr"}
+       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
+       "SPLIT": "constexpr"}
 
 def ptx(consts, arch=90):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -206,23 +211,25 @@ for arch in (90, 89):  # H100/H200, L4
     for pro in range(len(f.PROLOGUES)):
         for f16 in (True, False):
             consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True,
-                      "HAS_RES": pro % 2 == 0,
-                      "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16, "PDL": False}
+                      "HAS_RES": pro % 2 == 0, "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16,
+                      "PDL": False, "SPLIT": 4 if pro % 3 == 0 else 1}
             code = ptx(consts, arch)
-            print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"))
+            print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"),
+                  code.count("atom.global"))
 """
 
 
 def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
-    in the rows16 form."""
+    in the rows16 form, and the split-K form (atomics) where asked."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     assert len(rows) == 2 * len(PROLOGUES) * 2, out
-    for arch, pro, f16, cvt, hfma2 in rows:
+    for arch, pro, f16, cvt, hfma2, atomics in rows:
         assert int(cvt) > 0, (arch, pro, f16)
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
+        assert (int(atomics) > 0) == (int(pro) % 3 == 0), (arch, pro, atomics)  # split-K
 
 
 PDL_CHILD = FUSED_KERNEL + r"""
@@ -230,7 +237,7 @@ import re
 for pro in (1, 4):  # rms (reads x before the loop), swiglu
     for pdl in (False, True):
         consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True, "HAS_RES": True,
-                  "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": pdl}
+                  "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": pdl, "SPLIT": 1}
         lines = ptx(consts).splitlines()
         def first(pattern):
             return next((i for i, line in enumerate(lines) if re.search(pattern, line)), -1)

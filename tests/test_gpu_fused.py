@@ -48,10 +48,26 @@ def test_fused_draft_on_gpu(model, monkeypatch):
         for residual in (None, torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)):
             ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
                                                       residual, 1e-6, 1.0)
-            for kernel in ("rows", "rows16"):
+            for kernel in ("rows", "rows16", "split", "split16"):
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=kernel)
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
+    # split-K in a captured graph: its counters are set back by each launch, so replays with
+    # new inputs give what eager calls give (fp32 slices added in order: bit for bit)
+    q, s = quantize_rows(torch.randn(2560, 9216, device="cuda", generator=gen))
+    x = torch.randn(1, 2 * 9216, device="cuda", generator=gen).to(torch.bfloat16)
+    for kernel in ("split", "split16"):
+        def split_call(kernel=kernel):
+            return fused_gemv.fused_gemv(x, q, s, 2560, 9216, "swiglu", kernel=kernel)
+
+        split_call()  # (warm-up: compile and autotune outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = split_call()
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            graph.replay()
+            assert torch.equal(out, split_call()), kernel
 
     # In fp32 the fused view computes the unfused view's logits (up to the FP16 products' order,
     # bench/fused_accuracy.py: 0.0000 with fp32 products everywhere, 7e-4 with FP16). In BF16

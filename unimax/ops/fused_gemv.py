@@ -116,8 +116,33 @@ def _kernel(f16: bool, head: int):
     if _interpreted():
         return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
-    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES"])(
+    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES", "SPLIT"])(
         fused_gemv_kernel), {"F16": f16})
+
+
+# Split-K ("split", "split16": the rows kernels with K in SPLIT_K slices, reduced in the same
+# launch by the last program of each tile): offered for FP8 weights where the output is narrow
+# (N <= SPLIT_MAX_N: the out- and down-projections, 2560 rows at 4B, a few hundred programs
+# with one slice each) and K long enough for every slice to hold whole tiles. Not yet
+# measured; the per-shape timed choice takes it only where it is faster.
+KERNEL_NAMES = ("rows", "rows16", "split", "split16")
+SPLIT_K = 4
+SPLIT_MAX_N = 4096
+MAX_TILES = 1 << 15  # the per-tile counters' buffer: cdiv(N, BLOCK_N) x M tiles at most
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """Split-K's per-tile arrival counters, zero between launches (each tile's last program
+    sets its counter back): one buffer per device, allocated at first use (a warm-up, never
+    inside a graph capture: timed_choice offers split only to keys it has timed)."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
+def split_fits(out_features: int, in_features: int, m: int, scaled: bool) -> bool:
+    """Whether split-K is offered for this shape (see SPLIT_K)."""
+    return (scaled and out_features <= SPLIT_MAX_N and in_features >= SPLIT_K * 256
+            and -(-out_features // min(n for n, _, _ in GEMV_TILES)) * m <= MAX_TILES)
 
 
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
@@ -125,29 +150,40 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                kernel: str | None = None) -> torch.Tensor:
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
-    products, FP8 weights: see ops.gemv)."""
+    products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
+    SPLIT_K: the same sums in slices, added in slice order)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
     kernel = kernel or "rows"
-    if kernel not in ("rows", "rows16"):
-        raise ValueError(f"fused_gemv: kernel must be rows or rows16, got {kernel!r}")
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"fused_gemv: kernel must be one of {', '.join(KERNEL_NAMES)}, got "
+                         f"{kernel!r}")
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
-    if kernel == "rows16" and scale is None:
-        raise ValueError("fused_gemv: rows16 (FP16 products) is for FP8 weights only")
+    if kernel.endswith("16") and scale is None:
+        raise ValueError(f"fused_gemv: {kernel} (FP16 products) is for FP8 weights only")
+    split = SPLIT_K if kernel.startswith("split") else 1
+    if split > 1 and -(-out_features // min(n for n, _, _ in GEMV_TILES)) * m > MAX_TILES:
+        raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
     gated = prologue.startswith("gated")
     head = norm_weight.shape[0] if gated else 1
-    triton, launch, fixed = _kernel(kernel == "rows16", head)
+    triton, launch, fixed = _kernel(kernel.endswith("16"), head)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    # split-K's partial sums and counters (rows: unused, any pointer)
+    work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+            if split > 1 else y)
+    counters = _counters(x.device) if split > 1 else y
     pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
-                x if scale is None else scale, x if residual is None else residual, y)
+                x if scale is None else scale, x if residual is None else residual, y, work,
+                counters)
     strides = (x.stride(0), 0 if z is None else z.stride(0), weight.stride(0),
                0 if residual is None else residual.stride(0), y.stride(0))
     # the RMS pre-pass loads the row at once up to 8192 wide
     flags = dict(PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
                  HAS_RES=residual is not None,
-                 KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1, **fixed)
-    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m)  # noqa: E731
+                 KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
+                 SPLIT=split, **fixed)
+    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
                  **pdl_launch(x))
     return y
@@ -185,6 +221,8 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
     names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
+    if split_fits(out_features, in_features, x.shape[0], scale is not None):
+        names += ("split", "split16")
     return run(kernel=timed_choice(CHOICES, key, names, names[0], True,
                                    lambda name: run(kernel=name)))
 

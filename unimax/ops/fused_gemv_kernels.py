@@ -92,12 +92,12 @@ def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, o
 
 
 @triton.jit
-def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, stride_xm,
-                      stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
+def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
+                      stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
                       PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F16: tl.constexpr, PDL: tl.constexpr = False):
+                      F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -105,15 +105,25 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
     lets the next one start at once, and itself reads its first tile of W (which no kernel
     writes) before waiting for the kernel before it; x, z, the residual and y only after.
     Between two such GEMVs the next one's ramp overlaps this one's tail. The same tiles and
-    sums in the same order as without."""
+    sums in the same order as without.
+
+    ``SPLIT`` > 1 (split-K, for the few-row, K-long linears: more programs in flight): program
+    (n, row, s) sums its slice s of K (whole BLOCK_K tiles) and stores the partial sums in the
+    workspace ws (SPLIT, M, N, fp32); the last of a tile's SPLIT programs to finish (a counter
+    per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue:
+    one launch, where a split-K GEMV with a reduce kernel after it lost (bench/RESULTS.md,
+    2026-11-30, fourth session)."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(2)
+    span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K  # each slice whole tiles; the last may be short
+    start = part * span
+    end = tl.minimum(start + span, K)
     rstd = 1.0
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-    start = 0
     if PDL:
         launch_dependents()
-        rk = tl.arange(0, BLOCK_K)
+        rk = start + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         wait_for_the_kernel_before()
@@ -122,10 +132,10 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
         x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
                     PRO, HEAD, BLOCK_K)
         acc = tile_products(acc, x, w, F16)
-        start = BLOCK_K
+        start += BLOCK_K
     elif PRO == 1:
         rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
-    for k0 in range(start, K, BLOCK_K):
+    for k0 in range(start, end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -135,10 +145,24 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, st
     y = tl.sum(acc.to(tl.float32), axis=1)
     if F16:
         y = y * 64.0
+    keep = rn < N
+    if SPLIT > 1:
+        rows = tl.num_programs(1)
+        tl.store(ws_ptr + (part * rows + row) * N + rn, y, mask=keep)
+        tl.debug_barrier()  # every thread's partial stored before the counter moves
+        tile = row * tl.num_programs(0) + tl.program_id(0)
+        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT - 1  # (acq_rel, device scope)
+        tl.debug_barrier()
+        keep = keep & last  # the others are done: only the last program writes y
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for s in range(SPLIT):  # in split order, whichever program came last
+            y += tl.load(ws_ptr + (s * rows + row) * N + rn, mask=keep, other=0.0,
+                         cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0, mask=last)  # ready for the next launch (replays)
     if HAS_SCALE:
-        y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        y = y * tl.load(s_ptr + rn, mask=keep, other=0.0)
     y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
     if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
-        r = tl.load(r_ptr + row * stride_rm + rn, mask=rn < N, other=0.0)
+        r = tl.load(r_ptr + row * stride_rm + rn, mask=keep, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_ym + rn, y, mask=rn < N)
+    tl.store(y_ptr + row * stride_ym + rn, y, mask=keep)
