@@ -11,6 +11,10 @@ usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
            down, 45-60% of copy bandwidth where the wide ones reach 75-80%) over a wider tile
            space than GEMV_TILES, num_stages included, each tile launched as is: whether a
            tile closes the gap (then GEMV_TILES takes it)
+       python bench/gemv.py --fused [--shape gdn-4b]   the draft's fused FP8 GEMVs (the
+           prologue and residual each linear has in unimax.fused_draft) at M = 1 through every
+           form: rows, rows16 and the split-K forms split, split16, and which the per-shape
+           timed choice takes
 """
 
 from __future__ import annotations
@@ -162,6 +166,56 @@ def tiles_main(args, bandwidth) -> None:
                   f"{best}")
 
 
+# Each draft linear's fold (unimax.fused_draft): prologue, residual added, x's width factor
+FOLDS = {"in_proj": ("rms", False, 1), "out_proj": ("gated_silu", True, 1),
+         "gate_up": ("rms", False, 1), "down": ("swiglu", True, 2)}
+
+
+def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
+    """One draft linear's fused FP8 GEMV (M = 1) through every form, and the timed choice."""
+    from unimax.ops import fused_gemv as fused
+
+    prologue, residual, width = FOLDS[name]
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    copies = max(2, min(64, -(-400_000_000 // q.numel())))  # >= 400 MB: not from L2
+    weights = [(q.clone(), scale.clone()) for _ in range(copies)]
+    x = torch.randn(1, width * k, device="cuda", dtype=torch.bfloat16)
+    gated = prologue.startswith("gated")
+    z = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gated else None
+    norm = (torch.ones(cfg.head_v_dim if gated else k, device="cuda", dtype=torch.bfloat16)
+            if prologue != "swiglu" else None)
+    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
+    row = {"name": name, "N": n, "K": k, "prologue": prologue, "MB": q.numel() / 1e6}
+    forms = ("rows", "rows16") + (("split", "split16") if fused.split_fits(n, k, 1, True)
+                                  else ())
+    for form in forms:
+        us = graph_us(lambda i, form=form: fused.fused_gemv(
+            x, *weights[i], n, k, prologue, norm, z, res, kernel=form), copies)
+        row[form + "_us"], row[form + "_bw"] = us, q.numel() / (us * 1e-6) / bandwidth
+    fused.fused_small_m_linear(x, q, scale, n, k, prologue, norm, z, res, 1e-6, 0.0)
+    row["chosen"] = next((v for key, v in fused.CHOICES.items() if key[3:5] == (n, k)), None)
+    return row
+
+
+def fused_main(args, bandwidth) -> None:
+    """Every fused GEMV form per draft linear (FP8, M = 1), graph-timed over weight copies."""
+    cfg = SHAPES[args.shape]
+    rows = []
+    for name, (n, k, _) in linear_shapes(cfg).items():
+        if name in FOLDS:
+            rows.append(fused_row(cfg, name, n, k, bandwidth))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; fused FP8 GEMVs at M = 1, shape "
+          f"{args.shape}: us (fraction of copy bandwidth), and the timed choice")
+    for r in rows:
+        forms = "  ".join(f"{f} {r[f + '_us']:.2f} ({r[f + '_bw']:.2f})"
+                          for f in ("rows", "rows16", "split", "split16") if f + "_us" in r)
+        print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {forms}  chosen: {r['chosen']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gdn-4b")
@@ -169,9 +223,13 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", choices=("in_proj", "out_proj", "gate_up", "down"),
                         help="sweep the FP8 GEMV's tiles on these linears (none named: "
                              "out_proj down)")
+    parser.add_argument("--fused", action="store_true",
+                        help="the draft's fused FP8 GEMVs through every form (split-K too)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    if args.fused:
+        return fused_main(args, bandwidth)
     if args.tiles is not None:
         args.tiles = args.tiles or ["out_proj", "down"]
         return tiles_main(args, bandwidth)

@@ -5,6 +5,9 @@
 #   run: bash bench/gpu_bench.sh tiles      gdn-4b: the FP8 GEMV's tiles (num_stages too) on
 #                                           the K-long linears, beside the autotuned choice;
 #                                           "tiles in_proj gate_up": the wide ones
+#   run: bash bench/gpu_bench.sh fusedk     gdn-4b then qwen3.5-0.8b: the draft's fused FP8
+#                                           GEMVs per linear through rows, rows16 and split-K
+#                                           (split, split16), and the timed choice
 #   run: bash bench/gpu_bench.sh verified   gdn-4b: fixed and adaptive k, forced acceptance,
 #                                           per-part times, the kernels of each graph;
 #                                           "verified 15": blocks of 15 drafts (16 rows: the
@@ -81,6 +84,12 @@ case "${1:-}" in
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-nofuse draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1
     grep -v Assertion "$OUT/fused.log" | grep -v '^{' | quiet | cut -c1-130 | tail -120 ;;
+  fusedk)
+    for shape in gdn-4b qwen3.5-0.8b; do
+      timeout 250 python3 bench/gemv.py --fused --shape $shape --json "$OUT/fusedk-$shape.json" \
+        > "$OUT/fusedk-$shape.log" 2>&1
+      grep -v '^{' "$OUT/fusedk-$shape.log" | quiet | tail -6
+    done ;;
   pdl)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-pdl draft draft-pdl --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
@@ -128,5 +137,5 @@ case "${1:-}" in
     for log in "$OUT"/service_demo.log "$OUT"/service_shape.log; do
       grep -v '^{' "$log" | quiet | tail -8
     done ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|fusedk|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
 esac
