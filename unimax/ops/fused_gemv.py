@@ -135,7 +135,9 @@ MAX_TILES = 1 << 15  # the per-tile counters' buffer: cdiv(N, BLOCK_N) x M tiles
 def _counters(device: torch.device) -> torch.Tensor:
     """Split-K's per-tile arrival counters, zero between launches (each tile's last program
     sets its counter back): one buffer per device, allocated at first use (a warm-up, never
-    inside a graph capture: timed_choice offers split only to keys it has timed)."""
+    inside a graph capture: timed_choice offers split only to keys it has timed). Shared, so
+    split launches must not run concurrently on two streams: UNI MAX runs one engine thread,
+    its forwards on one stream."""
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
