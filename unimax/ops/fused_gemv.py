@@ -122,9 +122,10 @@ def _kernel(f16: bool, head: int):
 
 # Split-K ("split", "split16": the rows kernels with K in SPLIT_K slices, reduced in the same
 # launch by the last program of each tile): offered for FP8 weights where the output is narrow
-# (N <= SPLIT_MAX_N: the out- and down-projections, 2560 rows at 4B, a few hundred programs
-# with one slice each) and K long enough for every slice to hold whole tiles. Not yet
-# measured; the per-shape timed choice takes it only where it is faster.
+# (N <= SPLIT_MAX_N: the out- and down-projections, 2560 rows at 4B: only a few hundred
+# programs without it) and K at least SPLIT_K x 256 (slices are whole tiles: with wider tiles
+# the last slices are empty, which costs only their programs). Not yet measured; the per-shape
+# timed choice takes it only where it is faster.
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
 SPLIT_K = 4
 SPLIT_MAX_N = 4096
@@ -141,10 +142,15 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
+def split_tiles_fit(out_features: int, m: int) -> bool:
+    """Whether the counters hold every output tile of split-K at the narrowest tile."""
+    return -(-out_features // min(n for n, _, _ in GEMV_TILES)) * m <= MAX_TILES
+
+
 def split_fits(out_features: int, in_features: int, m: int, scaled: bool) -> bool:
     """Whether split-K is offered for this shape (see SPLIT_K)."""
     return (scaled and out_features <= SPLIT_MAX_N and in_features >= SPLIT_K * 256
-            and -(-out_features // min(n for n, _, _ in GEMV_TILES)) * m <= MAX_TILES)
+            and split_tiles_fit(out_features, m))
 
 
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
@@ -165,7 +171,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     if kernel.endswith("16") and scale is None:
         raise ValueError(f"fused_gemv: {kernel} (FP16 products) is for FP8 weights only")
     split = SPLIT_K if kernel.startswith("split") else 1
-    if split > 1 and -(-out_features // min(n for n, _, _ in GEMV_TILES)) * m > MAX_TILES:
+    if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
     gated = prologue.startswith("gated")
     head = norm_weight.shape[0] if gated else 1
