@@ -56,17 +56,11 @@ def random_model_folder(shape: str):
     a user's download is) and the demo model's tokenizer files."""
     import torch
     from shapes import SHAPES
-    from transformers import Qwen3_5ForCausalLM
-    from ttft import transformers_config
+    from ttft import save_random_qwen
 
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen3_5ForCausalLM(transformers_config(SHAPES[shape])).to(torch.bfloat16)
     demo = Path(__file__).resolve().parents[1] / "models" / "unimax-demo"
     with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        del model
+        save_random_qwen(SHAPES[shape], folder, "cuda" if torch.cuda.is_available() else "cpu")
         for name in ("tokenizer.model", "tokenizer_config.json"):
             shutil.copy(demo / name, folder)
         yield folder

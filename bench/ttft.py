@@ -195,17 +195,24 @@ def kept_kv_kernels(cfg, new: int = 512, kept: int = 1024) -> dict:
     return out
 
 
+def save_random_qwen(cfg, folder: str, device: str = "cuda") -> None:
+    """Random BF16 weights of ``cfg`` made by transformers (Qwen3_5ForCausalLM, seed 0) and
+    saved into ``folder`` as a user's download is."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        written = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16)
+    written.save_pretrained(folder)
+
+
 def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str] = ()
                 ) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM
 
     cfg = dataclasses.replace(SHAPES[shape], max_context=max(lengths) + 4096 + 256)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        written = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16)
     with tempfile.TemporaryDirectory() as folder:
-        written.save_pretrained(folder)
-        del written
+        save_random_qwen(cfg, folder)
         # Loaded back as a user loads it: a model cast with .to(bfloat16) keeps its RoPE
         # frequencies in BF16 too (from_pretrained keeps them FP32), which alone moved its
         # logits by ~5% at every length in the first runs of this bench.
