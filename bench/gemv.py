@@ -32,8 +32,8 @@ from decode import copy_bandwidth  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
-from unimax.graph import median_replay_ms  # noqa: E402
 from unimax.ops import gemv as gemv_mod  # noqa: E402
+from unimax.ops.timing import graph_us  # noqa: E402
 
 
 def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
@@ -44,20 +44,6 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size, layers),
             "down": (cfg.hidden_size, cfg.intermediate_size, layers),
             "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
-
-
-def graph_us(fn, copies: int, repeats: int = 5) -> float:
-    """Per-call time of fn(i) over weight copy i, from a captured graph of ``copies`` calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm-up: autotuning and per-shape choices happen here
-            fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    return median_replay_ms(graph, repeats) * 1e3 / copies
 
 
 def run_shape(name, n, k, m, kind, bandwidth) -> dict:

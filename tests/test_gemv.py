@@ -120,25 +120,44 @@ def test_rows16_compiles_to_packed_f16_math():
 
 def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
     """The per-shape choice behind small_m_linear and the fused GEMVs: each candidate timed
-    once per key, the fastest kept; the default (not kept) where nothing can be timed; a lone
-    candidate kept untimed."""
+    once per key, over copies of the weight and its scale, the fastest kept; the default (not
+    kept) where nothing can be timed; a lone candidate kept untimed."""
     from unimax.ops import gemv as ops
 
     timed = []
     speeds = {"rows": 5.0, "rows16": 3.0, "cublas": 4.0}
-    monkeypatch.setattr(ops, "_time_us", lambda fn: fn())
+    weight, scale = torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn), torch.ones(1024)
+    monkeypatch.setattr(ops, "_time_us", lambda fn, copies: sum(fn(i) for i in range(copies)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU)
-    table = {}
+    table, seen = {}, []
 
-    def run(name):
+    def run(name, w, s):
         timed.append(name)
+        seen.append((w, s))
         return speeds[name]
 
     names = ("rows", "rows16", "cublas")
-    assert ops.timed_choice(table, ("k",), names, "rows", False, run) == "rows"
+    assert ops.timed_choice(table, ("k",), names, "rows", False, run, (weight, scale)) == "rows"
     assert table == {} and timed == []  # off CUDA: the default, nothing timed or kept
-    assert ops.timed_choice(table, ("k",), names, "rows", True, run) == "rows16"
-    assert ops.timed_choice(table, ("k",), names, "rows", True, run) == "rows16"
-    assert sorted(timed) == sorted(names) and table == {("k",): "rows16"}  # timed once
+    assert ops.timed_choice(table, ("k",), names, "rows", True, run, (weight, scale)) == "rows16"
+    assert ops.timed_choice(table, ("k",), names, "rows", True, run, (weight, scale)) == "rows16"
+    assert table == {("k",): "rows16"} and len(timed) == 3 * 128  # timed once, over 128 copies
+    assert seen[0][0] is weight and seen[1][0] is not weight  # the weight, then its clones
+    assert all(torch.equal(w.view(torch.uint8), weight.view(torch.uint8)) and torch.equal(s, scale)
+               for w, s in seen[:128])
     assert ops.timed_choice(table, ("one",), ("dot",), "rows", True, run) == "dot"
-    assert len(timed) == 3 and table[("one",)] == "dot"
+    assert len(timed) == 3 * 128 and table[("one",)] == "dot"
+
+
+def test_weight_copies_outgrow_the_l2_cache():
+    """The choice's timer reads a weight from memory as a step does: clones that together make
+    L2_SAFE_BYTES; a weight that large alone, as is; a missing scale stays missing."""
+    from unimax.ops.timing import L2_SAFE_BYTES, weight_copies
+
+    small = torch.zeros(1000, 1000, dtype=torch.bfloat16)  # 2 MB
+    copies = weight_copies((small, None))
+    assert len(copies) == -(-L2_SAFE_BYTES // small.nbytes) and copies[0][0] is small
+    assert all(s is None and w.data_ptr() != small.data_ptr() for w, s in copies[1:])
+    big = torch.zeros(L2_SAFE_BYTES, dtype=torch.uint8)
+    assert len(weight_copies((big, torch.ones(4)))) == 1
+    assert weight_copies(()) == [()]

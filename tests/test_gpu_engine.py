@@ -149,8 +149,9 @@ def test_short_prefill_graphs_on_gpu(model):
 
 def test_small_m_linear_picks_per_shape_and_graphs():
     """The custom op: a kernel chosen once per shape outside capture (GEMV, tensor-core or cuBLAS
-    for BF16 weights; GEMV or the FP16 tensor-core kernel for FP8); inside a captured graph it
-    replays what it chose; every kernel agrees with the plain twin."""
+    for BF16 weights; GEMV or the FP16 tensor-core kernel for FP8), timed in captured graphs
+    over weight copies (ops.timing) without error; inside a captured graph it replays what it
+    chose; every kernel agrees with the plain twin."""
     from unimax.fp8 import quantize_rows
     from unimax.ops import gemv as ops
 
@@ -176,6 +177,7 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             x.copy_(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
             graph.replay()
             assert rel_err(out.float(), ops.gemv_ref(x, *weights).float()) < 1e-2
+    assert ops.TIMING_ERRORS == []  # every choice timed in its captured graph, none call by call
 
 
 def test_fused_gemv_pdl_on_gpu(model, monkeypatch):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
+from .ops.timing import median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
 
@@ -112,24 +113,6 @@ def trial_run(writes: list[RecurrentCache], buffers: list[torch.Tensor] = ()):
             copy_cache_(cache, copy)
         for saved_buffer, buffer in zip(saved_buffers, buffers, strict=True):
             buffer.copy_(saved_buffer)
-
-
-def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5,
-                     before: Callable[[], None] = lambda: None) -> float:
-    """The median time of a graph's replay in ms (CUDA events; after one untimed replay).
-    ``before`` runs ahead of each replay, untimed (capture: back to position 0)."""
-    before()
-    graph.replay()  # the first replay uploads the graph
-    times = []
-    for _ in range(repeats):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
 
 
 class MaxTurboGraphDecoder:

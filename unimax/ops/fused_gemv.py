@@ -223,16 +223,19 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
         return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,
                                         norm_weight, z, residual, eps, offset)
-    run = functools.partial(fused_gemv, x, weight, scale, out_features, in_features, prologue,
-                            norm_weight=norm_weight, z=z, residual=residual, eps=eps,
-                            offset=offset)
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
     names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
         names += ("split", "split16")
-    return run(kernel=timed_choice(CHOICES, key, names, names[0], True,
-                                   lambda name: run(kernel=name)))
+
+    def run(kernel: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        return fused_gemv(x, weight, scale, out_features, in_features, prologue,
+                          norm_weight=norm_weight, z=z, residual=residual, eps=eps,
+                          offset=offset, kernel=kernel)
+
+    return run(timed_choice(CHOICES, key, names, names[0], True, run, (weight, scale)),
+               weight, scale)
 
 
 @fused_small_m_linear.register_fake

@@ -14,7 +14,8 @@ measured slower than "rows" on every 4B shape and removed: bench/RESULTS.md.)
 ``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
 compiled step traces through it without a graph break. It also chooses, once per shape at first
 use (the warm-up before a graph is captured), the fastest of the kernels that fit that M and
-weight (``candidates``: cuBLAS too for BF16), timed with L2 flushed. ``gemv_ref`` is the
+weight (``candidates``: cuBLAS too for BF16), timed as a step runs them: back to back in a
+captured graph, over copies of the weight that L2 cannot hold (ops.timing). ``gemv_ref`` is the
 plain-torch twin.
 """
 
@@ -23,6 +24,8 @@ import os
 from typing import Optional
 
 import torch
+
+from .timing import graph_us, weight_copies
 
 GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
 KERNELS = ("rows", "rows16", "dot")
@@ -134,13 +137,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> one of KERNELS or "cublas"
 
 
-def _time_us(fn) -> float:
-    """Median time of one call with L2 flushed before each (Triton's do_bench): timed on one
-    weight over and over, a matrix that fits the 50 MB L2 would be read from it, and cuBLAS won
-    shapes there that the Triton kernel wins from memory (bench/gemv.py)."""
-    from triton.testing import do_bench
+TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by call): none expected
 
-    return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+def _time_us(fn, copies: int) -> float:
+    """Per-call time of ``fn(i)`` over weight copy i, as a step runs it (ops.timing.graph_us).
+    Should that timing fail, the call alone (do_bench, L2 flushed), and the error kept in
+    TIMING_ERRORS: a kernel choice is a matter of speed and must not stop a reply."""
+    try:
+        return graph_us(fn, copies)
+    except RuntimeError as err:
+        TIMING_ERRORS.append(repr(err)[:300])
+        from triton.testing import do_bench
+
+        return do_bench(lambda: fn(0), warmup=5, rep=20, return_mode="median") * 1e3
 
 
 def candidates(m: int, scaled: bool) -> tuple[str, ...]:
@@ -154,17 +164,22 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
 
 
 def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, on_cuda: bool,
-                 run) -> str:
-    """The fastest of ``names`` for ``key`` (``run(name)``: one call with that kernel), timed
-    once and kept in ``table``. Off CUDA, in the interpreter, and for a key first met while a
-    CUDA graph is being captured (it cannot be timed there): ``default``, not kept. Also the
-    fused GEMVs' choice (ops/fused_gemv.py)."""
+                 run, weights: tuple = ()) -> str:
+    """The fastest of ``names`` for ``key``, timed once and kept in ``table``: ``run(name,
+    *weights)`` is one call with that kernel on those tensors (a weight and its scale), timed
+    in a captured graph over copies of them (``_time_us``, ops.timing). Off CUDA, in the
+    interpreter, and for a key first met while a CUDA graph is being captured (it cannot be
+    timed there): ``default``, not kept. Also the fused GEMVs' choice (ops/fused_gemv.py)."""
     if key not in table:
         if not on_cuda or _interpreted() or torch.cuda.is_current_stream_capturing():
             return default
-        times = {name: _time_us(lambda name=name: run(name))
-                 for name in names} if len(names) > 1 else {names[0]: 0.0}
-        table[key] = min(times, key=times.get)
+        if len(names) == 1:
+            table[key] = names[0]
+        else:
+            copies = weight_copies(weights)
+            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies))
+                     for name in names}
+            table[key] = min(times, key=times.get)
     return table[key]
 
 
@@ -174,7 +189,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) ->
     return timed_choice(CHOICES, (x.shape[0], *weight.shape, weight.dtype),
                         candidates(x.shape[0], scale is not None),
                         "rows" if x.shape[0] <= PROGRAM_ROWS else "dot", x.is_cuda,
-                        lambda name: _run(name, x, weight, scale))
+                        lambda name, w, s: _run(name, x, w, s), (weight, scale))
 
 
 def _run(choice: str, x, weight, scale) -> torch.Tensor:

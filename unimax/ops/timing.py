@@ -1,0 +1,68 @@
+"""How the per-shape kernel choices (ops.gemv.timed_choice) time their candidates on the GPU: as a
+decode step runs them, back to back in a captured CUDA graph, over enough copies of the weight
+that the L2 cache cannot serve it.
+
+Why not one call at a time (Triton's do_bench, the choice's first timer): a call timed alone
+pays its launch and its ramp in full, and a 5-15 us GEMV is mostly that; in a step, kernels
+follow one another in a graph. On the H200 (2026-12-01, bench/gemv.py --fused) the choice
+made that way disagreed with the graph-timed fastest form on 5 of 8 draft linears, by up to 44%
+(0.8B out_proj: rows 6.2 us taken, rows16 4.3), and changed from run to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+L2_SAFE_BYTES = 128 << 20  # over twice the L2 of the GPUs we run on (H200 60 MB, L4 48 MB)
+MIN_CALLS = 4  # calls per captured graph: its own launch is spread over them
+
+
+def weight_copies(tensors: Sequence[torch.Tensor | None],
+                  total_bytes: int = L2_SAFE_BYTES) -> list[tuple]:
+    """``tensors`` (a weight and its scale, say) and as many clones as make ``total_bytes``
+    together; a weight that alone is that large is used as is. None entries stay None."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    copies = max(1, -(-total_bytes // nbytes)) if nbytes else 1
+    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors)
+                               for _ in range(copies - 1)]
+
+
+def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> float:
+    """Per-call time (us) of ``fn(i)``, i cycling over ``copies`` weight copies, from the median
+    replay of a captured graph of max(copies, MIN_CALLS) calls. ``fn`` is called (warmed up:
+    compiled, autotuned) outside the capture first."""
+    calls = max(copies, MIN_CALLS)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    us = median_replay_ms(graph, repeats) * 1e3 / calls
+    del graph
+    return us
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 5,
+                     before: Callable[[], None] = lambda: None) -> float:
+    """The median time of a graph's replay in ms (CUDA events; after one untimed replay).
+    ``before`` runs ahead of each replay, untimed (capture: back to position 0)."""
+    before()
+    graph.replay()  # the first replay uploads the graph
+    times = []
+    for _ in range(repeats):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
