@@ -6,7 +6,8 @@ and for a second message on the kept state. The figure is the service's own ``tt
 usage: python bench/service_ttft.py [--preset presets/demo.yaml] [--shape qwen3.5-0.8b]
        [--repeats 5] [--json FILE]
 
-Every mode is warmed up first (graphs captured, as the app does at start-up). Median of
+Every mode is warmed up first (graphs captured, as the app does at start-up), one at a time,
+each mode's warm-up time printed as it ends: the app's start-up time on this machine. Median of
 --repeats, each in a fresh conversation. Runs on the CPU too (the demo preset's model is
 small), where the figures are the CPU's. ``--shape``: the preset served with random weights of
 one of bench/shapes.py's hybrid Qwen3.5 shapes instead of its model, written by transformers
@@ -24,6 +25,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -85,16 +87,23 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\n{label}\n{'mode':<10}{'first msg ms':>14}{'(tokens)':>10}{'on kept ms':>12}"
-          f"{'(tokens)':>10}")
+          f"{'(tokens)':>10}{'warm-up s':>11}")
     for r in rows:
         print(f"{r['mode']:<10}{r['first_ms']:>14.2f}{r['first_tokens']:>10}"
-              f"{r['second_ms']:>12.2f}{r['second_tokens']:>10}")
+              f"{r['second_ms']:>12.2f}{r['second_tokens']:>10}{r['warm_up_s']:>11.1f}")
 
 
 def run(preset, args) -> list[dict]:
+    start = time.perf_counter()
     service = EngineService(preset).start()
+    print(json.dumps({"loaded_s": round(time.perf_counter() - start, 2)}), flush=True)
     try:
-        service.warm_up()
+        warm_up_s = {}
+        for mode in MODES:  # one at a time, each printed: a run cut short still says how far
+            start = time.perf_counter()
+            service.warm_up((mode,))
+            warm_up_s[mode] = round(time.perf_counter() - start, 2)
+            print(json.dumps({"mode": mode, "warm_up_s": warm_up_s[mode]}), flush=True)
         rows = []
         for mode in MODES:
             first, second, tokens = [], [], {}
@@ -108,7 +117,8 @@ def run(preset, args) -> list[dict]:
             rows.append({"mode": mode,
                          "first_ms": statistics.median(first), "first_tokens": tokens["first"],
                          "second_ms": statistics.median(second),
-                         "second_tokens": tokens["second"], "device": str(service.device)})
+                         "second_tokens": tokens["second"], "warm_up_s": warm_up_s[mode],
+                         "device": str(service.device)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         service.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -60,12 +61,18 @@ def transformers_config(cfg):
 
 def measured(row: dict, side: str, fn, repeats: int):
     """``fn``'s median time and peak memory into ``row`` as ``{side}_ms``, ``{side}_peak_gib``
-    (the allocator's peak over the timed calls, weights and caches included), then one more
-    call's result; on an error (out of memory, say) ``{side}_error`` and None."""
+    (the allocator's peak over the timed calls, weights and caches included) and
+    ``{side}_extra_gib`` (that peak over what was allocated before: the call's own memory,
+    whatever earlier rows left), then one more call's result; on an error (out of memory, say)
+    ``{side}_error`` and None."""
     try:
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         row[f"{side}_ms"] = median_ms(fn, repeats)
         row[f"{side}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row[f"{side}_extra_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
         return fn()
     except Exception as err:  # record, go on with the other side
         row[f"{side}_error"] = repr(err)[:200]
@@ -75,8 +82,12 @@ def measured(row: dict, side: str, fn, repeats: int):
 
 def chunk_peaks(engine, ids: torch.Tensor) -> list[float]:
     """The allocator's peak (GiB) while each prefill chunk of ``ids`` ran, then what stayed
-    allocated before the prefill: a peak that grows chunk by chunk grows with the kept length
-    (the 64k prompt's 47.9 GiB against 15.6 for 16k, 2026-12-01, in 16k chunks)."""
+    allocated before the prefill: a peak that grows chunk by chunk would grow with the kept
+    length. (It does not: 64k in a fresh process, 2026-12-01, four 16k chunks each at 4.74 GiB
+    over 3.71 allocated before. That day's first 64k row, 47.9 GiB, came after the shorter
+    rows and transformers' forwards in the same process, and its peak counted whatever they
+    left allocated (what exactly was not pinned down): hence ``{side}_extra_gib`` in
+    ``measured``, the call's own memory.)"""
     peaks = []
 
     def progress(done: int, total: int) -> bool:
@@ -240,7 +251,7 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
         out = measured(row, "unimax", lambda ids=ids: engine.prefill_exact(ids)[1], repeats)
         if out is not None and length > engine.prefill_chunk:
             *row["unimax_chunk_peaks_gib"], row["unimax_base_gib"] = chunk_peaks(engine, ids)
-        if out is not None and length >= engine.prefill_chunk:  # (16k from empty: +10.8 GiB)
+        if out is not None and length >= engine.prefill_chunk:
             try:
                 row["unimax_largest_allocations"] = largest_allocations(engine, ids)
             except Exception as err:  # (a private API of the allocator: record, go on)
@@ -338,8 +349,8 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
                 for side in ("unimax", "transformers"))
                 + "".join(f"   {side}: {r[side + '_error'][:60]}"
                           for side in ("unimax", "transformers") if side + "_error" in r)
-                + (f"   unimax peak GiB {r['unimax_peak_gib']:.1f}"
-                   if "unimax_peak_gib" in r else ""))
+                + (f"   unimax peak GiB {r['unimax_peak_gib']:.1f} (own "
+                   f"{r['unimax_extra_gib']:.1f})" if "unimax_peak_gib" in r else ""))
         else:
             fla = "".join(f"   {name} {r[name + '_ms']:.2f} (err {r[name + '_err']:.1e})"
                           if name + "_ms" in r else f"   {name} error"
@@ -347,7 +358,8 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
             print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
                   f"{r['transformers_ms']:>11.2f}{r['speedup']:>7.2f}"
                   f"{r['last_logits_rel_err']:>9.1e}{fla}   peak GiB "
-                  f"{r['unimax_peak_gib']:.1f} / {r['transformers_peak_gib']:.1f}")
+                  f"{r['unimax_peak_gib']:.1f} / {r['transformers_peak_gib']:.1f} (own "
+                  f"{r['unimax_extra_gib']:.1f} / {r['transformers_extra_gib']:.1f})")
         if "unimax_chunk_peaks_gib" in r:
             print(f"{'':<14}unimax peak GiB per prefill chunk: " + ", ".join(
                 f"{peak:.1f}" for peak in r["unimax_chunk_peaks_gib"])
