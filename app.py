@@ -1,6 +1,7 @@
 """UNI MAX chat app: python app.py [--preset FILE] [--model PATH_OR_ID] [--mode M] [--host H]
-[--port P] [--api-only]. Loads the model once, captures the decode graphs, then serves the
-Gradio page and the OpenAI-compatible API (/v1) from one server and one engine thread."""
+[--port P] [--api-only]. Loads the model once, then serves the Gradio page and the
+OpenAI-compatible API (/v1) from one server and one engine thread, while it warms every mode
+up (compiles, captures the decode graphs) in the background."""
 
 from __future__ import annotations
 
@@ -82,20 +83,27 @@ def main(argv=None) -> int:
     step(f"loaded {cfg.num_hidden_layers} GDN layers, hidden {cfg.hidden_size}, vocab "
          f"{cfg.vocab_size} on {service.device} in {time.perf_counter() - start:.1f} s")
     service.start()
+    app = build_app(service, api_only=args.api_only)
     if not args.no_warm_up:
         what = "capturing CUDA graphs where there is a GPU"
         if preset.compile_step and service.device.type == "cuda":
-            what = "compiling each mode's decode step and capturing its CUDA graphs: up to a " \
-                   "minute per mode"
-        start = step(f"warming up every mode ({what})…")
-        service.warm_up()
-        step(f"ready in {time.perf_counter() - start:.1f} s")
-    app = build_app(service, api_only=args.api_only)
+            what = "compiling each mode's decode step and capturing its CUDA graphs: a minute " \
+                   "or more per mode"
+        step(f"warming up every mode, {preset.mode} first, while serving ({what}); a reply "
+             "sent meanwhile waits for it")
+        service.warm_up_in_background(on_done=warmed_up)
     url = f"http://{args.host}:{args.port}"
     step(f"serving on {url}" + ("" if args.api_only else " (the page)") +
          f"; OpenAI API at {url}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def warmed_up(seconds: float, error: str | None) -> None:
+    if error:
+        print(f"[unimax] warm-up failed ({error}); that mode captures on first use",
+              file=sys.stderr, flush=True)
+    step(f"warm-up done in {seconds:.1f} s: every mode ready")
 
 
 def build_app(service, api_only: bool = False):

@@ -184,6 +184,13 @@ def test_metrics_and_health(server, client):
         assert name in text, name
     assert metric(server, "unimax_generated_tokens_total", mode="verified") > 0
     assert json.loads(httpx.get(server + "health", timeout=10).text)["model"] == MODEL
+    deadline = time.time() + 60  # the app serves while it warms every mode up, then says so
+    while (health := httpx.get(server + "health", timeout=10).json())["warm_up"]["pending"] \
+            or health["warm_up"]["running"]:
+        assert time.time() < deadline, health
+        time.sleep(0.2)
+    assert sorted(health["warm_up"]["ready"]) == ["bf16", "fp8", "verified"], health
+    assert health["warm_up"]["error"] is None
 
 
 def test_api_only_serves_the_api_without_the_page():

@@ -36,12 +36,16 @@ class Event:
 
 
 class Service:
-    """Replies with two deltas and a done event, like the engine thread's stream."""
+    """Replies with two deltas and a done event, like the engine thread's stream (after
+    ``ahead``: events that come before them, such as "queued")."""
+
+    def __init__(self, ahead=()):
+        self.ahead = list(ahead)
 
     def submit(self, conversation_id, messages, mode, settings):
         handle = Handle(finished=False)
-        events = [Event("delta", "Once"), Event("delta", " upon"),
-                  Event("done", stopped="length")]
+        events = self.ahead + [Event("delta", "Once"), Event("delta", " upon"),
+                               Event("done", stopped="length")]
 
         def stream():
             yield from events
@@ -66,6 +70,21 @@ def test_clear_after_the_last_event_still_wins():
             sessions.cancel("s")
     assert updates[-2][0][-1]["content"] == "Once upon"
     assert updates[-1] == ([], "", "Cleared.")
+
+
+def test_a_reply_sent_during_the_warm_up_says_what_it_waits_for():
+    """The app serves while it warms its modes up: a reply queued then says the engine is
+    warming up which mode, not just a queue position; then it streams as usual."""
+    service = Service([Event("queued", position=0, warming_up="verified"),
+                       Event("queued", position=1, warming_up="verified"),
+                       Event("queued", position=1, warming_up=None)])
+    chat = ChatTab(service, Sessions(), preset=None)
+    gen = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None)
+    statuses = [u[2] for u in chat.reply([{"role": "user", "content": "hi"}], gen, "s",
+                                         sent="hi")]
+    assert "warming up the verified mode" in statuses[1] == statuses[2]
+    assert statuses[3] == "⏳ Waiting for the GPU: 1 request(s) ahead."
+    assert statuses[-1].startswith("Done")
 
 
 def test_done_status_says_who_ended_the_reply():

@@ -227,3 +227,67 @@ def test_decode_curve_is_the_running_rate(service):
     assert len(curve) >= 3 and [p[0] for p in curve] == sorted(p[0] for p in curve)
     assert curve[-1][0] == stats["generated_tokens"]
     assert abs(curve[-1][1] - stats["decode_tok_s"]) <= 0.02 * stats["decode_tok_s"] + 1
+
+
+def test_background_warm_up_serves_meanwhile_and_says_so(monkeypatch):
+    """app.py serves while every mode warms up on a thread of its own, the preset's mode first:
+    a reply sent meanwhile is told the engine is warming up, waits, and then runs; the state
+    (the /health route's) walks from pending to ready; the warm-up's own replies reach no
+    listener (the /metrics counters); on_done gets the time and no error."""
+    svc = EngineService(Preset(model="tiny-random", block_size=4, mode="fp8",
+                               generation=GenerationSettings(max_new_tokens=8))).start()
+    try:
+        seen, done = [], threading.Event()
+        svc.listeners.append(lambda handle: seen.append(handle.conversation_id))
+        gate, real_warm_up = threading.Event(), svc.warm_up
+
+        def gated_warm_up(modes):
+            assert gate.wait(60)  # the first mode's warm-up holds until the reply is queued
+            real_warm_up(modes)
+
+        monkeypatch.setattr(svc, "warm_up", gated_warm_up)
+        finished = []
+        svc.warm_up_in_background(on_done=lambda s, err: (finished.append((s, err)), done.set()))
+        deadline = time.time() + 10
+        while svc.warming_mode() is None:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert svc.warm_up_state["running"] == "fp8"
+        assert svc.warm_up_state["pending"] == ["bf16", "verified"]
+        handle = svc.submit("meanwhile", [user("Hi")], "bf16", GenerationSettings(max_new_tokens=4))
+        gate.set()
+        events = list(handle.events(timeout=120))
+        assert events[0].kind == "queued" and events[0].data["warming_up"] == "fp8"
+        assert events[-1].kind == "done" and events[-1].data["reply"]
+        assert done.wait(120) and finished[0][1] is None and finished[0][0] > 0
+        assert svc.warm_up_state == {"running": None, "ready": ["fp8", "bf16", "verified"],
+                                     "pending": [], "error": None}
+        assert seen == ["meanwhile"]  # the warm-up's replies are not users' requests
+        later = svc.submit("later", [user("Hi")], "bf16", GenerationSettings(max_new_tokens=2))
+        assert next(later.events(timeout=120)).data["warming_up"] is None
+        list(later.events(timeout=120))
+    finally:
+        svc.stop()
+
+
+def test_background_warm_up_goes_on_past_a_failing_mode(monkeypatch):
+    """A mode whose warm-up fails is logged, left out of ready and named in the error; the
+    others still warm up, and on_done hears the error."""
+    svc = EngineService(Preset(model="tiny-random", block_size=4,
+                               generation=GenerationSettings(max_new_tokens=8))).start()
+    try:
+        real_warm_up = svc.warm_up
+
+        def failing(modes):
+            if modes == ("fp8",):
+                raise RuntimeError("no FP8 here")
+            real_warm_up(modes)
+
+        monkeypatch.setattr(svc, "warm_up", failing)
+        finished = []
+        svc.warm_up_in_background(on_done=lambda s, err: finished.append(err)).join(120)
+        assert finished == ["fp8: no FP8 here"]
+        assert svc.preset.mode == "fp8" and svc.warm_up_state["ready"] == ["bf16", "verified"]
+        assert svc.warm_up_state["error"] == "fp8: no FP8 here"
+    finally:
+        svc.stop()

@@ -135,7 +135,11 @@ class ChatTab:
             if self.sessions.epoch(session) != epoch:  # cleared meanwhile
                 yield from self._cleared(session)
                 return
-            if kind == "queued" and data.get("position"):
+            if kind == "queued" and data.get("warming_up"):
+                status = f"⏳ The engine is warming up the {data['warming_up']} mode " \
+                         "(once per start: compiling, capturing CUDA graphs); your reply " \
+                         "starts after it."
+            elif kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
             elif kind == "started":
                 status = f"Generating ({gen.mode}) · prefilling {data['prefill_tokens']} new " \

@@ -104,8 +104,11 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
 
     @app.get("/health")
     async def health():
+        with service.stats_lock:
+            warm_up = {key: value if isinstance(value, str | None) else list(value)
+                       for key, value in service.warm_up_state.items()}
         return {"status": "ok", "model": name, "device": str(service.device),
-                "queue": len(service.pending)}
+                "queue": len(service.pending), "warm_up": warm_up}
 
     @app.get("/metrics")
     async def prometheus():

@@ -59,6 +59,7 @@ class RequestHandle:
         self.prompt: list[int] = []  # token ids, set by EngineService.submit
         self.text: str | None = None  # a raw prompt to continue (submit_text), not a chat
         self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
+        self.internal = False  # the warm-up's own reply: no user's request, not in metrics
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -107,9 +108,12 @@ class EngineService:
         self.ids = itertools.count(1)
         self.stats_lock = threading.Lock()
         self.latest_stats: dict = {"mode": preset.mode}
+        # a background warm-up's progress (warm_up_in_background), under stats_lock
+        self.warm_up_state: dict = {"running": None, "ready": [], "pending": [], "error": None}
         self.thread = threading.Thread(target=self._loop, name="unimax-engine", daemon=True)
         self.busy = threading.Event()
-        # Called on the engine thread with each request it ran, once it ended (metrics).
+        # Called on the engine thread with each request it ran, once it ended (metrics); not
+        # with the warm-up's own replies.
         self.listeners: list[Callable[[RequestHandle], None]] = []
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -125,6 +129,52 @@ class EngineService:
         self.requests.put(None)
         self.thread.join(timeout)
 
+    def warm_up_in_background(self, first: str | None = None,
+                              on_done: Callable[[float, str | None], None] | None = None
+                              ) -> threading.Thread:
+        """``warm_up`` of every mode on a thread of its own, ``first`` (the preset's mode by
+        default) first, so that the page and the API serve while it runs: on a GPU each mode
+        compiles its steps and captures its graphs, minutes in all. A reply sent meanwhile
+        waits for the engine thread behind the warm-up work queued before it, and says so
+        (its "queued" event carries ``warming_up``, the mode being warmed). ``warm_up_state``
+        tells how far it is (the /health route shows it); ``on_done(seconds, error or None)``
+        at the end. A mode that fails to warm up is logged and skipped: its replies capture on
+        first use or report their own error."""
+        first = first or self.preset.mode
+        order = (first,) + tuple(mode for mode in MODES if mode != first)
+        with self.stats_lock:
+            self.warm_up_state = {"running": None, "ready": [], "pending": list(order),
+                                  "error": None}
+
+        def run() -> None:
+            start, error = time.perf_counter(), None
+            for mode in order:
+                with self.stats_lock:
+                    self.warm_up_state["pending"].remove(mode)
+                    self.warm_up_state["running"] = mode
+                failed = None
+                try:
+                    self.warm_up((mode,))
+                except Exception as err:
+                    log.exception("warm-up of mode %s failed", mode)
+                    failed = error = f"{mode}: {err}"
+                with self.stats_lock:
+                    self.warm_up_state["running"] = None
+                    if failed is None:
+                        self.warm_up_state["ready"].append(mode)
+                    self.warm_up_state["error"] = error
+            if on_done is not None:
+                on_done(time.perf_counter() - start, error)
+
+        thread = threading.Thread(target=run, name="unimax-warm-up", daemon=True)
+        thread.start()
+        return thread
+
+    def warming_mode(self) -> str | None:
+        """The mode a background warm-up is on now, or None."""
+        with self.stats_lock:
+            return self.warm_up_state["running"]
+
     def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
         """Build every mode's engine and capture its graphs now, not on the first message:
         one short reply per mode (kernels autotuned, block graphs captured), then every other
@@ -132,7 +182,8 @@ class EngineService:
         otherwise capture them in its first blocks)."""
         for mode in modes:
             handle = self.submit(f"warm-up-{mode}", [{"role": "user", "content": "Hi"}], mode,
-                                 GenerationSettings(max_new_tokens=2 * self.preset.block_size))
+                                 GenerationSettings(max_new_tokens=2 * self.preset.block_size),
+                                 internal=True)
             for event in handle.events():
                 if event.kind == "error":
                     raise RuntimeError(f"warm-up of mode {mode} failed: {event.text}")
@@ -146,7 +197,7 @@ class EngineService:
 
     def submit(self, conversation_id: str, messages: list[dict], mode: str | None = None,
                settings: GenerationSettings | None = None, *,
-               text: str | None = None) -> RequestHandle:
+               text: str | None = None, internal: bool = False) -> RequestHandle:
         """Queue a reply to ``messages``. The request is checked and tokenized here, on the
         caller's thread, so a bad or huge message never holds up the engine thread: a request
         the user can fix ends at once with an error event."""
@@ -155,6 +206,7 @@ class EngineService:
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
         handle.text = text
+        handle.internal = internal
         try:
             handle.prompt = self.prepare(handle)
         except RequestError as err:
@@ -163,7 +215,7 @@ class EngineService:
         with self.pending_lock:
             self.pending.append(handle)
             position = len(self.pending) - 1 + (1 if self.busy.is_set() else 0)
-        handle.emit("queued", position=position)
+        handle.emit("queued", position=position, warming_up=self.warming_mode())
         self.requests.put(handle)
         return handle
 
@@ -232,7 +284,8 @@ class EngineService:
                     self.pending.remove(handle)
                 self.busy.set()
                 for waiting in self.pending:
-                    waiting.emit("queued", position=self.pending.index(waiting) + 1)
+                    waiting.emit("queued", position=self.pending.index(waiting) + 1,
+                                 warming_up=self.warming_mode())
             try:
                 if handle.cancelled.is_set():
                     handle.emit("done", stopped="cancelled")
@@ -252,7 +305,7 @@ class EngineService:
                             reason="internal")
             finally:
                 self.busy.clear()
-                for listener in self.listeners:
+                for listener in self.listeners if not handle.internal else ():
                     try:
                         listener(handle)
                     except Exception:
