@@ -101,9 +101,10 @@ def main(argv=None) -> int:
 
 def warmed_up(seconds: float, error: str | None) -> None:
     if error:
-        print(f"[unimax] warm-up failed ({error}); that mode captures on first use",
-              file=sys.stderr, flush=True)
-    step(f"warm-up done in {seconds:.1f} s: every mode ready")
+        print(f"[unimax] warm-up failed ({error}); that mode compiles and captures on first "
+              f"use instead (warm-up ended after {seconds:.1f} s)", file=sys.stderr, flush=True)
+    else:
+        step(f"warm-up done in {seconds:.1f} s: every mode ready")
 
 
 def build_app(service, api_only: bool = False):

@@ -42,7 +42,9 @@ def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> floa
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local, as the engine's own captures: another thread's CUDA call (none expected)
+    # must not void this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(i % copies)
     us = median_replay_ms(graph, repeats) * 1e3 / calls
