@@ -52,6 +52,18 @@ for dtype in (torch.float32, torch.bfloat16):
                 assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
                                                           args[8] is None, kernel, err)
         print("ok", dtype, m, n, k)
+# each form at a tile given by hand (the timed choice's names): the first and the last
+from unimax.ops.fused_gemv import tiles_for
+from unimax.ops.gemv import tile_text
+for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
+    if args[8] is None:  # (with the residual only: the interpreter is slow)
+        continue
+    for tile in (tiles_for(64)[0], tiles_for(64)[-1]):
+        fp16 = ("rows16", "split16") if args[2] is not None else ()
+        for form in ("rows", "split") + fp16:
+            y = fused_gemv(*args, kernel=f"{form}@{tile_text(tile)}")
+            assert rel(y, ref) < 2e-2, (prologue, form, tile)
+print("tiles fine")
 from unimax.ops.fused_gemv import _counters
 print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
@@ -73,6 +85,7 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
+    assert "tiles fine" in out, out
 
 
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:

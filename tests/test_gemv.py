@@ -34,6 +34,18 @@ for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130), (5, 70,
             h = gemv(x, *args, kernel="rows16")
             assert float((h.float() - r.float()).norm() / r.float().norm()) < 1e-2
         print("ok", m, n, k, err)
+# each form at a tile given by hand (the timed choice's names), the widest and narrowest
+from unimax.ops.gemv import TILES, tile_text
+x, w = torch.randn(3, 300).to(torch.bfloat16), torch.randn(70, 300)
+q, s = quantize_rows(w)
+for form, tiles in TILES.items():
+    for tile in (tiles[0], tiles[-1]):
+        for args in ((q, s), (w.to(torch.bfloat16), None)):
+            if form == "rows16" and args[1] is None:
+                continue
+            y, r = gemv(x, *args, kernel=f"{form}@{tile_text(tile)}"), gemv_ref(x, *args)
+            assert float((y.float() - r.float()).norm() / r.float().norm()) < 1e-2
+            print("tile", form, tile)
 # the op has a fake kernel: a compiled function traces through it with no graph break
 traced = torch.compile(lambda x, w, s: small_m_linear(x, w, s) * 2, fullgraph=True,
                        backend="eager")
@@ -44,6 +56,26 @@ print("compiled", float((traced(x, q, s) - 2 * gemv(x, q, s)).abs().max()))
 def test_triton_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 18 and "compiled 0.0" in out, out
+    assert out.count("tile") == 10, out
+
+
+def test_kernel_names_with_tiles():
+    """The timed choice's names: every form at each of its tiles; a name with a tile that is
+    not one of its form's is refused with the tiles it could have, as is an unknown form."""
+    from unimax.ops.gemv import DOT_TILES, GEMV_TILES, TILES, parse_kernel, tiled_names
+
+    names = tiled_names(("rows", "dot"), TILES)
+    assert len(names) == len(GEMV_TILES) + len(DOT_TILES) and names[0] == "rows@4x512x4"
+    assert all(parse_kernel(name, TILES, "gemv")[1] in TILES[name.split("@")[0]]
+               for name in names)
+    assert parse_kernel("dot", TILES, "gemv") == ("dot", None)
+    assert parse_kernel("dot@64x256x8x3", TILES, "gemv") == ("dot", (64, 256, 8, 3))
+    with pytest.raises(ValueError, match="tile '64x256x8' is not one of dot's: 16x256x4x3"):
+        parse_kernel("dot@64x256x8", TILES, "gemv")
+    with pytest.raises(ValueError, match="tile 'big' is not one of rows's"):
+        parse_kernel("rows@big", TILES, "gemv")
+    with pytest.raises(ValueError, match="gemv: kernel must be one of rows, rows16, dot"):
+        parse_kernel("fast", TILES, "gemv")
 
 
 def test_fp8_gemv_mode_keeps_bf16_activations():

@@ -149,9 +149,9 @@ def test_short_prefill_graphs_on_gpu(model):
 
 def test_small_m_linear_picks_per_shape_and_graphs():
     """The custom op: a kernel chosen once per shape outside capture (GEMV, tensor-core or cuBLAS
-    for BF16 weights; GEMV or the FP16 tensor-core kernel for FP8), timed in captured graphs
-    over weight copies (ops.timing) without error; inside a captured graph it replays what it
-    chose; every kernel agrees with the plain twin."""
+    for BF16 weights; GEMV or the FP16 tensor-core kernel for FP8), each Triton form at a tile
+    of its own, timed in captured graphs over weight copies (ops.timing) without error; inside
+    a captured graph it replays what it chose; every kernel agrees with the plain twin."""
     from unimax.fp8 import quantize_rows
     from unimax.ops import gemv as ops
 
@@ -164,7 +164,9 @@ def test_small_m_linear_picks_per_shape_and_graphs():
             ref = ops.gemv_ref(x, *weights).float()
             y = ops.small_m_linear(x, *weights)
             choice = ops.CHOICES[(m, 3000, 1024, weights[0].dtype)]
-            assert choice in ops.candidates(m, len(weights) == 2)
+            form, tile = choice.partition("@")[::2]
+            assert form in ops.candidates(m, len(weights) == 2)
+            assert form == "cublas" or ops.parse_kernel(choice, ops.TILES, "t")[1] is not None
             assert rel_err(y.float(), ref) < 1e-2
             kernels = ("rows", "dot") if m <= ops.PROGRAM_ROWS else ("dot",)
             if m <= ops.PROGRAM_ROWS:

@@ -32,7 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .gemv import GEMV_TILES, PROGRAM_ROWS, _interpreted, gemv_ref, timed_choice
+from .gemv import (
+    GEMV_TILES,
+    PROGRAM_ROWS,
+    _interpreted,
+    gemv_ref,
+    parse_kernel,
+    tile_args,
+    tiled_names,
+    timed_choice,
+)
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 # Programmatic dependent launch (compute capability 9+; read when a kernel launches, so when a
@@ -105,14 +114,23 @@ def check(x, weight, out_features: int, in_features: int, prologue: str, norm_we
 
 
 @functools.cache
-def _kernel(f16: bool, head: int):
-    """The fused kernel, autotuned per (N, K, prologue, residual) over the GEMV's tiles, with
-    BLOCK_K at least one head (a gated prologue normalizes whole heads within a slice)."""
+def tiles_for(head: int) -> tuple[tuple[int, int, int], ...]:
+    """The fused kernel's tiles: the GEMV's, with BLOCK_K at least one head (a gated prologue
+    normalizes whole heads within a slice)."""
+    return tuple(sorted({(n, max(k, head), w) for n, k, w in GEMV_TILES}))
+
+
+@functools.cache
+def _kernel(f16: bool, head: int, tiled: bool = False):
+    """The fused kernel, autotuned per (N, K, prologue, residual) over ``tiles_for(head)``;
+    ``tiled``: the kernel itself, for a tile given by hand (ops.gemv.tile_args)."""
     import triton
 
     from .fused_gemv_kernels import fused_gemv_kernel
 
-    tiles = sorted({(n, max(k, head), w) for n, k, w in GEMV_TILES})
+    tiles = tiles_for(head)
+    if tiled:
+        return triton, fused_gemv_kernel, {"F16": f16}
     if _interpreted():
         return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
@@ -124,7 +142,8 @@ def _kernel(f16: bool, head: int):
 # launch by the last program of each tile): offered for FP8 weights where the output is narrow
 # (N <= SPLIT_MAX_N: the out- and down-projections, 2560 rows at 4B: only a few hundred
 # programs without it) and K at least SPLIT_K x 256 (slices are whole tiles: with wider tiles
-# the last slices are empty, which costs only their programs). Not yet measured; the per-shape
+# the last slices are empty, which costs only their programs). On the H200 (bench/RESULTS.md,
+# eleventh session) it barely helps (down at 4B 0.8 us faster, out_proj slower); the per-shape
 # timed choice takes it only where it is faster.
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
 SPLIT_K = 4
@@ -159,13 +178,13 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
-    SPLIT_K: the same sums in slices, added in slice order)."""
+    SPLIT_K: the same sums in slices, added in slice order), each autotuned, or any with
+    "@tile" (one of ``tiles_for`` the prologue's head, as ops.gemv.tiled_names writes it)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
-    kernel = kernel or "rows"
-    if kernel not in KERNEL_NAMES:
-        raise ValueError(f"fused_gemv: kernel must be one of {', '.join(KERNEL_NAMES)}, got "
-                         f"{kernel!r}")
+    gated = prologue.startswith("gated")
+    head = norm_weight.shape[0] if gated else 1
+    kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel.endswith("16") and scale is None:
@@ -173,9 +192,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     split = SPLIT_K if kernel.startswith("split") else 1
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
-    gated = prologue.startswith("gated")
-    head = norm_weight.shape[0] if gated else 1
-    triton, launch, fixed = _kernel(kernel.endswith("16"), head)
+    triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     # split-K's partial sums and counters (rows: unused, any pointer)
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
@@ -193,8 +210,13 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  SPLIT=split, **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
-                 **pdl_launch(x))
+                 **pdl_launch(x), **tile_args(tile))
     return y
+
+
+@functools.cache
+def _tiles_by_form(head: int) -> dict[str, tuple]:
+    return dict.fromkeys(KERNEL_NAMES, tiles_for(head))
 
 
 def pdl_launch(x: torch.Tensor) -> dict:
@@ -225,16 +247,19 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                                         norm_weight, z, residual, eps, offset)
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
-    names = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
+    forms = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
-        names += ("split", "split16")
+        forms += ("split", "split16")
+    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
+    names = tiled_names(forms, _tiles_by_form(norm_weight.shape[0] if prologue.startswith(
+        "gated") else 1))
 
     def run(kernel: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         return fused_gemv(x, weight, scale, out_features, in_features, prologue,
                           norm_weight=norm_weight, z=z, residual=residual, eps=eps,
                           offset=offset, kernel=kernel)
 
-    return run(timed_choice(CHOICES, key, names, names[0], True, run, (weight, scale)),
+    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
 
 

@@ -28,7 +28,6 @@ import torch
 from .timing import graph_us, weight_copies
 
 GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
-KERNELS = ("rows", "rows16", "dot")
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
 
@@ -53,7 +52,7 @@ GEMV_TILES = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8),
 
 
 @functools.cache
-def _gemv_kernel(scaled: bool, f16: bool = False):
+def _gemv_kernel(scaled: bool, f16: bool = False, tiled: bool = False):
     """Rows of x as programs. One autotuned kernel per weight kind (FP8 with scales, BF16
     without): the best tile for a (N, K) differs between 1- and 2-byte weights.
 
@@ -63,13 +62,17 @@ def _gemv_kernel(scaled: bool, f16: bool = False):
     multiply-adds are packed too. Each lane sums K / BLOCK_K products in FP16 (a few dozen at
     most), the lanes are summed in fp32; x is scaled by 1/64 first (exact) so that products of
     weights up to 448 overflow only past |x| ~ 9000. For drafts and the FP8 tail, whose FP8
-    weights already round at ~2^-4; never for the exact model."""
+    weights already round at ~2^-4; never for the exact model.
+
+    ``tiled``: the kernel itself, for a launch with a tile given by hand (``tile_args``)."""
     import triton
 
     from .gemv_kernels import gemv_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                for n, k, w in GEMV_TILES]
+    if tiled:
+        return triton, gemv_kernel, {"F16": f16}
     if _interpreted():
         return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "F16": f16}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel),
@@ -82,26 +85,73 @@ DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3),
 
 
 @functools.cache
-def _dot_kernel(scaled: bool):
+def _dot_kernel(scaled: bool, tiled: bool = False):
     """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
-    read once for the whole block (the verifier's k tokens)."""
+    read once for the whole block (the verifier's k tokens). ``tiled``: as _gemv_kernel."""
     import triton
 
     from .gemv_kernels import dot_kernel
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in DOT_TILES]
+    dot_f32 = _interpreted()  # (the interpreter's dot in fp32)
+    if tiled:
+        return triton, dot_kernel, {"DOT_F32": dot_f32}
     if _interpreted():
         return triton, dot_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "DOT_F32": True}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(dot_kernel),
             {"DOT_F32": False})
 
 
+# --- kernels named with a tile: "form@NxKxW" (x stages for "dot") ---------------------------
+# The per-shape timed choice times each form at each of its tiles itself (in graphs, like a
+# step) rather than leave the tile to Triton's autotuner, which times a lone call with L2
+# flushed: the way the form choice timed before it missed by up to 44% (ops/timing.py).
+
+TILES = {"rows": GEMV_TILES, "rows16": GEMV_TILES, "dot": DOT_TILES}
+
+
+def tile_text(tile: tuple[int, ...]) -> str:
+    return "x".join(str(v) for v in tile)
+
+
+def tiled_names(forms: tuple[str, ...], tiles: dict[str, tuple]) -> tuple[str, ...]:
+    """Every form at every one of its tiles, as kernel names."""
+    return tuple(f"{form}@{tile_text(tile)}" for form in forms for tile in tiles[form])
+
+
+def parse_kernel(kernel: str, tiles: dict[str, tuple], what: str) -> tuple[str, tuple | None]:
+    """"form" (its tile autotuned) or "form@tile" (that tile, one of the form's ``tiles``) ->
+    (form, tile or None); ``what`` names the caller in errors."""
+    form, _, named = kernel.partition("@")
+    if form not in tiles:
+        raise ValueError(f"{what}: kernel must be one of {', '.join(tiles)}, optionally with "
+                         f"@tile, got {kernel!r}")
+    if not named:
+        return form, None
+    parts = named.split("x")
+    tile = tuple(int(v) for v in parts) if all(v.isdigit() for v in parts) else None
+    if tile not in tiles[form]:
+        raise ValueError(f"{what}: {kernel!r}: tile {named!r} is not one of {form}'s: "
+                         f"{', '.join(tile_text(t) for t in tiles[form])}")
+    return form, tile
+
+
+def tile_args(tile: tuple[int, ...] | None) -> dict:
+    """A tile's launch arguments: the autotuner's config, given by hand."""
+    if tile is None:
+        return {}
+    n, k, warps, *stages = tile
+    return {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps,
+            **({"num_stages": stages[0]} if stages else {})}
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
-    weights only) or "dot" (tensor cores); by default rows for M <= PROGRAM_ROWS."""
+    weights only) or "dot" (tensor cores), each autotuned, or any with "@tile" (one of its
+    TILES, as ``tiled_names`` writes it); by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -110,9 +160,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     m, k = x.shape
     if m > GEMV_ROWS:
         raise ValueError(f"gemv: at most {GEMV_ROWS} rows, got {m}")
-    kernel = kernel or ("rows" if m <= PROGRAM_ROWS else "dot")
-    if kernel not in KERNELS:
-        raise ValueError(f"gemv: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    kernel, tile = parse_kernel(kernel or ("rows" if m <= PROGRAM_ROWS else "dot"), TILES,
+                                "gemv")
     if kernel == "rows16" and scale is None:
         raise ValueError(f"gemv: {kernel} (FP16 products) is for FP8 weights only")
     x = x.contiguous()
@@ -120,21 +169,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
     if kernel in ("rows", "rows16"):
-        triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16")
+        triton, launch, fixed = _gemv_kernel(scaled, kernel == "rows16", tile is not None)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed)
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed,
+                     **tile_args(tile))
     else:
-        triton, launch, fixed = _dot_kernel(scaled)
+        triton, launch, fixed = _dot_kernel(scaled, tile is not None)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed)
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed,
+                     **tile_args(tile))
     return y
 
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------
 
-CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> one of KERNELS or "cublas"
+CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "form@tile" (TILES) or "cublas"
 
 
 TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by call): none expected
@@ -184,10 +235,13 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:
-    """The fastest of ``candidates`` for this shape, timed once (``timed_choice``); the default
-    Triton kernel where it cannot be timed."""
-    return timed_choice(CHOICES, (x.shape[0], *weight.shape, weight.dtype),
-                        candidates(x.shape[0], scale is not None),
+    """The fastest of ``candidates`` for this shape, each Triton form at each of its tiles,
+    timed once (``timed_choice``); the default Triton kernel, autotuned, where it cannot be
+    timed."""
+    forms = candidates(x.shape[0], scale is not None)
+    names = tiled_names(tuple(f for f in forms if f in TILES), TILES) + tuple(
+        f for f in forms if f not in TILES)  # (cuBLAS picks its own tiles)
+    return timed_choice(CHOICES, (x.shape[0], *weight.shape, weight.dtype), names,
                         "rows" if x.shape[0] <= PROGRAM_ROWS else "dot", x.is_cuda,
                         lambda name, w, s: _run(name, x, w, s), (weight, scale))
 

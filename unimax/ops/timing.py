@@ -36,17 +36,22 @@ def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> floa
     calls = max(copies, MIN_CALLS)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    # thread_local, as the engine's own captures: another thread's CUDA call (none expected)
-    # must not void this capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for i in range(calls):
-            fn(i % copies)
+    with torch.cuda.stream(stream):
+        for i in range(min(copies, 2)):  # (compiles; copies are alike: same shapes, aligned)
+            fn(i)
+        stream.synchronize()
+        # capture_begin, not torch.cuda.graph(): that one collects garbage and empties the
+        # allocator's cache on entry, ~0.1 s each in a big process, and a warm-up times
+        # hundreds of candidates. thread_local, as the engine's own captures: another
+        # thread's CUDA call (none expected) must not void this capture.
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for i in range(calls):
+                fn(i % copies)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     us = median_replay_ms(graph, repeats) * 1e3 / calls
     del graph
     return us
