@@ -13,8 +13,8 @@ usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
            tile closes the gap (then GEMV_TILES takes it)
        python bench/gemv.py --fused [--shape gdn-4b]   the draft's fused FP8 GEMVs (the
            prologue and residual each linear has in unimax.fused_draft) at M = 1 through every
-           form: rows, rows16 and the split-K forms split, split16, and which the per-shape
-           timed choice takes
+           form: rows, rows16 and the split-K forms split, split16 (each autotuned), and which
+           form and tile the per-shape timed choice takes, timed the same way
 """
 
 from __future__ import annotations
@@ -181,6 +181,10 @@ def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
         row[form + "_us"], row[form + "_bw"] = us, q.numel() / (us * 1e-6) / bandwidth
     fused.fused_small_m_linear(x, q, scale, n, k, prologue, norm, z, res, 1e-6, 0.0)
     row["chosen"] = next((v for key, v in fused.CHOICES.items() if key[3:5] == (n, k)), None)
+    if row["chosen"]:  # the chosen form and tile, timed here as the forms were
+        us = graph_us(lambda i: fused.fused_gemv(x, *weights[i], n, k, prologue, norm, z, res,
+                                                 kernel=row["chosen"]), copies)
+        row["chosen_us"], row["chosen_bw"] = us, q.numel() / (us * 1e-6) / bandwidth
     return row
 
 
@@ -199,7 +203,8 @@ def fused_main(args, bandwidth) -> None:
     for r in rows:
         forms = "  ".join(f"{f} {r[f + '_us']:.2f} ({r[f + '_bw']:.2f})"
                           for f in ("rows", "rows16", "split", "split16") if f + "_us" in r)
-        print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {forms}  chosen: {r['chosen']}")
+        chosen = (f" {r['chosen_us']:.2f} ({r['chosen_bw']:.2f})" if "chosen_us" in r else "")
+        print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {forms}  chosen: {r['chosen']}{chosen}")
 
 
 def main() -> None:
