@@ -279,13 +279,14 @@ class EngineService:
                 finally:
                     handle.done.set()
                 continue
+            warming = self.warming_mode()  # (stats_lock: never taken inside pending_lock)
             with self.pending_lock:
                 if handle in self.pending:
                     self.pending.remove(handle)
                 self.busy.set()
                 for waiting in self.pending:
                     waiting.emit("queued", position=self.pending.index(waiting) + 1,
-                                 warming_up=self.warming_mode())
+                                 warming_up=warming)
             try:
                 if handle.cancelled.is_set():
                     handle.emit("done", stopped="cancelled")
