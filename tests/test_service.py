@@ -260,8 +260,8 @@ def test_background_warm_up_serves_meanwhile_and_says_so(monkeypatch):
         assert events[0].kind == "queued" and events[0].data["warming_up"] == "fp8"
         assert events[-1].kind == "done" and events[-1].data["reply"]
         assert done.wait(120) and finished[0][1] is None and finished[0][0] > 0
-        assert svc.warm_up_state == {"running": None, "ready": ["fp8", "bf16", "verified"],
-                                     "pending": [], "error": None}
+        assert svc.warm_up_snapshot() == {"running": None, "ready": ["fp8", "bf16", "verified"],
+                                          "pending": [], "error": None}
         assert seen == ["meanwhile"]  # the warm-up's replies are not users' requests
         later = svc.submit("later", [user("Hi")], "bf16", GenerationSettings(max_new_tokens=2))
         assert next(later.events(timeout=120)).data["warming_up"] is None

@@ -104,11 +104,8 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
 
     @app.get("/health")
     async def health():
-        with service.stats_lock:
-            warm_up = {key: value if isinstance(value, str | None) else list(value)
-                       for key, value in service.warm_up_state.items()}
         return {"status": "ok", "model": name, "device": str(service.device),
-                "queue": len(service.pending), "warm_up": warm_up}
+                "queue": len(service.pending), "warm_up": service.warm_up_snapshot()}
 
     @app.get("/metrics")
     async def prometheus():

@@ -175,6 +175,12 @@ class EngineService:
         with self.stats_lock:
             return self.warm_up_state["running"]
 
+    def warm_up_snapshot(self) -> dict:
+        """A copy of ``warm_up_state`` (running, ready, pending, error)."""
+        with self.stats_lock:
+            return {key: list(value) if isinstance(value, list) else value
+                    for key, value in self.warm_up_state.items()}
+
     def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
         """Build every mode's engine and capture its graphs now, not on the first message:
         one short reply per mode (kernels autotuned, block graphs captured), then every other
