@@ -290,7 +290,19 @@ def bench_shape(shape, args, bandwidth) -> dict:
                   "floor_ms": weight_bytes / bandwidth * 1e3})
     print(json.dumps(parts), flush=True)
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
-            "peaked_head": args.peak, "kernels": kernels}
+            "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
+
+
+def kernel_choices() -> dict[str, str]:
+    """The per-shape kernel choices the engines made (plain and fused GEMVs: form@tile or
+    cuBLAS), by shape: which kernels the figures above ran."""
+    from unimax.ops import fused_gemv, gemv
+
+    plain = {f"M{m} {n}x{k} {str(dtype).removeprefix('torch.')}": name
+             for (m, n, k, dtype), name in gemv.CHOICES.items()}
+    fused = {f"{pro}{'+res' if res else ''} M{m} {n}x{k} {str(dtype).removeprefix('torch.')}":
+             name for (pro, res, m, n, k, dtype), name in fused_gemv.CHOICES.items()}
+    return {**plain, **fused}
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
@@ -362,6 +374,8 @@ def main() -> None:
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))
+        print("kernel choices: " + "; ".join(f"{key}: {name}" for key, name in sorted(
+            data.get("choices", {}).items())))
         for name, table in data.get("kernels", {}).items():
             if table is None:
                 continue
