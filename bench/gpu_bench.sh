@@ -30,7 +30,8 @@
 #                                           kernels (the verify block's small kernels)
 #   run: bash bench/gpu_bench.sh pdl        gdn-4b and qwen3.5-0.8b: the BF16 step and the draft
 #                                           step with the fused GEMVs launched with
-#                                           programmatic dependent launch ("-pdl") and not
+#                                           programmatic dependent launch ("-pdl"; "-pdlend":
+#                                           the signal at the end of the K loop) and not
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
@@ -93,7 +94,8 @@ case "${1:-}" in
     done ;;
   pdl)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
-      fla+gemv fla+gemv-pdl draft draft-pdl --json "$OUT/pdl.json" > "$OUT/pdl.log" 2>&1
+      fla+gemv fla+gemv-pdl fla+gemv-pdlend draft draft-pdl draft-pdlend --json "$OUT/pdl.json" \
+      > "$OUT/pdl.log" 2>&1
     grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
   combo)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \

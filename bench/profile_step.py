@@ -19,7 +19,8 @@ token, with the rollback inside); any variant with "-combo" last (engine-verify-
 same with inductor's combo kernels, which launch independent small kernels (the verify
 block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one; "-pdl"
 before it (draft-pdl, engine-bf16-pdl): the fused GEMVs with programmatic dependent launch
-(unimax.ops.fused_gemv.PDL, off by default until measured here).
+(unimax.ops.fused_gemv.PDL, off by default), "-pdlend" with its signal at the end of each
+program's K loop (PDL_TRIGGER "end").
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -103,18 +104,22 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
     compiled with inductor's combo kernels (independent small kernels launched as one); with
     "-pdl" (before any "-combo"), its graphs are captured with the fused GEMVs launched with
-    programmatic dependent launch (unimax.ops.fused_gemv.PDL)."""
+    programmatic dependent launch (unimax.ops.fused_gemv.PDL); "-pdlend": the same with
+    PDL_TRIGGER "end"."""
     import unimax.ops.fused_gemv as fused_gemv
 
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
-    pdl = base.endswith("-pdl")
-    saved, fused_gemv.PDL = fused_gemv.PDL, pdl
+    trigger = "end" if base.endswith("-pdlend") else "start"
+    pdl = base.endswith(("-pdl", "-pdlend"))
+    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER
+    fused_gemv.PDL, fused_gemv.PDL_TRIGGER = pdl, trigger
     try:
         with combo, torch.inference_mode():
-            row = measure_variant(model, base.removesuffix("-pdl"), bandwidth)
+            row = measure_variant(model, base.removesuffix("-pdlend").removesuffix("-pdl"),
+                                  bandwidth)
     finally:
-        fused_gemv.PDL = saved
+        fused_gemv.PDL, fused_gemv.PDL_TRIGGER = saved
     # the fused GEMVs' per-shape kernel choices so far (rows, rows16, split, split16)
     choices = sorted({f"{key[0]}{'+res' if key[1] else ''} {key[3]}x{key[4]} "
                       f"{str(key[5]).removeprefix('torch.')}: {name}"

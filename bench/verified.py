@@ -340,10 +340,14 @@ def main() -> None:
                         help="every fused GEMV (BF16-only's step, the draft, the verifier's "
                              "one-token forwards) with programmatic dependent launch "
                              "(unimax.ops.fused_gemv.PDL; off by default)")
+    parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
+                        help="with --pdl: where each program lets the next kernel launch "
+                             "(unimax.ops.fused_gemv.PDL_TRIGGER)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     unimax.ops.fused_gemv.PDL = args.pdl
+    unimax.ops.fused_gemv.PDL_TRIGGER = args.pdl_trigger
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
               "shapes": {}}

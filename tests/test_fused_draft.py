@@ -212,7 +212,7 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
-       "SPLIT": "constexpr"}
+       "SPLIT": "constexpr", "PDL_LATE": "constexpr"}
 
 def ptx(consts, arch=90):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -225,7 +225,7 @@ for arch in (90, 89):  # H100/H200, L4
         for f16 in (True, False):
             consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True,
                       "HAS_RES": pro % 2 == 0, "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16,
-                      "PDL": False, "SPLIT": 4 if pro % 3 == 0 else 1}
+                      "PDL": False, "SPLIT": 4 if pro % 3 == 0 else 1, "PDL_LATE": False}
             code = ptx(consts, arch)
             print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"),
                   code.count("atom.global"))
@@ -248,28 +248,35 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
 PDL_CHILD = FUSED_KERNEL + r"""
 import re
 for pro in (1, 4):  # rms (reads x before the loop), swiglu
-    for pdl in (False, True):
+    for pdl, late in ((False, False), (True, False), (True, True)):
         consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True, "HAS_RES": True,
-                  "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": pdl, "SPLIT": 1}
+                  "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": pdl, "SPLIT": 1,
+                  "PDL_LATE": late}
         lines = ptx(consts).splitlines()
         def first(pattern):
             return next((i for i, line in enumerate(lines) if re.search(pattern, line)), -1)
         trigger, wait = first("griddepcontrol.launch_dependents"), first("griddepcontrol.wait")
-        load = first(r"ld\.global")
-        print(pro, pdl, sum("griddepcontrol" in line for line in lines),
-              0 <= trigger < load < wait if pdl else "-")
+        load, store = first(r"ld\.global"), first(r"st\.global")
+        # start: signal, first weight tile, wait; end: tile, wait, the loop, signal, store
+        order = (0 <= load < wait < trigger < store) if late else (0 <= trigger < load < wait)
+        print(pro, pdl, late, sum("griddepcontrol" in line for line in lines),
+              order if pdl else "-")
 """
 
 
 def test_fused_gemv_pdl_form_compiles_for_hopper():
     """The fused GEMV's programmatic-dependent-launch form (ops.fused_gemv.PDL), compiled for
     sm_90 without a GPU: it lets its dependents launch first thing, loads (its first weight
-    tile) before it waits for the kernel before, and waits once; without PDL, neither
-    instruction. (Its sums equal the PDL-free form's on the GPU: tests/test_gpu_engine.py.)"""
+    tile) before it waits for the kernel before, and waits once; with the signal at the end
+    (PDL_TRIGGER "end"), the load, the wait, then the signal, before it stores; without PDL,
+    neither instruction. (Its sums equal the PDL-free form's on the GPU:
+    tests/test_gpu_engine.py.)"""
     out = run_with_triton(PDL_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
-    assert rows == [["1", "False", "0", "-"], ["1", "True", "2", "True"],
-                    ["4", "False", "0", "-"], ["4", "True", "2", "True"]], rows
+    assert rows == [["1", "False", "False", "0", "-"], ["1", "True", "False", "2", "True"],
+                    ["1", "True", "True", "2", "True"],
+                    ["4", "False", "False", "0", "-"], ["4", "True", "False", "2", "True"],
+                    ["4", "True", "True", "2", "True"]], rows
 
 
 @pytest.mark.parametrize("block", [1, 4])

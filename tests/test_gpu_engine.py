@@ -187,8 +187,8 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second
     PDL GEMV (residual add), launched early by the first, waits for that one: both outputs
     equal the PDL-free kernels' bit for bit (the same tiles and sums) after the inputs change,
-    FP8 with either product form and BF16. Then the fused BF16 fast step decodes the same
-    tokens in its graphs with PDL on as with it off."""
+    FP8 with either product form and BF16, the signal at the start or the end. Then the fused
+    BF16 fast step decodes the same tokens in its graphs with PDL on as with it off."""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax.fp8 import quantize_rows
 
@@ -203,8 +203,11 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
                                                                           generator=gen)
     fp8 = [quantize_rows(w) for w in (w1, w2)]
     bf16 = [(w.to(torch.bfloat16), None) for w in (w1 / 50, w2 / 100)]
-    for weights, kernel in ((fp8, "rows"), (fp8, "rows16"), (bf16, "rows")):
+    for weights, kernel, trigger in ((fp8, "rows", "start"), (fp8, "rows16", "start"),
+                                     (bf16, "rows", "start"), (fp8, "rows16", "end"),
+                                     (bf16, "rows", "end")):
         (q1, s1), (q2, s2) = weights
+        monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
 
         def body(q1=q1, s1=s1, q2=q2, s2=s2, kernel=kernel):
             x = a @ b  # the GEMM the first GEMV must wait for
@@ -224,7 +227,8 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
         want = body()
         graph.replay()
         for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), kernel
+            assert torch.equal(g, w), (kernel, trigger)
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "start")
     x = prompt(60, seed=3)
     plain = build_engine(model, decode="bf16", block_size=8, compile_step=True)
     expected = plain.generate_fast(x, 24)

@@ -46,11 +46,16 @@ from .gemv import (
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
 # Programmatic dependent launch (compute capability 9+; read when a kernel launches, so when a
 # graph is captured): each fused GEMV lets the next start early and reads its first weight
-# tile before waiting for the kernel before. Off until measured (bench/profile_step.py's
-# "-pdl" variants). Its first form (2026-11-30, the plain GEMVs) lost 4% on the H200, but
-# there no kernel signalled its dependents early (they launched only at its end) and every
-# GEMV followed a norm or gate kernel; folded, three of a layer's four GEMVs follow a GEMV.
+# tile before waiting for the kernel before. Its first form (2026-11-30, the plain GEMVs) lost
+# 4% on the H200, but there no kernel signalled its dependents early (they launched only at
+# its end) and every GEMV followed a norm or gate kernel; folded, three of a layer's four
+# GEMVs follow a GEMV. Measured (bench/RESULTS.md, eleventh session) with the signal at each
+# program's start: 0.8B steps 4.5-7% faster, 4B steps 5-8% slower; off. PDL_TRIGGER "end":
+# the signal after a program's K loop instead, so the next kernel's programs arrive for the
+# last one's tail only, not for its whole run (bench/profile_step.py's "-pdlend" variants;
+# not yet measured).
 PDL = False
+PDL_TRIGGER = "start"  # or "end"
 
 
 def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
@@ -224,7 +229,9 @@ def pdl_launch(x: torch.Tensor) -> dict:
     (an L4, 8.9, has no programmatic dependent launch), never in the interpreter (no PTX)."""
     on = PDL and x.is_cuda and not _interpreted() and \
         torch.cuda.get_device_capability(x.device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if on else {}
+    if PDL_TRIGGER not in ("start", "end"):
+        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
+    return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True} if on else {}
 
 
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel

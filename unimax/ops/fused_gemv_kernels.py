@@ -97,7 +97,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                       PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1):
+                      F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                      PDL_LATE: tl.constexpr = False):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -105,7 +106,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     lets the next one start at once, and itself reads its first tile of W (which no kernel
     writes) before waiting for the kernel before it; x, z, the residual and y only after.
     Between two such GEMVs the next one's ramp overlaps this one's tail. The same tiles and
-    sums in the same order as without.
+    sums in the same order as without. ``PDL_LATE``: the next kernel may start only once
+    every program of this one is past its K loop (in its epilogue), not from the start.
 
     ``SPLIT`` > 1 (split-K, for the few-row, K-long linears: more programs in flight): program
     (n, row, s) sums its slice s of K (whole BLOCK_K tiles) and stores the partial sums in the
@@ -122,7 +124,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     rstd = 1.0
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
     if PDL:
-        launch_dependents()
+        if not PDL_LATE:
+            launch_dependents()
         rk = start + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -142,6 +145,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
                     PRO, HEAD, BLOCK_K)
         acc = tile_products(acc, x, w, F16)
+    if PDL and PDL_LATE:
+        launch_dependents()
     y = tl.sum(acc.to(tl.float32), axis=1)
     if F16:
         y = y * 64.0
