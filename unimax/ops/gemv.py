@@ -238,10 +238,13 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) ->
     """The fastest of ``candidates`` for this shape, each Triton form at each of its tiles,
     timed once (``timed_choice``); the default Triton kernel, autotuned, where it cannot be
     timed."""
+    key = (x.shape[0], *weight.shape, weight.dtype)
+    if key in CHOICES:  # (every call after the first: no names to build)
+        return CHOICES[key]
     forms = candidates(x.shape[0], scale is not None)
     names = tiled_names(tuple(f for f in forms if f in TILES), TILES) + tuple(
         f for f in forms if f not in TILES)  # (cuBLAS picks its own tiles)
-    return timed_choice(CHOICES, (x.shape[0], *weight.shape, weight.dtype), names,
+    return timed_choice(CHOICES, key, names,
                         "rows" if x.shape[0] <= PROGRAM_ROWS else "dot", x.is_cuda,
                         lambda name, w, s: _run(name, x, w, s), (weight, scale))
 
