@@ -181,6 +181,37 @@ def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
     assert len(timed) == 3 * 128 and table[("one",)] == "dot"
 
 
+def test_timed_choice_skips_kernels_this_gpu_cannot_run(monkeypatch):
+    """A tile given by hand may not fit a smaller GPU (an L4's shared memory: Triton raises
+    OutOfResources, no RuntimeError): that candidate is skipped, not the reply failed; where
+    none can run, the default (the autotuned kernel, which skips such tiles itself)."""
+    from unimax.ops import gemv as ops
+
+    class OutOfResources(Exception):  # (triton.runtime.errors.OutOfResources's kind)
+        pass
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # (no GPU)
+    monkeypatch.setattr(ops, "graph_us", lambda fn, copies: fn(0))
+    monkeypatch.setattr(ops, "_unfit_errors", lambda: (OutOfResources,))  # (Triton's own)
+    speeds = {"rows@big": None, "rows@small": 4.0, "rows16@big": None, "rows16@small": 3.0}
+
+    def run(name, w, s):
+        if speeds[name] is None:
+            raise OutOfResources(f"{name}: out of resource: shared memory")
+        return speeds[name]
+
+    weights = (torch.zeros(1024, 1024), None)
+    table = {}
+    assert ops.timed_choice(table, ("k",), tuple(speeds), "rows", True, run, weights) == \
+        "rows16@small"
+    unfit = ("rows@big", "rows16@big")
+    assert ops.timed_choice(table, ("none",), unfit, "rows", True, run, weights) == "rows"
+    assert table[("none",)] == "rows" and ops.TIMING_ERRORS == []
+    with pytest.raises(TypeError):  # a mistake in the code is no unfit tile: it is raised
+        ops.timed_choice(table, ("bug",), unfit, "rows", True, lambda name: 0.0, weights)
+
+
 def test_weight_copies_outgrow_the_l2_cache():
     """The choice's timer reads a weight from memory as a step does: clones that together make
     L2_SAFE_BYTES; a weight that large alone, as is; a missing scale stays missing."""

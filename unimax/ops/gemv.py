@@ -20,6 +20,7 @@ plain-torch twin.
 """
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -191,10 +192,29 @@ CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "form@tile" (TILES)
 TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by call): none expected
 
 
+@functools.cache
+def _unfit_errors() -> tuple[type[BaseException], ...]:
+    """What Triton raises for a kernel config this GPU cannot run: the errors its autotuner
+    skips a config for (none of them a RuntimeError)."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime import errors
+
+    return tuple(e for e in (getattr(errors, "OutOfResources", None),
+                             getattr(errors, "PTXASError", None), CompileTimeAssertionFailure)
+                 if e is not None)
+
+
 def _time_us(fn, copies: int) -> float:
     """Per-call time of ``fn(i)`` over weight copy i, as a step runs it (ops.timing.graph_us).
-    Should that timing fail, the call alone (do_bench, L2 flushed), and the error kept in
+    A candidate that cannot run on this GPU at all (a tile past its shared memory: Triton's
+    OutOfResources, which the autotuner used to skip) times as infinity. Should the graph
+    timing itself fail, the call alone (do_bench, L2 flushed), and the error kept in
     TIMING_ERRORS: a kernel choice is a matter of speed and must not stop a reply."""
+    try:
+        fn(0)
+        torch.cuda.synchronize()
+    except _unfit_errors():
+        return math.inf
     try:
         return graph_us(fn, copies)
     except RuntimeError as err:
@@ -230,7 +250,8 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
             copies = weight_copies(weights)
             times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies))
                      for name in names}
-            table[key] = min(times, key=times.get)
+            best = min(times, key=times.get)
+            table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)
     return table[key]
 
 
