@@ -133,12 +133,12 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
 
     from .fused_gemv_kernels import fused_gemv_kernel
 
-    tiles = tiles_for(head)
     if tiled:
         return triton, fused_gemv_kernel, {"F16": f16}
     if _interpreted():
         return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+               for n, k, w in tiles_for(head)]
     return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES", "SPLIT"])(
         fused_gemv_kernel), {"F16": f16})
 
@@ -187,8 +187,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     "@tile" (one of ``tiles_for`` the prologue's head, as ops.gemv.tiled_names writes it)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
-    gated = prologue.startswith("gated")
-    head = norm_weight.shape[0] if gated else 1
+    head = _head(prologue, norm_weight)
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
@@ -219,6 +218,11 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     return y
 
 
+def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
+    """The width a gated prologue normalizes over (one head); 1 for the others."""
+    return norm_weight.shape[0] if prologue.startswith("gated") else 1
+
+
 @functools.cache
 def _tiles_by_form(head: int) -> dict[str, tuple]:
     return dict.fromkeys(KERNEL_NAMES, tiles_for(head))
@@ -229,9 +233,11 @@ def pdl_launch(x: torch.Tensor) -> dict:
     (an L4, 8.9, has no programmatic dependent launch), never in the interpreter (no PTX)."""
     on = PDL and x.is_cuda and not _interpreted() and \
         torch.cuda.get_device_capability(x.device)[0] >= 9
+    if not on:
+        return {}
     if PDL_TRIGGER not in ("start", "end"):
         raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
-    return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True} if on else {}
+    return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True}
 
 
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel
@@ -266,8 +272,7 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
         forms += ("split", "split16")
     # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
-    names = tiled_names(forms, _tiles_by_form(norm_weight.shape[0] if prologue.startswith(
-        "gated") else 1))
+    names = tiled_names(forms, _tiles_by_form(_head(prologue, norm_weight)))
     return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
 

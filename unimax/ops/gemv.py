@@ -70,10 +70,10 @@ def _gemv_kernel(scaled: bool, f16: bool = False, tiled: bool = False):
 
     from .gemv_kernels import gemv_kernel
 
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-               for n, k, w in GEMV_TILES]
     if tiled:
         return triton, gemv_kernel, {"F16": f16}
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+               for n, k, w in GEMV_TILES]
     if _interpreted():
         return triton, gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "F16": f16}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel),
@@ -93,11 +93,10 @@ def _dot_kernel(scaled: bool, tiled: bool = False):
 
     from .gemv_kernels import dot_kernel
 
+    if tiled:  # (the interpreter's dot in fp32)
+        return triton, dot_kernel, {"DOT_F32": _interpreted()}
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in DOT_TILES]
-    dot_f32 = _interpreted()  # (the interpreter's dot in fp32)
-    if tiled:
-        return triton, dot_kernel, {"DOT_F32": dot_f32}
     if _interpreted():
         return triton, dot_kernel, {"BLOCK_N": 16, "BLOCK_K": 64, "DOT_F32": True}
     return (triton, triton.autotune(configs=configs, key=["N", "K"])(dot_kernel),
@@ -211,12 +210,9 @@ def _time_us(fn, copies: int) -> float:
     timing itself fail, the call alone (do_bench, L2 flushed), and the error kept in
     TIMING_ERRORS: a kernel choice is a matter of speed and must not stop a reply."""
     try:
-        fn(0)
-        torch.cuda.synchronize()
+        return graph_us(fn, copies)  # (its warm-up calls, outside the capture, compile)
     except _unfit_errors():
         return math.inf
-    try:
-        return graph_us(fn, copies)
     except RuntimeError as err:
         TIMING_ERRORS.append(repr(err)[:300])
         from triton.testing import do_bench
