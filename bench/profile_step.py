@@ -100,6 +100,18 @@ def engine_graph(model, variant: str):
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
+def kernel_choices() -> dict[str, str]:
+    """The per-shape kernel choices the engines made (plain and fused GEMVs: form@tile or
+    cuBLAS), by shape: which kernels the measured figures ran."""
+    from unimax.ops import fused_gemv, gemv
+
+    plain = {f"M{m} {n}x{k} {str(dtype).removeprefix('torch.')}": name
+             for (m, n, k, dtype), name in gemv.CHOICES.items()}
+    fused = {f"{pro}{'+res' if res else ''} M{m} {n}x{k} {str(dtype).removeprefix('torch.')}":
+             name for (pro, res, m, n, k, dtype), name in fused_gemv.CHOICES.items()}
+    return {**plain, **fused}
+
+
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
     """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
     compiled with inductor's combo kernels (independent small kernels launched as one); with
@@ -120,11 +132,8 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
                                   bandwidth)
     finally:
         fused_gemv.PDL, fused_gemv.PDL_TRIGGER = saved
-    # the fused GEMVs' per-shape kernel choices so far (rows, rows16, split, split16)
-    choices = sorted({f"{key[0]}{'+res' if key[1] else ''} {key[3]}x{key[4]} "
-                      f"{str(key[5]).removeprefix('torch.')}: {name}"
-                      for key, name in fused_gemv.CHOICES.items()})
-    return {**row, "variant": variant, "fused_choices": choices}
+    choices = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
+    return {**row, "variant": variant, "gemv_choices": choices}
 
 
 def measure_variant(model, variant: str, bandwidth: float) -> dict:
@@ -174,8 +183,8 @@ def main() -> None:
               f"{row['kernels']:.0f} kernels/token")
         for k in row["kernels_top"][:18]:
             print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:100]}")
-        if row.get("fused_choices"):
-            print("  fused GEMV choices: " + "; ".join(row["fused_choices"]))
+        if row.get("gemv_choices"):
+            print("  GEMV choices: " + "; ".join(row["gemv_choices"]))
 
 
 if __name__ == "__main__":

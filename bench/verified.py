@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, median_device_seconds  # noqa: E402
-from profile_step import kernel_table  # noqa: E402
+from profile_step import kernel_choices, kernel_table  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
@@ -292,17 +292,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
             "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
 
-
-def kernel_choices() -> dict[str, str]:
-    """The per-shape kernel choices the engines made (plain and fused GEMVs: form@tile or
-    cuBLAS), by shape: which kernels the figures above ran."""
-    from unimax.ops import fused_gemv, gemv
-
-    plain = {f"M{m} {n}x{k} {str(dtype).removeprefix('torch.')}": name
-             for (m, n, k, dtype), name in gemv.CHOICES.items()}
-    fused = {f"{pro}{'+res' if res else ''} M{m} {n}x{k} {str(dtype).removeprefix('torch.')}":
-             name for (pro, res, m, n, k, dtype), name in fused_gemv.CHOICES.items()}
-    return {**plain, **fused}
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
