@@ -33,7 +33,7 @@ from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
 from unimax.ops import gemv as gemv_mod  # noqa: E402
-from unimax.ops.timing import graph_us  # noqa: E402
+from unimax.ops.timing import graph_us, weight_copies  # noqa: E402
 
 
 def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
@@ -46,18 +46,17 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
+def bench_copies(weight, scale) -> list[tuple]:
+    """The weight (and its scale) and clones up to 400 MB, at most 64: each replay reads them
+    from memory, never from L2 (ops.timing.weight_copies, with more bytes than a choice's)."""
+    return weight_copies((weight, scale), 400_000_000)[:64]
+
+
 def run_shape(name, n, k, m, kind, bandwidth) -> dict:
     torch.manual_seed(0)
     base = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    if kind == "fp8":
-        q, scale = quantize_rows(base)
-        weight_bytes = q.numel()
-        make = lambda: (q.clone(), scale.clone())  # noqa: E731
-    else:
-        weight_bytes = base.numel() * 2
-        make = lambda: (base.clone(), None)  # noqa: E731
-    copies = max(2, min(64, -(-400_000_000 // weight_bytes)))  # >= 400 MB: not from L2
-    weights = [make() for _ in range(copies)]
+    weights = bench_copies(*quantize_rows(base)) if kind == "fp8" else bench_copies(base, None)
+    copies, weight_bytes = len(weights), weights[0][0].nbytes
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     row = {"name": name, "kind": kind, "M": m, "N": n, "K": k, "MB": weight_bytes / 1e6}
     variants = {"triton": lambda i: gemv_mod.gemv(x, *weights[i])}
@@ -102,8 +101,8 @@ def sweep_tiles(name, n, k, bandwidth) -> list[dict]:
 
     torch.manual_seed(0)
     q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-    copies = max(2, min(64, -(-400_000_000 // q.numel())))
-    weights = [(q.clone(), scale.clone()) for _ in range(copies)]
+    weights = bench_copies(q, scale)
+    copies = len(weights)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
     rows = []
@@ -164,8 +163,8 @@ def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     prologue, residual, width = FOLDS[name]
     torch.manual_seed(0)
     q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-    copies = max(2, min(64, -(-400_000_000 // q.numel())))  # >= 400 MB: not from L2
-    weights = [(q.clone(), scale.clone()) for _ in range(copies)]
+    weights = bench_copies(q, scale)
+    copies = len(weights)
     x = torch.randn(1, width * k, device="cuda", dtype=torch.bfloat16)
     gated = prologue.startswith("gated")
     z = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gated else None
