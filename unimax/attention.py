@@ -43,8 +43,8 @@ from .norms import RMSNorm
 ROWS_ATTENTION_MAX = 9
 # On CUDA its two matmuls on the tensor cores (BF16 in, fp32 out): in fp32 they were cuBLAS's
 # FFMA kernels, 33 us per attention layer of a 0.8B verify block on the H200, 197 of its 1838
-# us busy (bench/RESULTS.md, 2026-12-01). Not yet measured on a GPU (bench/attention.py's
-# "rows" beside "rows-fp32"); False gives the fp32 form back.
+# us busy (bench/RESULTS.md, 2026-12-01). Tested on the H200 (eleventh session), not yet
+# timed there (bench/attention.py's "rows" beside "rows-fp32"); False gives the fp32 form back.
 ROWS_TENSOR_CORES = True
 
 
