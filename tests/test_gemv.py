@@ -159,7 +159,8 @@ def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
     timed = []
     speeds = {"rows": 5.0, "rows16": 3.0, "cublas": 4.0}
     weight, scale = torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn), torch.ones(1024)
-    monkeypatch.setattr(ops, "_time_us", lambda fn, copies: sum(fn(i) for i in range(copies)))
+    monkeypatch.setattr(ops, "_time_us",
+                        lambda fn, copies, label="": sum(fn(i) for i in range(copies)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU)
     table, seen = {}, []
 
@@ -223,3 +224,57 @@ def test_weight_copies_outgrow_the_l2_cache():
     big = torch.zeros(L2_SAFE_BYTES, dtype=torch.uint8)
     assert len(weight_copies((big, torch.ones(4)))) == 1
     assert weight_copies(()) == [()]
+
+
+def test_a_failed_graph_timing_falls_back_and_names_the_kernel(monkeypatch):
+    """Where the captured-graph timing itself fails (a RuntimeError from the capture), that
+    candidate is timed call by call and the failure kept in TIMING_ERRORS with the shape and
+    kernel it was timing: the GPU suite asserts the list empty, and a failure must say where."""
+    import types
+
+    from unimax.ops import gemv as ops
+
+    def graph_us(fn, copies):
+        if fn(0) == "breaks":
+            raise RuntimeError("operation failed due to a previous error during capture")
+        return 5.0
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "graph_us", graph_us)
+    monkeypatch.setattr(ops, "TIMING_ERRORS", [])
+    import triton  # noqa: F401  (the fallback's timer lives in triton.testing)
+
+    fake = types.SimpleNamespace(do_bench=lambda fn, **kw: 1e-3 if fn() == "breaks" else 9.0)
+    monkeypatch.setitem(__import__("sys").modules, "triton.testing", fake)
+    run = lambda name, w, s: "breaks" if name == "rows16@a" else "fine"  # noqa: E731
+    table = {}
+    choice = ops.timed_choice(table, ("in_proj",), ("rows@a", "rows16@a"), "rows", True, run,
+                              (torch.zeros(8, 8), None))
+    assert choice == "rows16@a"  # 1 us by the fallback timer, against 5 in a graph
+    assert len(ops.TIMING_ERRORS) == 1
+    assert "('in_proj',) rows16@a" in ops.TIMING_ERRORS[0]
+    assert "previous error during capture" in ops.TIMING_ERRORS[0]
+
+
+def test_gc_paused_holds_collections_off_and_restores_the_state():
+    """A capture runs with the cyclic collector off (ops.timing.gc_paused: a collection mid-
+    capture that destroys a dropped graph fails the capture) and leaves it as it found it,
+    also when the body raises."""
+    import gc
+
+    from unimax.ops.timing import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # (someone else's pause is not ended by ours)
+    finally:
+        gc.enable()

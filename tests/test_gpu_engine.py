@@ -182,6 +182,61 @@ def test_small_m_linear_picks_per_shape_and_graphs():
     assert ops.TIMING_ERRORS == []  # every choice timed in its captured graph, none call by call
 
 
+def test_captures_survive_a_collection_among_dropped_graphs():
+    """A cyclic garbage collection that starts mid-capture and finds dropped CUDA graphs in a
+    cycle (an engine of an earlier request or test) destroys them there, which fails the
+    capture; that failed a kernel choice's timing in the 2026-12-01 suite. Both captures of
+    ours, the choice timer's (ops.timing.graph_us) and the engine's (GraphRunner), hold the
+    collector off: the garbage becomes unreachable inside the capture, then enough container
+    objects are made for an automatic collection to start: none starts while capturing (the
+    deterministic check; whether one would reach the old graphs depends on their generation),
+    and both captures succeed."""
+    import gc
+
+    from unimax.graph import GraphRunner
+    from unimax.ops.timing import graph_us
+
+    x = torch.zeros(64, device="cuda")
+    keep = []
+
+    def drop_graphs_mid_capture(_=0):
+        if torch.cuda.is_current_stream_capturing() and keep:
+            keep.clear()  # the graphs below are garbage now, in a cycle: the collector's
+            junk = [[] for _ in range(20 * gc.get_threshold()[0])]  # a collection's trigger
+            del junk
+        x.add_(1)
+
+    def garbage_graphs():
+        for _ in range(4):
+            graph, held = torch.cuda.CUDAGraph(), {}
+            with torch.cuda.graph(graph):
+                x.mul_(2)
+            held["graph"], held["self"] = graph, held
+            keep.append(held)
+
+    def note_collection(phase, info):
+        if phase == "start":
+            collections.append(torch.cuda.is_current_stream_capturing())
+
+    collections = []
+    torch.cuda.synchronize()
+    gc.callbacks.append(note_collection)
+    try:
+        garbage_graphs()
+        assert graph_us(drop_graphs_mid_capture, copies=1) > 0
+        garbage_graphs()
+        graph, _ = GraphRunner(x.device, use_graphs=True).capture(drop_graphs_mid_capture, [],
+                                                                  [])
+    finally:
+        gc.callbacks.remove(note_collection)
+    assert collections and True not in collections  # (ran at warm-ups and before: not inside)
+    before = x.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 1)
+    gc.collect()  # (the dropped graphs, outside any capture)
+
+
 def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL, off by default):
     in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second

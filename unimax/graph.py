@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
-from .ops.timing import median_replay_ms
+from .ops.timing import gc_paused, median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
 
@@ -65,8 +65,11 @@ class GraphRunner:
             # loading kernels). Under the default "global" one capture of the GPU suite failed
             # once at fla's launch, "a previous error during capture", and passed when re-run
             # (bench/RESULTS.md, 2026-12-01; whether another thread did it is not known).
-            # Inductor captures its own graphs this way too.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            # Inductor captures its own graphs this way too. The likelier cause of that failure
+            # is a garbage collection mid-capture destroying a dropped engine's graphs, which
+            # failed a kernel choice's timing the same way (ops.timing.gc_paused): paused.
+            with gc_paused(), torch.cuda.graph(graph, pool=self.pool,
+                                               capture_error_mode="thread_local"):
                 fn()
             replay_ms = None
             if self.timed:

@@ -203,18 +203,19 @@ def _unfit_errors() -> tuple[type[BaseException], ...]:
                  if e is not None)
 
 
-def _time_us(fn, copies: int) -> float:
+def _time_us(fn, copies: int, label: str = "") -> float:
     """Per-call time of ``fn(i)`` over weight copy i, as a step runs it (ops.timing.graph_us).
     A candidate that cannot run on this GPU at all (a tile past its shared memory: Triton's
     OutOfResources, which the autotuner used to skip) times as infinity. Should the graph
     timing itself fail, the call alone (do_bench, L2 flushed), and the error kept in
-    TIMING_ERRORS: a kernel choice is a matter of speed and must not stop a reply."""
+    TIMING_ERRORS with ``label`` (the shape and kernel): a kernel choice is a matter of speed
+    and must not stop a reply."""
     try:
         return graph_us(fn, copies)  # (its warm-up calls, outside the capture, compile)
     except _unfit_errors():
         return math.inf
     except RuntimeError as err:
-        TIMING_ERRORS.append(repr(err)[:300])
+        TIMING_ERRORS.append(f"{label}: {err!r}"[:400])
         from triton.testing import do_bench
 
         return do_bench(lambda: fn(0), warmup=5, rep=20, return_mode="median") * 1e3
@@ -244,7 +245,8 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
             table[key] = names[0]
         else:
             copies = weight_copies(weights)
-            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies))
+            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
+                                    f"{key} {name}")
                      for name in names}
             best = min(times, key=times.get)
             table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)

@@ -11,7 +11,9 @@ made that way disagreed with the graph-timed fastest form on 5 of 8 draft linear
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -27,6 +29,25 @@ def weight_copies(tensors: Sequence[torch.Tensor | None],
     copies = max(1, -(-total_bytes // nbytes)) if nbytes else 1
     return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors)
                                for _ in range(copies - 1)]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the with-block (as it was, after): for a CUDA
+    graph capture. A collection that runs mid-capture frees whatever garbage is in cycles, and
+    a CUDA graph among it (an engine dropped earlier) is destroyed then, a call not permitted
+    while this thread captures: the capture fails, "operation failed due to a previous error
+    during capture", after warnings "operation not permitted when stream is capturing (function
+    reset)". That is what failed a choice's timing in the H200 suite (2026-12-01), eight graphs
+    reset at once, and only with the earlier tests' engines in the same process.
+    torch.cuda.graph() collects on entry, but a collection can still start inside."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> float:
@@ -45,11 +66,17 @@ def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> floa
         # allocator's cache on entry, ~0.1 s each in a big process, and a warm-up times
         # hundreds of candidates. thread_local, as the engine's own captures: another
         # thread's CUDA call (none expected) must not void this capture.
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            for i in range(calls):
-                fn(i % copies)
-        finally:
+        with gc_paused():
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for i in range(calls):
+                    fn(i % copies)
+            except BaseException:
+                # end the capture, but raise fn's own error: capture_end's ("operation failed
+                # due to a previous error during capture") names no cause
+                with contextlib.suppress(RuntimeError):
+                    graph.capture_end()
+                raise
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     us = median_replay_ms(graph, repeats) * 1e3 / calls
