@@ -41,7 +41,8 @@
 #   run: bash bench/gpu_bench.sh ttft-all   TTFT beside transformers at 128 .. 64k tokens, the
 #                                           defaults only ("ttft-all qwen3.5-4b": that shape)
 #   run: bash bench/gpu_bench.sh service    TTFT through the app's engine service, every mode,
-#                                           and each mode's warm-up time (the app's start-up):
+#                                           and each mode's warm-up time (the app's start-up)
+#                                           and its parts (compile, choices, captures):
 #                                           the demo model; "service qwen3.5-0.8b": random
 #                                           weights of that shape
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and

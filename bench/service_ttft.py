@@ -7,7 +7,9 @@ usage: python bench/service_ttft.py [--preset presets/demo.yaml] [--shape qwen3.
        [--repeats 5] [--json FILE]
 
 Every mode is warmed up first (graphs captured, as the app does at start-up), one at a time,
-each mode's warm-up time printed as it ends: the app's start-up time on this machine. Median of
+each mode's warm-up time printed as it ends: the app's start-up time on this machine, with
+where it went (``startup_spent``: compiling, timing kernel choices, graph warm-ups and
+captures; the parts overlap, see there). Median of
 --repeats, each in a fresh conversation. Runs on the CPU too (the demo preset's model is
 small), where the figures are the CPU's. ``--shape``: the preset served with random weights of
 one of bench/shapes.py's hybrid Qwen3.5 shapes instead of its model, written by transformers
@@ -68,6 +70,29 @@ def random_model_folder(shape: str):
         yield folder
 
 
+def startup_spent() -> dict:
+    """What this process has spent so far on the parts of a warm-up: torch.compile (dynamo and
+    inductor, its "_compile.compile_inner" time), the kernel choices' timing
+    (ops.gemv.TIMING_SPENT) and graph captures (graph.CAPTURE_SPENT: their warm-up runs, which
+    include first calls' compiles and choices, and the captures). Subtract two for a part."""
+    from torch._dynamo.utils import compile_times
+
+    from unimax.graph import CAPTURE_SPENT
+    from unimax.ops.gemv import TIMING_SPENT
+
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    compiled = dict(zip(names, map(float, seconds), strict=True))
+    return {"compile_s": compiled.get("_compile.compile_inner", 0.0),
+            "choice_keys": TIMING_SPENT["keys"], "choice_candidates": TIMING_SPENT["candidates"],
+            "choice_s": TIMING_SPENT["seconds"], "graphs": CAPTURE_SPENT["graphs"],
+            "graph_warm_up_s": CAPTURE_SPENT["warm_up_s"],
+            "graph_capture_s": CAPTURE_SPENT["capture_s"]}
+
+
+def spent_between(before: dict, after: dict) -> dict:
+    return {key: round(after[key] - before[key], 2) for key in after}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="presets/demo.yaml")
@@ -91,6 +116,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:<10}{r['first_ms']:>14.2f}{r['first_tokens']:>10}"
               f"{r['second_ms']:>12.2f}{r['second_tokens']:>10}{r['warm_up_s']:>11.1f}")
+    print(f"\nwarm-up parts, s\n{'mode':<10}{'compile':>9}{'choices':>9}{'(keys)':>8}"
+          f"{'graphs':>8}{'warm-ups':>10}{'captures':>10}")
+    for r in rows:
+        p = r["warm_up_parts"]
+        print(f"{r['mode']:<10}{p['compile_s']:>9.1f}{p['choice_s']:>9.1f}{p['choice_keys']:>8}"
+              f"{p['graphs']:>8}{p['graph_warm_up_s']:>10.1f}{p['graph_capture_s']:>10.1f}")
 
 
 def run(preset, args) -> list[dict]:
@@ -98,12 +129,14 @@ def run(preset, args) -> list[dict]:
     service = EngineService(preset).start()
     print(json.dumps({"loaded_s": round(time.perf_counter() - start, 2)}), flush=True)
     try:
-        warm_up_s = {}
+        warm_up_s, parts = {}, {}
         for mode in MODES:  # one at a time, each printed: a run cut short still says how far
-            start = time.perf_counter()
+            start, spent = time.perf_counter(), startup_spent()
             service.warm_up((mode,))
             warm_up_s[mode] = round(time.perf_counter() - start, 2)
-            print(json.dumps({"mode": mode, "warm_up_s": warm_up_s[mode]}), flush=True)
+            parts[mode] = spent_between(spent, startup_spent())  # where the warm-up went
+            print(json.dumps({"mode": mode, "warm_up_s": warm_up_s[mode], **parts[mode]}),
+                  flush=True)
         rows = []
         for mode in MODES:
             first, second, tokens = [], [], {}
@@ -118,7 +151,7 @@ def run(preset, args) -> list[dict]:
                          "first_ms": statistics.median(first), "first_tokens": tokens["first"],
                          "second_ms": statistics.median(second),
                          "second_tokens": tokens["second"], "warm_up_s": warm_up_s[mode],
-                         "device": str(service.device)})
+                         "warm_up_parts": parts[mode], "device": str(service.device)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         service.stop()

@@ -162,6 +162,7 @@ def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(ops, "_time_us",
                         lambda fn, copies, label="": sum(fn(i) for i in range(copies)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU)
+    monkeypatch.setattr(ops, "TIMING_SPENT", {"keys": 0, "candidates": 0, "seconds": 0.0})
     table, seen = {}, []
 
     def run(name, w, s):
@@ -180,6 +181,9 @@ def test_timed_choice_times_once_and_keeps_the_fastest(monkeypatch):
                for w, s in seen[:128])
     assert ops.timed_choice(table, ("one",), ("dot",), "rows", True, run) == "dot"
     assert len(timed) == 3 * 128 and table[("one",)] == "dot"
+    # what the timing cost is counted (the service bench's warm-up parts): one key, 3 timed
+    assert ops.TIMING_SPENT["keys"] == 1 and ops.TIMING_SPENT["candidates"] == 3
+    assert ops.TIMING_SPENT["seconds"] > 0
 
 
 def test_timed_choice_skips_kernels_this_gpu_cannot_run(monkeypatch):

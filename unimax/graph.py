@@ -9,6 +9,7 @@ the very same block function runs eagerly: same ops, same results.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,12 +54,14 @@ class GraphRunner:
                 self.replay_ms[key] = replay_ms
 
     def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float | None]:
+        start = time.perf_counter()
         with trial_run(writes, buffers):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 warm_up(fn, writes)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            warmed = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             # "thread_local": only this thread's unsafe calls (a sync, a cudaMalloc) spoil the
             # capture, not another thread's (the app's server threads, a compiler's workers
@@ -74,8 +77,16 @@ class GraphRunner:
             replay_ms = None
             if self.timed:
                 replay_ms = median_replay_ms(graph, before=lambda: from_position_0(writes))
+        CAPTURE_SPENT["graphs"] += 1
+        CAPTURE_SPENT["warm_up_s"] += warmed - start
+        CAPTURE_SPENT["capture_s"] += time.perf_counter() - warmed
         return graph, replay_ms
 
+
+# what graph captures have cost this process (a share of the app's warm-up; the service bench
+# prints it per mode): graphs, their warm-up runs (first calls: compiles, kernel choices), and
+# the captures themselves (with a timed runner's replays)
+CAPTURE_SPENT = {"graphs": 0, "warm_up_s": 0.0, "capture_s": 0.0}
 
 WARM_UPS = 2  # Triton's autotuning and the allocator's growth before a graph is recorded
 

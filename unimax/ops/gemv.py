@@ -22,6 +22,7 @@ plain-torch twin.
 import functools
 import math
 import os
+import time
 from typing import Optional
 
 import torch
@@ -189,6 +190,9 @@ CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "form@tile" (TILES)
 
 
 TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by call): none expected
+# what the choices' timing has cost this process (a share of the app's warm-up; the service
+# bench prints it per mode): keys chosen, candidates timed, seconds
+TIMING_SPENT = {"keys": 0, "candidates": 0, "seconds": 0.0}
 
 
 @functools.cache
@@ -244,11 +248,15 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
         if len(names) == 1:
             table[key] = names[0]
         else:
+            start = time.perf_counter()
             copies = weight_copies(weights)
             times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
                                     f"{key} {name}")
                      for name in names}
             best = min(times, key=times.get)
+            TIMING_SPENT["keys"] += 1
+            TIMING_SPENT["candidates"] += len(names)
+            TIMING_SPENT["seconds"] += time.perf_counter() - start
             table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)
     return table[key]
 
