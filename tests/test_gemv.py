@@ -275,6 +275,11 @@ def test_gc_paused_holds_collections_off_and_restores_the_state():
     with pytest.raises(ValueError), gc_paused():
         raise ValueError("capture failed")
     assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # (nested, or another thread's: the outer one still holds)
+    assert gc.isenabled()
     gc.disable()
     try:
         with gc_paused():

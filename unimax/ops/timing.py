@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -40,14 +41,27 @@ def gc_paused() -> Iterator[None]:
     during capture", after warnings "operation not permitted when stream is capturing (function
     reset)". That is what failed a choice's timing in the H200 suite (2026-12-01), eight graphs
     reset at once, and only with the earlier tests' engines in the same process.
-    torch.cuda.graph() collects on entry, but a collection can still start inside."""
-    was_on = gc.isenabled()
-    gc.disable()
+    torch.cuda.graph() collects on entry, but a collection can still start inside.
+    The collector is one per process: nested or concurrent pauses (two threads) end together,
+    the last one out restoring what the first one in found."""
+    global _pauses, _gc_was_on
+    with _pause_lock:
+        if _pauses == 0:
+            _gc_was_on = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if was_on:
-            gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _gc_was_on:
+                gc.enable()
+
+
+_pause_lock = threading.Lock()
+_pauses = 0  # gc_paused blocks running now, in any thread
+_gc_was_on = True  # whether the collector was on when the first of them began
 
 
 def graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> float:
