@@ -34,6 +34,10 @@
 #                                           the signal at the end of the K loop) and not
 #   run: bash bench/gpu_bench.sh recurrent  fla's recurrent kernel at 1 and 9 tokens: launch
 #                                           settings (BV, warps, stages) at 4B and 0.8B heads
+#   run: bash bench/gpu_bench.sh short      the few-token recurrence op's candidates (fla's kernel,
+#                                           ours at each launch setting) at the verifier's
+#                                           block and rewind shapes, 4B heads ("short 16x16":
+#                                           0.8B heads)
 #   run: bash bench/gpu_bench.sh ttft       qwen3.5-0.8b: TTFT beside transformers, and with the
 #                                           torch forms of the norms, 8k chunks, graphs to 512
 #                                           only (the old settings) side by side;
@@ -107,6 +111,10 @@ case "${1:-}" in
   recurrent)
     timeout 300 python3 bench/recurrent.py --json "$OUT/recurrent.json" > "$OUT/recurrent.log" 2>&1
     grep -v '^{' "$OUT/recurrent.log" | quiet | tail -30 ;;
+  short)
+    timeout 240 python3 bench/recurrent.py --short --heads ${2:-16x32} --json "$OUT/short.json" \
+      > "$OUT/short.log" 2>&1
+    grep -v '^{' "$OUT/short.log" | quiet | cut -c1-400 | tail -8 ;;
   ttft)
     timeout 500 python3 bench/ttft.py --shapes "${2:-qwen3.5-0.8b}" --lengths 16384 4096 1000 512 \
       --repeats 3 --variants torch-norms chunk8k graphs512 \

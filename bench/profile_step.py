@@ -149,7 +149,7 @@ def measure_variant(model, variant: str, bandwidth: float) -> dict:
     rows, busy, count = kernel_table(graph.replay, per)
     floor = decode_weight_bytes(model) / bandwidth
     return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
-            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:24]}
+            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:64]}
 
 
 def main() -> None:

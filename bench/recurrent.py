@@ -1,6 +1,7 @@
 """fla's fused recurrent kernel at decode's token counts (GPU): launch settings side by side.
 
 usage: python bench/recurrent.py [--heads 16x32 16x16] [--tokens 1 9] [--json FILE]
+       python bench/recurrent.py --short [--heads 16x32 16x16] [--json FILE]
 
 The decode step runs it for one token per GDN layer (unimax.ops.decode_step, 3.5 us per 4B
 layer on the H200, where reading and writing the 2 MB state takes ~1 us at copy bandwidth); the
@@ -8,6 +9,12 @@ verifier for k + 1 tokens (17 us per layer at 9). fla launches it with BV = 8 va
 program and one warp; this times other tiles (BV), warps and stages on the same inputs, each
 as a CUDA graph of one launch per layer over 32 layers' own states (64 MB at the 4B heads: more
 than the L2 holds, as in a step). Prints us per launch and the state's share of copy bandwidth.
+
+``--short``: the few-token op (unimax.ops.short_recurrence) instead: fla's kernel and ours at
+each of its launch settings, as its timed choice times them (ops.timing.graph_us, over input
+copies), for the verifier's block (1 sequence, 9 and 17 tokens, no final state) and its rewind
+(32 layers as the batch, 9 tokens, the final state written), with the difference of each from
+fla's outputs.
 """
 
 from __future__ import annotations
@@ -64,13 +71,64 @@ def time_setting(key_heads, value_heads, tokens, block_v, warps, stages) -> dict
             "state_bytes": 2 * value_heads * DIM * DIM * 4}
 
 
+@torch.inference_mode()
+def short_rows(heads: str) -> list[dict]:
+    """fla's kernel and ours at every launch setting, per few-token shape (see --short)."""
+    from unimax.ops import short_recurrence as short
+    from unimax.ops.timing import graph_us, weight_copies
+
+    key_heads, value_heads = (int(x) for x in heads.split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch, tokens, final in ((1, 9, False), (1, 17, False), (LAYERS, 9, True)):
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen)
+
+        q, k = (randn(batch, tokens, key_heads, DIM).bfloat16() for _ in range(2))
+        v = randn(batch, tokens, value_heads, DIM).bfloat16()
+        g = -torch.rand(batch, tokens, value_heads, device="cuda", generator=gen)
+        beta = torch.rand(batch, tokens, value_heads, device="cuda", generator=gen).bfloat16()
+        h0 = randn(batch, value_heads, DIM, DIM) * 0.1
+        copies = weight_copies((q, k, v, g, beta, h0))
+        ref, _ = short.run("fla", q, k, v, g, beta, h0, final)
+        for name in short.names():
+            out, _ = short.run(name, q, k, v, g, beta, h0, final)
+            us = graph_us(lambda i, name=name, copies=copies, final=final: short.run(
+                name, *copies[i], final), len(copies))
+            rows.append({"heads": heads, "batch": batch, "tokens": tokens, "kernel": name,
+                         "us": us, "max_diff_vs_fla": float((out.float() - ref.float()).abs()
+                                                            .max())})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def short_main(args) -> None:
+    rows = [row for heads in args.heads for row in short_rows(heads)]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print("\nthe few-token op's candidates (us per launch, graph-timed; diff: max |o - fla's|)")
+    for _, members in itertools.groupby(rows, key=lambda r: (r["heads"], r["batch"],
+                                                             r["tokens"])):
+        members = list(members)
+        fla = next(r["us"] for r in members if r["kernel"] == "fla")
+        best = min(members, key=lambda r: r["us"])
+        line = "  ".join(f"{r['kernel'].removeprefix('short@')} {r['us']:.2f}" for r in members)
+        print(f"{members[0]['heads']} B{members[0]['batch']} T{members[0]['tokens']}: {line}"
+              f"  -> best {best['kernel']} {best['us']:.2f} ({fla / best['us']:.2f}x fla), "
+              f"diff {max(r['max_diff_vs_fla'] for r in members):.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", nargs="+", default=["16x32", "16x16"],
                         help="key x value heads (gdn-4b: 16x32; Qwen3.5-0.8B: 16x16)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 9])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--short", action="store_true",
+                        help="time the few-token op's candidates instead")
     args = parser.parse_args()
+    if args.short:
+        return short_main(args)
     bandwidth = copy_bandwidth()
     rows = []
     for heads, tokens in itertools.product(args.heads, args.tokens):

@@ -106,6 +106,52 @@ def test_fla_ops_match_torch_reference(seq_len):
     assert rel_err(s, s_ref) < 5e-3
 
 
+@torch.inference_mode()
+def test_short_recurrence_matches_fla_on_gpu():
+    """Our few-token kernel (unimax.ops.short_recurrence) at a 4B layer's heads, every launch
+    setting, against fla's fused recurrent kernel: the verifier's block (1 x 9 and 17 tokens,
+    one layer) and its rewind (32 layers as the batch, strided views of the tape), o to BF16
+    rounding and the state to fp32 summation; then the op: its timed choice is kept, it
+    returns what the chosen kernel does, and in a captured graph replays what it computes
+    eagerly."""
+    from unimax.ops import short_recurrence as short
+
+    require_fla()
+    _, fused_recurrent = fla_ops()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    heads, value_heads, dk, dv = 16, 32, 128, 128
+    for batch, tokens in ((1, 2), (1, 9), (1, 17), (32, 9)):
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen)
+
+        q, k = (randn(batch, tokens + 8, heads, dk).bfloat16()[:, :tokens] for _ in range(2))
+        v = randn(batch, tokens + 8, value_heads, dv).bfloat16()[:, :tokens]
+        g = -torch.rand(batch, tokens, value_heads, device="cuda", generator=gen)
+        beta = torch.rand(batch, tokens, value_heads, device="cuda", generator=gen).bfloat16()
+        h0 = randn(batch, value_heads, dk, dv)
+        ref_o, ref_state = fused_recurrent(q=q.contiguous(), k=k.contiguous(),
+                                           v=v.contiguous(), g=g, beta=beta, initial_state=h0,
+                                           output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+        for tile in short.TILES:
+            o, state = short.launch_short(q, k, v, g, beta, h0, True, *tile)
+            assert rel_err(o.float(), ref_o.float()) < 2e-3, (batch, tokens, tile)
+            assert rel_err(state, ref_state) < 1e-5, (batch, tokens, tile)
+        o, state = short.short_gated_delta_rule(q, k, v, g, beta, h0, True)
+        key = next(key for key in short.CHOICES if key[:2] == (batch, tokens))
+        chosen_o, chosen_state = short.run(short.CHOICES[key], q, k, v, g, beta, h0, True)
+        assert torch.equal(o, chosen_o) and torch.equal(state, chosen_state)
+        print(batch, tokens, "chose", short.CHOICES[key])
+        short.short_gated_delta_rule(q, k, v, g, beta, h0, False)  # (its choice: not in a
+        graph = torch.cuda.CUDAGraph()                                # capture)
+        with torch.cuda.graph(graph):
+            graph_o, _ = short.short_gated_delta_rule(q, k, v, g, beta, h0, False)
+        q.copy_(randn(*q.shape).bfloat16())
+        graph.replay()
+        assert torch.equal(graph_o, short.short_gated_delta_rule(q, k, v, g, beta, h0,
+                                                                 False)[0])
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @torch.inference_mode()
 def test_decode_step_op_matches_its_twin(batch):

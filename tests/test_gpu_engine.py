@@ -188,9 +188,9 @@ def test_captures_survive_a_collection_among_dropped_graphs():
     capture; that failed a kernel choice's timing in the 2026-12-01 suite. Both captures of
     ours, the choice timer's (ops.timing.graph_us) and the engine's (GraphRunner), hold the
     collector off: the garbage becomes unreachable inside the capture, then enough container
-    objects are made for an automatic collection to start: none starts while capturing (the
-    deterministic check; whether one would reach the old graphs depends on their generation),
-    and both captures succeed."""
+    objects are made for an automatic collection to start (outside a capture they start one: the
+    control): none starts while capturing (the deterministic check; whether one would reach the
+    old graphs depends on their generation), and both captures succeed."""
     import gc
 
     from unimax.graph import GraphRunner
@@ -199,11 +199,14 @@ def test_captures_survive_a_collection_among_dropped_graphs():
     x = torch.zeros(64, device="cuda")
     keep = []
 
+    def trigger_a_collection():
+        junk = [[] for _ in range(20 * gc.get_threshold()[0])]  # 20 times gen 0's threshold
+        del junk
+
     def drop_graphs_mid_capture(_=0):
         if torch.cuda.is_current_stream_capturing() and keep:
             keep.clear()  # the graphs below are garbage now, in a cycle: the collector's
-            junk = [[] for _ in range(20 * gc.get_threshold()[0])]  # a collection's trigger
-            del junk
+            trigger_a_collection()
         x.add_(1)
 
     def garbage_graphs():
@@ -222,6 +225,9 @@ def test_captures_survive_a_collection_among_dropped_graphs():
     torch.cuda.synchronize()
     gc.callbacks.append(note_collection)
     try:
+        trigger_a_collection()  # the control: outside a capture, the trigger starts one
+        assert collections and True not in collections
+        collections.clear()
         garbage_graphs()
         assert graph_us(drop_graphs_mid_capture, copies=1) > 0
         garbage_graphs()
@@ -229,7 +235,7 @@ def test_captures_survive_a_collection_among_dropped_graphs():
                                                                   [])
     finally:
         gc.callbacks.remove(note_collection)
-    assert collections and True not in collections  # (ran at warm-ups and before: not inside)
+    assert True not in collections  # (none inside either capture, where the trigger ran)
     before = x.clone()
     graph.replay()
     torch.cuda.synchronize()

@@ -84,9 +84,12 @@ class GatedDeltaNetMixer(nn.Module):
         if valid is not None:  # a padded forward (RecurrentCache.counting): the window after
             new_conv_state = conv_window_after(conv_state, conv_input, valid)  # the real inputs
 
-        q = q.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim).contiguous()
-        k = k.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim).contiguous()
-        v = v.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim).contiguous()
+        q = q.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim)
+        k = k.reshape(batch, seq_len, cfg.num_k_heads, cfg.head_k_dim)
+        v = v.reshape(batch, seq_len, cfg.num_v_heads, cfg.head_v_dim)
+        recording = state is not None and state.tape is not None
+        if not recording:  # (recording, the tape's copies are what the recurrence reads)
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         beta = b.sigmoid()
         if cfg.allow_neg_eigval:
             beta = beta * 2.0
@@ -97,10 +100,12 @@ class GatedDeltaNetMixer(nn.Module):
 
         # A recording forward (the verifier's, unimax.tape) leaves the state to the rewind that
         # follows it, which writes the state after the accepted prefix from the tape anyway:
-        # writing the state after every drafted token first would only be overwritten.
-        recording = state is not None and state.tape is not None
+        # writing the state after every drafted token first would only be overwritten. Its
+        # recurrence reads the tape's copies of its inputs: one copy of q, k and v per block,
+        # not a contiguous one for the kernel and another for the tape (the verify block had
+        # ~17 small kernels per layer: bench/RESULTS.md, thirteenth session).
         if recording:
-            state.tape.record(conv_input, q, k, v, g, beta)
+            q, k, v, g, beta = state.tape.record(conv_input, q, k, v, g, beta)
         o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,
                                                   backend=self.backend,
                                                   final_state=not recording)

@@ -25,13 +25,16 @@ class LayerTape:
         self.buffers = [t[index:index + 1] for t in tape.tensors()]
 
     @torch.no_grad()
-    def record(self, conv_input, q, k, v, g, beta) -> None:
-        """Copy one forward's per-token inputs (B=1, T <= max_tokens) into the tape."""
+    def record(self, conv_input, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
+        """Copy one forward's per-token inputs (B=1, T <= max_tokens) into the tape; returns
+        the tape's views of q, k, v, g and beta (contiguous, the values copied: the
+        recurrence reads them there)."""
         t = conv_input.shape[1]
         if t > self.max_tokens:
             raise ValueError(f"the tape holds {self.max_tokens} tokens, the forward fed {t}")
         for buffer, value in zip(self.buffers, (conv_input, q, k, v, g, beta), strict=True):
             buffer[:, :t].copy_(value)
+        return tuple(buffer[:, :t] for buffer in self.buffers[1:])
 
 
 class Tape:

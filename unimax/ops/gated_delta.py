@@ -142,7 +142,15 @@ def fla_ops():
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, final_state: bool = True):
-    """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs."""
+    """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs;
+    2 to 64 tokens outside autograd (the verifier's blocks and rewinds, short prompts) through
+    ops.short_recurrence, which times fla's fused recurrent kernel against ours per shape."""
+    from .short_recurrence import SHORT_MAX, short_gated_delta_rule
+
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if 1 < q.shape[1] <= SHORT_MAX and not grad:
+        o, state = short_gated_delta_rule(q, k, v, g, beta, initial_state, final_state)
+        return o, (state if final_state else None)
     chunk, fused_recurrent = fla_ops()
     kernel = fused_recurrent if q.shape[1] <= 64 else chunk
     # Keywords only: the two kernels' positional orders differ (fused_recurrent has gk, gv

@@ -1,0 +1,97 @@
+"""The gated delta rule over a few tokens (unimax.ops.short_recurrence): our Triton kernel, in
+Triton's interpreter, against fla's fused recurrent kernel (a reference we did not write) and
+against the torch loop, its twin; the op's dispatch and its errors on the CPU."""
+
+import pytest
+import torch
+
+from helpers import run_with_triton
+from unimax.ops.gated_delta import recurrent_gated_delta_rule_ref
+from unimax.ops.short_recurrence import parse, short_gated_delta_rule
+
+CHILD = r"""
+import torch
+from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+from unimax.ops.gated_delta import recurrent_gated_delta_rule_ref
+from unimax.ops.short_recurrence import TILES, launch_short
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+torch.manual_seed(0)
+# (B, T, H, HV, K, V): one chunk, a chunk and one more token (17), value heads grouped
+for b, t, h, hv, k, v in [(1, 2, 2, 2, 16, 8), (1, 9, 2, 4, 32, 16), (2, 17, 1, 2, 16, 32),
+                          (3, 5, 2, 2, 64, 8)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        # the tape's layout: batch strided past T (views of a longer buffer)
+        q, kk = (torch.randn(b, t + 3, h, k)[:, :t].to(dtype) for _ in range(2))
+        vv = torch.randn(b, t + 3, hv, v)[:, :t].to(dtype)
+        g = -torch.rand(b, t, hv) * 0.5
+        beta = torch.rand(b, t, hv).to(dtype)
+        h0 = torch.randn(b, hv, k, v)
+        ref_o, ref_state = recurrent_gated_delta_rule_ref(q, kk, vv, g, beta, h0)
+        fla_o, fla_state = fused_recurrent_gated_delta_rule(
+            q=q.contiguous(), k=kk.contiguous(), v=vv.contiguous(), g=g, beta=beta,
+            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        for bv, warps in (TILES[0], TILES[-1]):
+            o, state = launch_short(q, kk, vv, g, beta, h0, True, bv, warps)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert o.dtype == dtype and o.shape == ref_o.shape
+            assert rel(o, fla_o) < tol and rel(state, fla_state) < 1e-5, (b, t, dtype, bv)
+            assert rel(o, ref_o) < tol and rel(state, ref_state) < 1e-5, (b, t, dtype, bv)
+            o2, none = launch_short(q, kk, vv, g, beta, h0, False, bv, warps)
+            assert torch.equal(o2, o) and none.numel() == 0
+        print("ok", b, t, dtype)
+# no initial state: from zeros
+q, kk, vv = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 8)
+g, beta = -torch.rand(1, 4, 2), torch.rand(1, 4, 2)
+o, state = launch_short(q, kk, vv, g, beta, None, True, 8, 1)
+ref_o, ref_state = recurrent_gated_delta_rule_ref(q, kk, vv, g, beta, None)
+assert rel(o, ref_o) < 1e-5 and rel(state, ref_state) < 1e-5
+print("ok zero state")
+"""
+
+
+def test_short_kernel_matches_fla_and_its_twin_in_the_interpreter():
+    out = run_with_triton(CHILD, needs="fla")
+    assert out.count("ok") == 9, out
+
+
+def test_op_runs_its_twin_off_cuda():
+    """On the CPU the op is the torch loop; ``final_state=False`` gives an empty tensor, as
+    fla's output_final_state=False gives none."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 4, 8)
+    g, beta, h0 = -torch.rand(1, 5, 4), torch.rand(1, 5, 4), torch.randn(1, 4, 8, 8)
+    o, state = short_gated_delta_rule(q, k, v, g, beta, h0, True)
+    ref_o, ref_state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, h0)
+    assert torch.equal(o, ref_o) and torch.equal(state, ref_state)
+    o, empty = short_gated_delta_rule(q, k, v, g, beta, h0, False)
+    assert torch.equal(o, ref_o) and empty.numel() == 0
+
+
+def test_op_names_bad_input():
+    q, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 3, 8)
+    g = beta = torch.rand(1, 3, 3)
+    with pytest.raises(ValueError, match=r"value heads \(3\) must be a multiple of key heads"):
+        short_gated_delta_rule(q, q, v, g, beta, None, False)
+    q, v, g = torch.randn(1, 65, 2, 8), torch.randn(1, 65, 2, 8), torch.rand(1, 65, 2)
+    with pytest.raises(ValueError, match="1 to 64 tokens, got 65"):
+        short_gated_delta_rule(q, q, v, g, g, None, False)
+    q, v, g = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), torch.rand(1, 3, 2)
+    with pytest.raises(ValueError, match="initial_state must be contiguous fp32"):
+        short_gated_delta_rule(q, q, v, g, g, torch.zeros(1, 2, 8, 8, dtype=torch.bfloat16),
+                               True)
+    with pytest.raises(ValueError, match="kernel must be 'fla' or one of short@"):
+        parse("short@3x1")
+
+
+def test_op_traces_with_no_graph_break():
+    """Its fake kernel: a compiled forward calls it as one opaque op."""
+    q, v, g = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), -torch.rand(1, 3, 2)
+    h0 = torch.randn(1, 2, 8, 8)
+    traced = torch.compile(lambda q, v: short_gated_delta_rule(q, q, v, g, g.neg(), h0,
+                                                               True)[0] * 2,
+                           fullgraph=True, backend="eager")
+    ref, _ = recurrent_gated_delta_rule_ref(q, q, v, g, g.neg(), h0)
+    assert torch.allclose(traced(q, v), 2 * ref)

@@ -1,0 +1,172 @@
+"""The gated delta rule over a few tokens (2 to SHORT_MAX) on CUDA, as one op:
+``short_gated_delta_rule(q, k, v, g, beta, initial_state, final_state) -> (o, state)``.
+
+Who runs a few tokens: the verifier's block (k + 1 rows, every GDN layer), its rewind (all
+layers at once, layers as the batch) and short prompts. fla's fused recurrent kernel loads each
+token's inputs inside its time loop, so a token waits a memory round trip before its step: at
+4B heads on the H200 its 9-token launch took ~14 us (32 of them, 0.54 ms of a 4.5 ms verify
+block, bench/RESULTS.md, thirteenth session) where one token takes ~3.6. Our kernel
+(short_recurrence_kernel.py) has fla's arithmetic but requests every token's inputs before
+the first step.
+
+Which kernel and launch (BV columns of V per program, warps) is the per-shape timed choice of
+the GEMVs (ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among the
+candidates: a shape where ours is not faster keeps fla's. Off CUDA the op runs the torch loop
+(``recurrent_gated_delta_rule_ref``), its twin.
+
+Shapes as ops.gated_delta: q, k (B, T, H, K), v (B, T, HV, V), g, beta (B, T, HV), the state
+(B, HV, K, V) fp32; each token's heads contiguous (batch and time may be strided: the tape's
+views). ``final_state=False``: the state after the run is not computed (an empty tensor comes
+back), as fla's ``output_final_state=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from .gated_delta import fla_ops, recurrent_gated_delta_rule_ref
+from .gemv import _interpreted, timed_choice
+
+SHORT_MAX = 64  # tokens; fla's fused recurrent kernel is ops.gated_delta's choice up to 64 too
+CHUNK = 16  # tokens whose inputs one program holds in registers at once
+# launch settings (BV, warps) offered to the choice, beside fla's kernel
+TILES = ((4, 1), (8, 1), (8, 2), (16, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
+CHOICES: dict[tuple, str] = {}  # (B, T, H, HV, K, V, dtype, final) -> "fla" or "short@BVxW"
+
+
+def names() -> tuple[str, ...]:
+    return ("fla",) + tuple(f"short@{bv}x{w}" for bv, w in TILES)
+
+
+def parse(name: str) -> tuple[int, int] | None:
+    """"short@BVxW" -> (BV, warps); "fla" -> None."""
+    if name == "fla":
+        return None
+    form, _, tile = name.partition("@")
+    parts = tuple(int(p) for p in tile.split("x")) if form == "short" else ()
+    if parts not in TILES:
+        raise ValueError(f"short recurrence: kernel must be 'fla' or one of "
+                         f"{', '.join(names()[1:])}, got {name!r}")
+    return parts
+
+
+def check(q, k, v, g, beta, initial_state) -> None:
+    """Names what does not fit the kernels."""
+    problems = []
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        problems.append(f"q, k must be (B, T, H, K) and v (B, T, HV, V), got {tuple(q.shape)}, "
+                        f"{tuple(k.shape)}, {tuple(v.shape)}")
+    elif v.shape[2] % q.shape[2]:
+        problems.append(f"value heads ({v.shape[2]}) must be a multiple of key heads "
+                        f"({q.shape[2]})")
+    elif g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        problems.append(f"g and beta must be {tuple(v.shape[:3])}, got {tuple(g.shape)} and "
+                        f"{tuple(beta.shape)}")
+    if not 1 <= q.shape[1] <= SHORT_MAX:
+        problems.append(f"1 to {SHORT_MAX} tokens, got {q.shape[1]}")
+    if initial_state is not None and (
+            initial_state.dtype != torch.float32 or not initial_state.is_contiguous()
+            or initial_state.shape != (v.shape[0], v.shape[2], q.shape[3], v.shape[3])):
+        problems.append(f"initial_state must be contiguous fp32 "
+                        f"{(v.shape[0], v.shape[2], q.shape[3], v.shape[3])}")
+    if problems:
+        raise ValueError("short_gated_delta_rule: " + "; ".join(problems))
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x with each token's (heads, features) contiguous, as the kernel indexes them."""
+    inner_ok = x.stride(-1) == 1 and (x.dim() < 4 or x.stride(-2) == x.shape[-1])
+    return x if inner_ok else x.contiguous()
+
+
+def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: int,
+                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernel at one launch setting (CUDA, or Triton's interpreter)."""
+    import triton
+
+    from .short_recurrence_kernel import short_recurrence_kernel
+
+    batch, tokens, num_k_heads, head_k_dim = q.shape
+    value_heads, head_v_dim = v.shape[2:]
+    q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
+    g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    if initial_state is None:
+        initial_state = v.new_zeros(batch, value_heads, head_k_dim, head_v_dim,
+                                    dtype=torch.float32)
+    o = v.new_empty(batch, tokens, value_heads, head_v_dim)
+    state = torch.empty_like(initial_state) if final_state else initial_state.new_empty(0)
+    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
+    grid = (triton.cdiv(head_v_dim, block_v), batch * value_heads)
+    short_recurrence_kernel[grid](
+        q, k, v, g, beta, o, initial_state, state if final_state else initial_state,
+        head_k_dim ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), T=tokens,
+        H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim,
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, TC=min(CHUNK, _pow2(tokens)),
+        STORE_FINAL=final_state, num_warps=num_warps)
+    return o, state
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def launch_fla(q, k, v, g, beta, initial_state, final_state: bool):
+    """fla's fused recurrent kernel, as ops.gated_delta launches it."""
+    _, fused_recurrent = fla_ops()
+    o, state = fused_recurrent(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                               output_final_state=final_state, use_qk_l2norm_in_kernel=True)
+    return o, (state if final_state else q.new_empty(0, dtype=torch.float32))
+
+
+def run(name: str, q, k, v, g, beta, initial_state, final_state: bool):
+    tile = parse(name)
+    if tile is None:
+        return launch_fla(q, k, v, g, beta, initial_state, final_state)
+    return launch_short(q, k, v, g, beta, initial_state, final_state, *tile)
+
+
+def choose(q, k, v, g, beta, initial_state, final_state: bool) -> str:
+    """The fastest of fla's kernel and ours at each launch setting for this shape, timed once
+    at its first call (ops.gemv.timed_choice; "fla" where it cannot be timed)."""
+    key = (*q.shape, v.shape[2], v.shape[3], q.dtype, initial_state is None, final_state)
+    if key in CHOICES:
+        return CHOICES[key]
+    return timed_choice(CHOICES, key, names(), "fla", q.is_cuda,
+                        lambda name, *tensors: run(name, *tensors, final_state),
+                        (q, k, v, g, beta, initial_state))
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the CUDA kernels can run here (Triton and fla importable)."""
+    return fla_ops() is not None
+
+
+# (Optional, not "| None": torch reads the op's schema from these annotations)
+@torch.library.custom_op("unimax::short_gated_delta_rule", mutates_args=())
+def short_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: Optional[torch.Tensor],  # noqa: UP045
+                           final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over 1 to SHORT_MAX tokens: the chosen kernel on CUDA, the torch
+    loop elsewhere. Returns (o in v's dtype, the final state or an empty tensor)."""
+    check(q, k, v, g, beta, initial_state)
+    g = g.float()
+    if q.is_cuda and not _interpreted() and available():
+        return run(choose(q, k, v, g, beta, initial_state, final_state), q, k, v, g, beta,
+                   initial_state, final_state)
+    o, state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state)
+    return o, (state if final_state else q.new_empty(0, dtype=torch.float32))
+
+
+@short_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, final_state):
+    batch, tokens, value_heads, head_v_dim = v.shape
+    state = (q.new_empty(batch, value_heads, q.shape[3], head_v_dim, dtype=torch.float32)
+             if final_state else q.new_empty(0, dtype=torch.float32))
+    return v.new_empty(batch, tokens, value_heads, head_v_dim), state
