@@ -278,7 +278,8 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     forms = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
         forms += ("split", "split16")
-    forms += tuple(form + "p" for form in forms)  # (each with its prefetching twin)
+    if scale is not None:  # FP8: each with its prefetching twin (the BF16 GEMVs stream at
+        forms += tuple(form + "p" for form in forms)  # ~80% of copy bandwidth already)
     # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
     names = tiled_names(forms, _tiles_by_form(_head(prologue, norm_weight)))
     return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),

@@ -4,15 +4,17 @@
 Who runs a few tokens: the verifier's block (k + 1 rows, every GDN layer), its rewind (all
 layers at once, layers as the batch) and short prompts. fla's fused recurrent kernel loads each
 token's inputs inside its time loop, so a token waits a memory round trip before its step: at
-4B heads on the H200 its 9-token launch took ~14 us (32 of them, 0.54 ms of a 4.5 ms verify
-block, bench/RESULTS.md, thirteenth session) where one token takes ~3.6. Our kernel
-(short_recurrence_kernel.py) has fla's arithmetic but requests every token's inputs before
-the first step.
+4B heads on the H200 its 9-token launches took ~14 us each in the verify block (33 launches,
+0.56 ms of a 4.5 ms block, bench/RESULTS.md, thirteenth session) where one token takes ~3.6.
+Our kernel (short_recurrence_kernel.py) has fla's arithmetic but requests every token's inputs
+before the first step.
 
 Which kernel and launch (BV columns of V per program, warps) is the per-shape timed choice of
 the GEMVs (ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among the
-candidates: a shape where ours is not faster keeps fla's. Off CUDA the op runs the torch loop
-(``recurrent_gated_delta_rule_ref``), its twin.
+candidates: a shape where ours is not faster keeps fla's. Measured (H200, 4B heads, graph-timed
+over input copies): 8.3 us against fla's 22.0 for the 9-token block, 13.5 against 40.1 for 17
+tokens; the 32-layer rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op
+runs the torch loop (``recurrent_gated_delta_rule_ref``), its twin.
 
 Shapes as ops.gated_delta: q, k (B, T, H, K), v (B, T, HV, V), g, beta (B, T, HV), the state
 (B, HV, K, V) fp32; each token's heads contiguous (batch and time may be strided: the tape's
@@ -33,8 +35,12 @@ from .gemv import _interpreted, timed_choice
 
 SHORT_MAX = 64  # tokens; fla's fused recurrent kernel is ops.gated_delta's choice up to 64 too
 CHUNK = 16  # tokens whose inputs one program holds in registers at once
-# launch settings (BV, warps) offered to the choice, beside fla's kernel
-TILES = ((4, 1), (8, 1), (8, 2), (16, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
+# launch settings (BV, warps) offered to the choice, beside fla's kernel. One warp a program,
+# as fla launches its own: on the H200 at 4B heads (bench/RESULTS.md, thirteenth session) BV 4
+# and 8 on one warp took 8.3-8.6 us for 9 tokens (fla's kernel 22.0) and 13.5 for 17 (40.1);
+# every setting with 2 to 8 warps was 2-6x slower than those (the per-step row picks and sums
+# cross warps). 16 x 1 was not timed there.
+TILES = ((4, 1), (8, 1), (16, 1))
 CHOICES: dict[tuple, str] = {}  # (B, T, H, HV, K, V, dtype, final) -> "fla" or "short@BVxW"
 
 

@@ -18,9 +18,10 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
     o = h^T q), with the loads moved out of the time loop: every token's q, k, v, g and beta
     of a chunk of TC tokens is requested at once, before the first step, and each step picks
     its row out of registers. fla's kernel loads inside its loop, so each token waits a full
-    memory round trip (and its output store sits between one token's loads and the next,
-    which keeps them from being hoisted): its 9-token launch took ~14 us against ~3.6 for one
-    token at 4B heads on the H200. Grid: (cdiv(V, BV), B * HV)."""
+    memory round trip (its output store sits between one token's loads and the next, and the
+    compiler may not move loads above a store to memory it cannot tell apart): at 4B heads on
+    the H200 its 9-token launch took 22 us where this one took 8.3 (ops.short_recurrence).
+    Grid: (cdiv(V, BV), B * HV)."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
