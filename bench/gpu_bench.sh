@@ -15,6 +15,9 @@
 #                                           "verified 8 qwen3.5-0.8b": another shape;
 #                                           "verified 8 gdn-4b --no-fuse-bf16": BF16-only
 #                                           and the verifier without the folded GEMVs;
+#                                           "verified 8 gdn-4b --no-block-op": the
+#                                           verifier's recording mixers as torch forms
+#                                           (not ops.block_mixer's one kernel a layer);
 #                                           "verified 8 gdn-4b --pdl": every fused GEMV with
 #                                           programmatic dependent launch;
 #                                           "verified 8 gdn-8b": the ~8B shape

@@ -38,6 +38,7 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
+import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
@@ -325,6 +326,10 @@ def main() -> None:
     parser.add_argument("--no-fuse-bf16", action="store_true",
                         help="BF16-only's fast step and the verifier's view without the "
                              "folded GEMVs (unimax.fused_draft.FUSE_BF16 off; on by default)")
+    parser.add_argument("--no-block-op", action="store_true",
+                        help="the verifier's recording forwards through the torch forms and "
+                             "the few-token recurrence op, not one op per GDN layer "
+                             "(unimax.layers.GatedDeltaNetMixer.block_op; on by default)")
     parser.add_argument("--pdl", action="store_true",
                         help="every fused GEMV (BF16-only's step, the draft, the verifier's "
                              "one-token forwards) with programmatic dependent launch "
@@ -335,6 +340,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
+    unimax.layers.GatedDeltaNetMixer.block_op = not args.no_block_op
     unimax.ops.fused_gemv.PDL = args.pdl
     unimax.ops.fused_gemv.PDL_TRIGGER = args.pdl_trigger
     bandwidth = copy_bandwidth()

@@ -152,6 +152,56 @@ def test_short_recurrence_matches_fla_on_gpu():
                                                                  False)[0])
 
 
+@torch.inference_mode()
+def test_block_mixer_matches_its_twin_on_gpu():
+    """The verifier's recording mixer as one kernel (unimax.ops.block_mixer) at a 4B layer's
+    heads, 9 and 17 tokens, every tile, against its twin (the mixer's torch forms) on the GPU:
+    the tape's raw conv input bit for bit, q, k, v, g and beta to rounding, o to BF16
+    rounding; then the op through its timed choice returns what the chosen tile does."""
+    from unimax.ops import block_mixer
+
+    require_fla()
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    heads, value_heads, dk, dv, width = 16, 32, 128, 128, 4
+    conv_dim = 2 * heads * dk + value_heads * dv
+    for tokens in (9, 17):
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen)
+
+        proj = randn(1, tokens, conv_dim + value_heads * dv + 2 * value_heads).bfloat16()
+        mixed = proj[..., :conv_dim]
+        b = proj[..., conv_dim + value_heads * dv:][..., :value_heads]
+        a = proj[..., conv_dim + value_heads * dv + value_heads:]
+        args = (mixed, a, b, randn(1, conv_dim, width).bfloat16(),
+                (0.5 * randn(conv_dim, width)).bfloat16(), randn(value_heads),
+                randn(value_heads), randn(1, value_heads, dk, dv) * 0.1)
+
+        def tape(tokens=tokens):
+            t, bf16 = tokens + 1, dict(device="cuda", dtype=torch.bfloat16)
+            return (torch.zeros(1, t, conv_dim, **bf16), torch.zeros(1, t, heads, dk, **bf16),
+                    torch.zeros(1, t, heads, dk, **bf16),
+                    torch.zeros(1, t, value_heads, dv, **bf16),
+                    torch.zeros(1, t, value_heads, device="cuda"),
+                    torch.zeros(1, t, value_heads, **bf16))
+
+        ref_tape = tape()
+        ref = block_mixer.gdn_block_record_ref(*args, ref_tape, heads, False)
+        for tile in block_mixer.TILES:
+            got_tape = tape()
+            o = block_mixer.launch(*args, got_tape, heads, False, tile)
+            assert rel_err(o.float(), ref.float()) < 5e-3, (tokens, tile)
+            assert torch.equal(got_tape[0], ref_tape[0]), (tokens, tile)
+            for name, x, y in zip("qkvgb", got_tape[1:], ref_tape[1:], strict=True):
+                assert rel_err(x.float(), y.float()) < 2e-3, (tokens, tile, name)
+        got_tape = tape()
+        o = block_mixer.gdn_block_record(*args, *got_tape, heads, False)
+        key = next(key for key in block_mixer.CHOICES if key[0] == tokens)
+        again = block_mixer.launch(*args, tape(), heads, False,
+                                   block_mixer._tile(block_mixer.CHOICES[key]))
+        assert torch.equal(o, again)
+        print(tokens, "chose", block_mixer.CHOICES[key])
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @torch.inference_mode()
 def test_decode_step_op_matches_its_twin(batch):

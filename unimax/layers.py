@@ -16,15 +16,21 @@ from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .fused_draft import fused_block_forward
 from .norms import GatedRMSNorm, RMSNorm, swiglu
+from .ops import block_mixer
+from .ops.block_mixer import gdn_block_record
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
 from .ops.decode_step import gdn_decode_step
 from .ops.gated_delta import first_steps_only, gated_delta_rule
+from .ops.short_recurrence import SHORT_MAX
 
 
 class GatedDeltaNetMixer(nn.Module):
     # Plain decode steps as one op (ops.decode_step); bench/profile_step.py's "-unfused"
     # variants turn it off on a view to time the torch forms beside it.
     decode_op = True
+    # The verifier's recording forwards as one op on CUDA (ops.block_mixer); bench/verified.py
+    # --no-block-op turns it off to time the torch forms beside it.
+    block_op = True
 
     def __init__(self, config: GDNConfig):
         super().__init__()
@@ -56,6 +62,12 @@ class GatedDeltaNetMixer(nn.Module):
     def _core(self, mixed, z, b, a, state: RecurrentLayerState | None):
         cfg = self.config
         batch, seq_len, _ = mixed.shape
+        if self._block_record(mixed, state):
+            o = gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight,
+                                 self.A_log, self.dt_bias, state.recurrent_states[0],
+                                 *state.tape.buffers, cfg.num_k_heads, cfg.allow_neg_eigval)
+            state.has_previous_state[0] = True
+            return o, z
         if state is None:
             conv_state = mixed.new_zeros(batch, cfg.conv_dim, cfg.conv_size)
             recurrent_state = None
@@ -154,6 +166,16 @@ class GatedDeltaNetMixer(nn.Module):
                             cfg.num_k_heads, in_kernel)
         state.has_previous_state[0] = True
         return o, z
+
+    def _block_record(self, mixed: torch.Tensor, state: RecurrentLayerState | None) -> bool:
+        """Whether this forward is the verifier's recording block of one sequence, run as one op
+        (ops.block_mixer): on CUDA with fla's kernels, 2 to SHORT_MAX tokens, not padded,
+        outside autograd, with the default kernels."""
+        return (self.block_op and state is not None and state.tape is not None
+                and state.valid is None and mixed.shape[0] == 1
+                and 1 < mixed.shape[1] <= SHORT_MAX
+                and not torch.is_grad_enabled() and self.backend in ("auto", "fla")
+                and block_mixer.usable(mixed))
 
     def _one_op_step(self, state: RecurrentLayerState | None, seq_len: int) -> bool:
         """Whether this forward is a plain decode step, run as one op (ops.decode_step): one

@@ -143,7 +143,7 @@ def fla_ops():
 
 def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, final_state: bool = True):
     """fla's kernels with our semantics: chunked for prefill, fused recurrent for short runs;
-    2 to 64 tokens outside autograd (the verifier's blocks and rewinds, short prompts) through
+    2 to 33 tokens outside autograd (the verifier's blocks and rewinds, short prompts) through
     ops.short_recurrence, which times fla's fused recurrent kernel against ours per shape."""
     from .short_recurrence import SHORT_MAX, short_gated_delta_rule
 

@@ -1,4 +1,4 @@
-"""The gated delta rule over a few tokens (2 to SHORT_MAX) on CUDA, as one op:
+"""The gated delta rule over a few tokens (2 to SHORT_MAX, 33) on CUDA, as one op:
 ``short_gated_delta_rule(q, k, v, g, beta, initial_state, final_state) -> (o, state)``.
 
 Who runs a few tokens: the verifier's block (k + 1 rows, every GDN layer), its rewind (all
@@ -33,7 +33,9 @@ import torch
 from .gated_delta import fla_ops, recurrent_gated_delta_rule_ref
 from .gemv import _interpreted, timed_choice
 
-SHORT_MAX = 64  # tokens; fla's fused recurrent kernel is ops.gated_delta's choice up to 64 too
+# tokens: a verify block of up to 32 drafts, and the short prompts' buckets of 16 and 32
+# (longer runs keep fla's kernel: a step per token unrolled in the kernel, compiled per length)
+SHORT_MAX = 33
 CHUNK = 16  # tokens whose inputs one program holds in registers at once
 # launch settings (BV, warps) offered to the choice, beside fla's kernel. One warp a program,
 # as fla launches its own: on the H200 at 4B heads (bench/RESULTS.md, thirteenth session) BV 4

@@ -1,8 +1,42 @@
-"""The Triton kernel behind unimax.ops.short_recurrence (imported lazily: Triton is needed only
-for CUDA work and the interpreter tests). The launch settings and their choice live there."""
+"""The Triton kernels behind unimax.ops.short_recurrence and unimax.ops.block_mixer (imported
+lazily: Triton is needed only for CUDA work and the interpreter tests). The launch settings and
+their choice live there."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def normalized(q_all, k_all, scale):
+    """q and k rows L2-normalized in fp32 as fla's kernel does (1e-6 inside the sqrt), q scaled."""
+    q_all = q_all / tl.sqrt(tl.sum(q_all * q_all, 1) + 1e-6)[:, None] * scale
+    k_all = k_all / tl.sqrt(tl.sum(k_all * k_all, 1) + 1e-6)[:, None]
+    return q_all, k_all
+
+
+@triton.jit
+def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.constexpr,
+              T: tl.constexpr, TC: tl.constexpr, o_stride):
+    """Tokens c .. c + TC - 1 (those below T) of the recurrence from state h (BK, BV), each
+    token's row picked out of the chunk's registers; token i's output to o_ptr + i * o_stride
+    + rv. Per token (fla's order): h *= exp(g); v' = beta (v - h^T k); h += k v'^T; o = h^T q.
+    Returns h."""
+    rt = tl.arange(0, TC)
+    for s in tl.static_range(TC):
+        if c + s < T:
+            row = rt == s
+            b_q = tl.sum(tl.where(row[:, None], q_all, 0.0), 0)
+            b_k = tl.sum(tl.where(row[:, None], k_all, 0.0), 0)
+            b_v = tl.sum(tl.where(row[:, None], v_all, 0.0), 0)
+            b_g = tl.sum(tl.where(row, g_all, 0.0), 0)
+            b_beta = tl.sum(tl.where(row, b_all, 0.0), 0)
+            h *= tl.exp(b_g)
+            b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
+            h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * b_q[:, None], 0)
+            p_o = o_ptr + (c + s) * o_stride + rv
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+    return h
 
 
 @triton.jit
@@ -50,21 +84,96 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
                         other=0.0).to(tl.float32)
         b_all = tl.load(beta + i_n * stride_bb + t * stride_bt + i_hv, mask=mask_t,
                         other=0.0).to(tl.float32)
-        q_all = q_all / tl.sqrt(tl.sum(q_all * q_all, 1) + 1e-6)[:, None] * scale
-        k_all = k_all / tl.sqrt(tl.sum(k_all * k_all, 1) + 1e-6)[:, None]
-        for s in tl.static_range(TC):
-            if c + s < T:
-                row = rt == s
-                b_q = tl.sum(tl.where(row[:, None], q_all, 0.0), 0)
-                b_k = tl.sum(tl.where(row[:, None], k_all, 0.0), 0)
-                b_v = tl.sum(tl.where(row[:, None], v_all, 0.0), 0)
-                b_g = tl.sum(tl.where(row, g_all, 0.0), 0)
-                b_beta = tl.sum(tl.where(row, b_all, 0.0), 0)
-                h *= tl.exp(b_g)
-                b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
-                h += b_k[:, None] * b_v[None, :]
-                b_o = tl.sum(h * b_q[:, None], 0)
-                p_o = o + ((i_n * T + c + s) * HV + i_hv) * V + rv
-                tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+        q_all, k_all = normalized(q_all, k_all, scale)
+        h = run_steps(h, q_all, k_all, v_all, g_all, b_all, o + (i_n * T * HV + i_hv) * V, rv,
+                      mask_v, c, T, TC, HV * V)
     if STORE_FINAL:
         tl.store(ht + p_h, h, mask=mask_h)
+
+
+@triton.jit
+def conv_silu(mixed, stride_mt, state, weight, t, ch, mask_t, mask_c, W: tl.constexpr):
+    """SiLU of the causal conv at tokens t (TC,) and channels ch (C,), rounded to mixed's dtype:
+    token t's window is [state, mixed] entries t + 1 .. t + W (the state (channels, W) holds
+    the last W inputs); fp32 products summed over the window in order, SiLU in fp32 (the torch
+    block form's arithmetic, ops.conv.causal_conv1d)."""
+    acc = tl.zeros((t.shape[0], ch.shape[0]), dtype=tl.float32)
+    for w in tl.static_range(W):
+        j = t + 1 + w  # in [state, mixed]
+        old = j < W
+        mask = mask_t[:, None] & mask_c[None, :]
+        xs = tl.load(state + ch[None, :] * W + j[:, None], mask=mask & old[:, None], other=0.0)
+        xm = tl.load(mixed + (j - W)[:, None] * stride_mt + ch[None, :],
+                     mask=mask & (~old)[:, None], other=0.0)
+        x = tl.where(old[:, None], xs.to(xm.dtype), xm).to(tl.float32)
+        acc += x * tl.load(weight + ch * W + w, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    return (acc / (1.0 + tl.exp(-acc))).to(mixed.dtype.element_ty)
+
+
+@triton.jit
+def block_mixer_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, h0, o,
+                       tape_x, tape_q, tape_k, tape_v, tape_g, tape_beta, scale,
+                       stride_mt, stride_at, stride_bt, stride_xt, stride_qt, stride_vt,
+                       stride_gt,
+                       T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       TC: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """A recording GDN mixer's middle over T tokens of one sequence, for one (value head, BV
+    columns of V): the convolution of its q, k and v channels from the in-projection's output
+    and the conv state (SiLU, rounded as the torch forms round), the gates g = -exp(A_log)
+    softplus(a + dt_bias) (fp32) and beta = sigmoid(b) (rounded to b's dtype, doubled with
+    NEG_EIGVAL), everything the tape records written there (each value once: the raw conv
+    input, q and k by the first program of their key head, g and beta by the first of their
+    value head), and the recurrence on those rounded values as short_recurrence_kernel runs it.
+    Writes no state (a recording forward leaves them to the rewind). Grid: (cdiv(V, BV), HV)."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    group = HV // H
+    i_h = i_hv // group
+    lead = (i_v == 0) & (i_hv % group == 0)  # this key head's q and k: written by this program
+    first = i_v == 0  # this value head's g and beta
+    KD = H * K  # key_dim
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    rt = tl.arange(0, TC)
+    mask_k = rk < K
+    mask_v = rv < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    h = tl.load(h0 + i_hv * K * V + rk[:, None] * V + rv[None, :], mask=mask_h,
+                other=0.0).to(tl.float32)
+    A = tl.load(A_log + i_hv).to(tl.float32)
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    for c in tl.static_range(0, T, TC):
+        t = c + rt
+        mask_t = t < T
+        cq, ck, cv = i_h * K + rk, KD + i_h * K + rk, 2 * KD + i_hv * V + rv
+        q_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, cq, mask_t, mask_k, W)
+        k_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, ck, mask_t, mask_k, W)
+        v_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, cv, mask_t, mask_v, W)
+        a_t = tl.load(a + t * stride_at + i_hv, mask=mask_t, other=0.0).to(tl.float32)
+        b_t = tl.load(b + t * stride_bt + i_hv, mask=mask_t, other=0.0)
+        x = a_t + bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
+        g_all = -tl.exp(A) * softplus
+        b_all = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
+        if NEG_EIGVAL:
+            b_all = (b_all.to(tl.float32) * 2.0).to(b_t.dtype)
+        # the tape: each value written by one program
+        m_tk = mask_t[:, None] & mask_k[None, :]
+        m_tv = mask_t[:, None] & mask_v[None, :]
+        raw = tl.load(mixed + t[:, None] * stride_mt + cv[None, :], mask=m_tv, other=0.0)
+        tl.store(tape_x + t[:, None] * stride_xt + cv[None, :], raw, mask=m_tv)
+        for ch_k in tl.static_range(2):  # q's channels, then k's
+            cc = ch_k * KD + i_h * K + rk
+            raw = tl.load(mixed + t[:, None] * stride_mt + cc[None, :], mask=m_tk & lead,
+                          other=0.0)
+            tl.store(tape_x + t[:, None] * stride_xt + cc[None, :], raw, mask=m_tk & lead)
+        p_qk = t[:, None] * stride_qt + i_h * K + rk[None, :]
+        tl.store(tape_q + p_qk, q_raw, mask=m_tk & lead)
+        tl.store(tape_k + p_qk, k_raw, mask=m_tk & lead)
+        tl.store(tape_v + t[:, None] * stride_vt + i_hv * V + rv[None, :], v_raw, mask=m_tv)
+        tl.store(tape_g + t * stride_gt + i_hv, g_all, mask=mask_t & first)
+        tl.store(tape_beta + t * stride_gt + i_hv, b_all, mask=mask_t & first)
+        q_all, k_all = normalized(q_raw.to(tl.float32), k_raw.to(tl.float32), scale)
+        h = run_steps(h, q_all, k_all, v_raw.to(tl.float32), g_all, b_all.to(tl.float32),
+                      o + i_hv * V, rv, mask_v, c, T, TC, HV * V)

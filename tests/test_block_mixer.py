@@ -1,0 +1,187 @@
+"""The verifier's recording mixer as one op (unimax.ops.block_mixer): its Triton kernel in
+Triton's interpreter against the twin (the mixer's torch forms) and fla's fused recurrent
+kernel, tape included; the model's recording forward through the op (forced on the CPU, where
+it runs the twin) writes the tape and logits the torch forms write, and verified decoding
+through it stays exact."""
+
+import pytest
+import torch
+
+import unimax
+from helpers import run_with_triton, spied
+from unimax.ops import block_mixer
+
+CHILD = r"""
+import torch
+from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+from unimax.ops.block_mixer import TILES, gdn_block_record_ref, launch
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-30))
+
+torch.manual_seed(0)
+h, hv, dk, dv, width = 2, 4, 16, 8, 4
+conv_dim = 2 * h * dk + hv * dv
+for tokens in (2, 9, 17):
+    for dtype in (torch.float32, torch.bfloat16):
+        for neg in (False, True):
+            # the in-projection's output: [mixed | z | b | a], mixed etc. are views of it
+            proj = torch.randn(1, tokens, conv_dim + hv * dv + 2 * hv).to(dtype)
+            mixed = proj[..., :conv_dim]
+            b = proj[..., conv_dim + hv * dv: conv_dim + hv * dv + hv]
+            a = proj[..., conv_dim + hv * dv + hv:]
+            conv_state = torch.randn(1, conv_dim, width).to(dtype)
+            conv_weight = (0.5 * torch.randn(conv_dim, width)).to(dtype)
+            A_log, dt_bias = torch.randn(hv), torch.randn(hv)
+            state = torch.randn(1, hv, dk, dv)
+
+            def tape():
+                t = tokens + 2
+                return (torch.zeros(1, t, conv_dim, dtype=dtype),
+                        torch.zeros(1, t, h, dk, dtype=dtype),
+                        torch.zeros(1, t, h, dk, dtype=dtype),
+                        torch.zeros(1, t, hv, dv, dtype=dtype),
+                        torch.zeros(1, t, hv, dtype=torch.float32),
+                        torch.zeros(1, t, hv, dtype=dtype))
+
+            args = (mixed, a, b, conv_state, conv_weight, A_log, dt_bias, state)
+            ref_tape = tape()
+            ref = gdn_block_record_ref(*args, ref_tape, h, neg)
+            q, k, v, g, beta = (x[:, :tokens] for x in ref_tape[1:])
+            fla_o, _ = fused_recurrent_gated_delta_rule(
+                q=q, k=k, v=v, g=g, beta=beta, initial_state=state,
+                use_qk_l2norm_in_kernel=True)
+            for tile in TILES:  # (BV 4 and 8 over V = 8: two programs a head, and one)
+                got_tape = tape()
+                o = launch(*args, got_tape, h, neg, tile)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                assert o.dtype == dtype and o.shape == ref.shape
+                assert rel(o, ref) < tol and rel(o, fla_o) < tol, (tokens, dtype, neg, tile)
+                assert torch.equal(got_tape[0], ref_tape[0])  # the raw conv input: a copy
+                for name, x, y in zip("qkvgb", got_tape[1:], ref_tape[1:]):
+                    # the conv (its 4 products summed in another order) and the gates agree
+                    # to fp32 rounding; the rows past the block untouched
+                    assert rel(x, y) < (1e-6 if dtype == torch.float32 else 1e-2), (name, tile)
+                    assert not x[:, tokens:].any(), name
+            print("ok", tokens, dtype, neg)
+"""
+
+
+def test_block_kernel_matches_its_twin_and_fla_in_the_interpreter():
+    out = run_with_triton(CHILD, needs="fla")
+    assert out.count("ok") == 12, out
+
+
+@torch.inference_mode()
+def test_recording_forward_through_the_op_writes_what_the_torch_forms_write(pure_or_hybrid,
+                                                                          monkeypatch):
+    """Forced on the CPU (where the op runs its twin), the verifier's recording forward goes
+    through the op (spied) and leaves the tape, the logits and the untouched states the torch
+    forms leave, bit for bit."""
+    model = pure_or_hybrid
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 7), generator=gen)
+    block = torch.randint(0, model.config.vocab_size, (1, 5), generator=gen)
+
+    def record(forced: bool):
+        cache = model.make_recurrent_cache()
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        tape = model.make_tape(6)
+        with monkeypatch.context() as m:
+            m.setattr(block_mixer, "usable", lambda mixed: forced)
+            calls = []
+            m.setattr("unimax.layers.gdn_block_record",
+                      spied(block_mixer.gdn_block_record, "op", calls))
+            with cache.recording(tape):
+                logits = model.forward_unchecked(block, cache)
+        return logits, tape, cache, calls
+
+    logits, tape, cache, calls = record(True)
+    ref_logits, ref_tape, ref_cache, ref_calls = record(False)
+    gdn_layers = sum(layer is not None for layer in tape.layers)
+    assert len(calls) == gdn_layers > 0 and not ref_calls
+    assert torch.equal(logits, ref_logits)
+    for got, want in zip(tape.tensors(), ref_tape.tensors(), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(cache.recurrent_buffer, ref_cache.recurrent_buffer)
+    assert torch.equal(cache.conv_buffer, ref_cache.conv_buffer)
+
+
+def test_verified_through_the_op_equals_exact_greedy(pure_or_hybrid, monkeypatch):
+    """Verified decoding with every verify block through the op (forced; the twin on the CPU)
+    emits the exact model's greedy tokens, with rejections (a full-FP8 draft of random
+    weights)."""
+    from unimax.fp8 import quantize_view
+
+    monkeypatch.setattr(block_mixer, "usable", lambda mixed: True)
+    calls = []
+    monkeypatch.setattr("unimax.layers.gdn_block_record",
+                        spied(block_mixer.gdn_block_record, "op", calls))
+    model = pure_or_hybrid
+    draft = quantize_view(model, "full")
+    engine = unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, 4),
+                                 state_safe_draft=False)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9),
+                           generator=torch.Generator().manual_seed(4))
+    tokens, report = engine.generate_verified(prompt, 24)
+    assert torch.equal(tokens, unimax.exact_greedy_tokens(model, prompt, 24))
+    assert calls and report.rejected_blocks >= 1
+
+
+def test_op_names_bad_input():
+    mixed = torch.randn(1, 3, 40)
+    state = torch.zeros(1, 4, 8, 8)
+    tape = tuple(torch.zeros(1, 4, n) for n in (40, 16, 16, 32, 4, 4))
+    with pytest.raises(ValueError, match="mixed has 40 channels"):
+        block_mixer.gdn_block_record(mixed, torch.randn(1, 3, 4), torch.randn(1, 3, 4),
+                                     torch.zeros(1, 40, 4), torch.zeros(40, 4), torch.zeros(4),
+                                     torch.zeros(4), state, *tape, 2, False)
+
+
+def test_verifier_view_compiles_in_one_graph_through_the_op(monkeypatch):
+    """The verifier's compiled view with the op forced (inductor's CPU backend, no graph break):
+    the op mutates the tape's views, which inductor must write in place, and the compiled
+    recording forward leaves the logits and tape the eager one does."""
+    from unimax import GDNForCausalLM
+    from unimax.tiny import TINY_CONFIG
+    from unimax.verifier import exact_view
+
+    monkeypatch.setattr(block_mixer, "usable", lambda mixed: True)
+    model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
+    view = exact_view(model)
+    compiled = torch.compile(view.forward_unchecked, fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, TINY_CONFIG.vocab_size, (1, 20), generator=gen)
+    block = torch.randint(0, TINY_CONFIG.vocab_size, (1, 9), generator=gen)
+    calls = []
+    monkeypatch.setattr("unimax.layers.gdn_block_record",
+                        spied(block_mixer.gdn_block_record, "op", calls))
+    out = []
+    with torch.inference_mode():
+        for forward in (compiled, view.forward_unchecked):
+            cache = view.make_recurrent_cache()
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            tape = model.make_tape(9)
+            with cache.recording(tape):
+                logits = forward(block, cache, logits_to_keep=9)
+            out.append((logits, *(t.clone() for t in tape.tensors())))
+    assert calls  # (traced by the compile, called by the eager forward)
+    for got, expected in zip(*out, strict=True):  # (inductor's norms round their own way)
+        assert float((got - expected).float().norm() / expected.float().norm()) < 1e-5
+
+
+def test_op_passes_opcheck():
+    """Schema (the tape's buffers declared mutated), fake kernel (o's shape and strides as the
+    op returns it: the twin's transposed o once broke inductor's stride check) and compiled
+    dispatch: torch.library.opcheck."""
+    h, hv, dk, dv = 2, 4, 8, 8
+    conv_dim = 2 * h * dk + hv * dv
+    proj = torch.randn(1, 5, conv_dim + hv * dv + 2 * hv)
+    mixed, b = proj[..., :conv_dim], proj[..., conv_dim + hv * dv:][..., :hv]
+    a = proj[..., conv_dim + hv * dv + hv:]
+    tape = (torch.zeros(1, 6, conv_dim), torch.zeros(1, 6, h, dk), torch.zeros(1, 6, h, dk),
+            torch.zeros(1, 6, hv, dv), torch.zeros(1, 6, hv), torch.zeros(1, 6, hv))
+    torch.library.opcheck(block_mixer.gdn_block_record,
+                          (mixed, a, b, torch.randn(1, conv_dim, 4), torch.randn(conv_dim, 4),
+                           torch.randn(hv), torch.randn(hv), torch.randn(1, hv, dk, dv), *tape,
+                           h, False))
