@@ -153,8 +153,11 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
 # timed choice takes it only where it is faster.
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
 # Each with a prefetching twin, "p" appended (the kernel's PREFETCH: the next weight tile in
-# flight while the current one is multiplied), offered to the timed choice beside it.
+# flight while the current one is multiplied). For FP8 weights the timed choice times the
+# prefetching twins of the PREFETCH_SHORTLIST fastest form@tiles too (not of all 48: each
+# candidate is a Triton compile at warm-up, which already took minutes on the H200).
 KERNEL_NAMES += tuple(name + "p" for name in KERNEL_NAMES)
+PREFETCH_SHORTLIST = 6
 SPLIT_K = 4
 SPLIT_MAX_N = 4096
 MAX_TILES = 1 << 15  # the per-tile counters' buffer: cdiv(N, BLOCK_N) x M tiles at most
@@ -278,12 +281,20 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     forms = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
         forms += ("split", "split16")
-    if scale is not None:  # FP8: each with its prefetching twin (the BF16 GEMVs stream at
-        forms += tuple(form + "p" for form in forms)  # ~80% of copy bandwidth already)
-    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
+    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice); FP8: then
+    # the prefetching twins of the fastest few (the BF16 GEMVs stream at ~80% of copy
+    # bandwidth already)
     names = tiled_names(forms, _tiles_by_form(_head(prologue, norm_weight)))
-    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
+    then = prefetching_shortlist if scale is not None else None
+    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale), then),
                weight, scale)
+
+
+def prefetching_shortlist(times: dict[str, float]) -> list[str]:
+    """The prefetching twins ("form" + "p" @ the same tile) of the PREFETCH_SHORTLIST fastest
+    timed names."""
+    fastest = sorted(times, key=times.get)[:PREFETCH_SHORTLIST]
+    return [name.replace("@", "p@", 1) for name in fastest if not name.split("@")[0].endswith("p")]
 
 
 @fused_small_m_linear.register_fake

@@ -236,26 +236,34 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
 
 
 def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, on_cuda: bool,
-                 run, weights: tuple = ()) -> str:
+                 run, weights: tuple = (), then=None) -> str:
     """The fastest of ``names`` for ``key``, timed once and kept in ``table``: ``run(name,
     *weights)`` is one call with that kernel on those tensors (a weight and its scale), timed
     in a captured graph over copies of them (``_time_us``, ops.timing). Off CUDA, in the
     interpreter, and for a key first met while a CUDA graph is being captured (it cannot be
-    timed there): ``default``, not kept. Also the fused GEMVs' choice (ops/fused_gemv.py)."""
+    timed there): ``default``, not kept. Also the fused GEMVs' choice (ops/fused_gemv.py).
+    ``then(times)``: more names to time once ``names`` are timed (name -> us), say variants
+    of the fastest few only (each candidate is a Triton compile at warm-up)."""
     if key not in table:
         if not on_cuda or _interpreted() or torch.cuda.is_current_stream_capturing():
             return default
-        if len(names) == 1:
+        if len(names) == 1 and then is None:
             table[key] = names[0]
         else:
             start = time.perf_counter()
             copies = weight_copies(weights)
-            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
-                                    f"{key} {name}")
-                     for name in names}
+
+            def timed(names):
+                return {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
+                                       f"{key} {name}")
+                        for name in names}
+
+            times = timed(names)
+            if then is not None:
+                times.update(timed(tuple(n for n in then(dict(times)) if n not in times)))
             best = min(times, key=times.get)
             TIMING_SPENT["keys"] += 1
-            TIMING_SPENT["candidates"] += len(names)
+            TIMING_SPENT["candidates"] += len(times)
             TIMING_SPENT["seconds"] += time.perf_counter() - start
             table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)
     return table[key]
