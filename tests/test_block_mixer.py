@@ -185,3 +185,42 @@ def test_op_passes_opcheck():
                           (mixed, a, b, torch.randn(1, conv_dim, 4), torch.randn(conv_dim, 4),
                            torch.randn(hv), torch.randn(hv), torch.randn(1, hv, dk, dv), *tape,
                            h, False))
+
+
+COMPILE_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from unimax.ops.short_recurrence_kernel import block_mixer_kernel, short_recurrence_kernel
+
+i32, bf16, f32 = "i32", "*bf16", "*fp32"
+short = dict(q=bf16, k=bf16, v=bf16, g=f32, beta=bf16, o=bf16, h0=f32, ht=f32, scale="fp32",
+             **{n: i32 for n in ("stride_qb", "stride_qt", "stride_kb", "stride_kt",
+                                 "stride_vb", "stride_vt", "stride_gb", "stride_gt",
+                                 "stride_bb", "stride_bt")})
+block = dict(mixed=bf16, a=bf16, b=bf16, conv_state=bf16, conv_weight=bf16, A_log=f32,
+             dt_bias=f32, h0=f32, o=bf16, tape_x=bf16, tape_q=bf16, tape_k=bf16, tape_v=bf16,
+             tape_g=f32, tape_beta=bf16, scale="fp32",
+             **{n: i32 for n in ("stride_mt", "stride_at", "stride_bt", "stride_xt",
+                                 "stride_qt", "stride_vt", "stride_gt")})
+heads = dict(H=16, HV=32, K=128, V=128, BK=128, BV=8)
+for arch in (90, 89):  # H100/H200, L4
+    for fn, sig, consts in ((short_recurrence_kernel, short,
+                             dict(T=9, TC=16, STORE_FINAL=True, **heads)),
+                            (block_mixer_kernel, block,
+                             dict(T=9, TC=8, W=4, NEG_EIGVAL=False, **heads))):
+        sig = {**sig, **{name: "constexpr" for name in consts}}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+        print(arch, fn.__name__, "ex2.approx" in compiled.asm["ptx"],  # (the decay exp)
+              len(compiled.asm["cubin"]) > 0)
+"""
+
+
+def test_kernels_compile_for_hopper_and_ada():
+    """Both kernels compile to PTX and a cubin for the H200 (sm_90) and the L4 (sm_89) at a 4B
+    layer's heads without a GPU (the interpreter does not compile)."""
+    out = run_with_triton(COMPILE_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert rows == [[arch, name, "True", "True"] for arch in ("90", "89")
+                    for name in ("short_recurrence_kernel", "block_mixer_kernel")], out

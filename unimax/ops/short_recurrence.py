@@ -43,7 +43,7 @@ CHUNK = 16  # tokens whose inputs one program holds in registers at once
 # every setting with 2 to 8 warps was 2-6x slower than those (the per-step row picks and sums
 # cross warps). 16 x 1 was not timed there.
 TILES = ((4, 1), (8, 1), (16, 1))
-CHOICES: dict[tuple, str] = {}  # (B, T, H, HV, K, V, dtype, final) -> "fla" or "short@BVxW"
+CHOICES: dict[tuple, str] = {}  # (B, T, H, K, HV, V, dtype, no state?, final?) -> a name
 
 
 def names() -> tuple[str, ...]:
