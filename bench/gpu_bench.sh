@@ -18,6 +18,8 @@
 #                                           "verified 8 gdn-4b --no-block-op": the
 #                                           verifier's recording mixers as torch forms
 #                                           (not ops.block_mixer's one kernel a layer);
+#                                           "verified 8 gdn-4b --ab-block-op": both, the
+#                                           verify block timed each way in one process;
 #                                           "verified 8 gdn-4b --pdl": every fused GEMV with
 #                                           programmatic dependent launch;
 #                                           "verified 8 gdn-8b": the ~8B shape

@@ -276,6 +276,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
         kernels[f"exact run of {k} (per step)"] = kernels_of(
             verifier.runner, verifier.run_key(k, window, sampled=False), k)
+    if args.ab_block_op:  # the same verify block with the recording mixers as torch forms
+        verify_without_block_op(model, ids, args, k, window, parts, kernels)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -293,6 +295,29 @@ def bench_shape(shape, args, bandwidth) -> dict:
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
             "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
 
+
+
+def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
+                            kernels: dict) -> None:
+    """A second verified engine with unimax.layers.GatedDeltaNetMixer.block_op off (the
+    recording forward's conv, gates, tape copies and recurrence as the torch forms and the
+    few-token op, as before ops.block_mixer): its verify block of k drafts timed (and
+    profiled) beside the first engine's, in the same process, on the same model."""
+    import unimax.layers
+
+    unimax.layers.GatedDeltaNetMixer.block_op = False
+    try:
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True)
+        other.generate(ids, 4 * (k + 1), mode="verified", draft_block=k)  # captures the block
+        verifier = other.verifier
+        key = verifier.graph_key(k, k + 1, window, sampled=False)
+        parts[f"verify_{k}_ms_without_block_op"] = replay_ms(verifier.runner, key)
+        if args.kernels:
+            kernels[f"verify {k} without the block op (per block)"] = kernels_of(
+                verifier.runner, key, 1)
+    finally:
+        unimax.layers.GatedDeltaNetMixer.block_op = True
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
@@ -330,6 +355,10 @@ def main() -> None:
                         help="the verifier's recording forwards through the torch forms and "
                              "the few-token recurrence op, not one op per GDN layer "
                              "(unimax.layers.GatedDeltaNetMixer.block_op; on by default)")
+    parser.add_argument("--ab-block-op", action="store_true",
+                        help="also a second verified engine without the block op, its verify "
+                             "block timed beside the first's (parts: verify_K_ms_without_"
+                             "block_op)")
     parser.add_argument("--pdl", action="store_true",
                         help="every fused GEMV (BF16-only's step, the draft, the verifier's "
                              "one-token forwards) with programmatic dependent launch "
