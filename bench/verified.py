@@ -305,6 +305,7 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
     profiled) beside the first engine's, in the same process, on the same model."""
     import unimax.layers
 
+    was = unimax.layers.GatedDeltaNetMixer.block_op
     unimax.layers.GatedDeltaNetMixer.block_op = False
     try:
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
@@ -317,7 +318,7 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
             kernels[f"verify {k} without the block op (per block)"] = kernels_of(
                 verifier.runner, key, 1)
     finally:
-        unimax.layers.GatedDeltaNetMixer.block_op = True
+        unimax.layers.GatedDeltaNetMixer.block_op = was
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
