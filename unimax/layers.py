@@ -19,7 +19,7 @@ from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops import block_mixer
 from .ops.block_mixer import gdn_block_record
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
-from .ops.decode_step import gdn_decode_step
+from .ops.decode_step import decay, gdn_decode_step, write_strength
 from .ops.gated_delta import first_steps_only, gated_delta_rule
 from .ops.short_recurrence import SHORT_MAX
 
@@ -102,11 +102,8 @@ class GatedDeltaNetMixer(nn.Module):
         recording = state is not None and state.tape is not None
         if not recording:  # (recording, the tape's copies are what the recurrence reads)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        beta = b.sigmoid()
-        if cfg.allow_neg_eigval:
-            beta = beta * 2.0
-        # g = -exp(A_log) * softplus(a + dt_bias): the per-head log-decay, computed in fp32.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = write_strength(b, cfg.allow_neg_eigval)
+        g = decay(a, self.A_log, self.dt_bias)  # the per-head log-decay, in fp32
         if valid is not None:  # the padding's steps change nothing (their outputs are unread)
             g, beta = first_steps_only(g, beta, valid)
 
@@ -160,7 +157,7 @@ class GatedDeltaNetMixer(nn.Module):
         cfg = self.config
         mixed, z, b, a = self._split(projected)
         in_kernel = beta_in_kernel and not cfg.allow_neg_eigval
-        beta = b if in_kernel else b.sigmoid() * 2.0 if cfg.allow_neg_eigval else b.sigmoid()
+        beta = b if in_kernel else write_strength(b, cfg.allow_neg_eigval)
         o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
                             state.recurrent_states[0], self.A_log, self.dt_bias,
                             cfg.num_k_heads, in_kernel)

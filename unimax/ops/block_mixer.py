@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .conv import causal_conv1d
-from .decode_step import decay
+from .decode_step import decay, write_strength
 from .gated_delta import fla_ops, gated_delta_rule
 from .gemv import _interpreted, timed_choice
 from .short_recurrence import _pow2
@@ -78,8 +78,7 @@ def gdn_block_record_ref(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, r
     q = q.reshape(1, tokens, num_k_heads, head_k_dim)
     k = k.reshape(1, tokens, num_k_heads, head_k_dim)
     v = v.reshape(1, tokens, value_heads, head_v_dim)
-    beta = b.sigmoid() * 2.0 if neg_eigval else b.sigmoid()
-    g = decay(a, A_log, dt_bias)
+    beta, g = write_strength(b, neg_eigval), decay(a, A_log, dt_bias)
     for buffer, value in zip(tape, (mixed, q, k, v, g, beta), strict=True):
         buffer[:, :tokens].copy_(value)
     o, _ = gated_delta_rule(*(t[:, :tokens] for t in tape[1:]), recurrent_state,

@@ -50,6 +50,12 @@ def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
 
 
+def write_strength(b: torch.Tensor, neg_eigval: bool) -> torch.Tensor:
+    """beta = sigmoid(b) in b's dtype (rounded, as transformers' Qwen3.5 layer rounds it),
+    doubled where the model allows negative eigenvalues."""
+    return b.sigmoid() * 2.0 if neg_eigval else b.sigmoid()
+
+
 def gdn_decode_step_ref(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log,
                         dt_bias, num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
     """The twin: the mixer's own torch forms, the states written with copy_."""

@@ -152,12 +152,16 @@ def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, final_state: bool
         o, state = short_gated_delta_rule(q, k, v, g, beta, initial_state, final_state)
         return o, (state if final_state else None)
     chunk, fused_recurrent = fla_ops()
-    kernel = fused_recurrent if q.shape[1] <= 64 else chunk
+    return fla_run(fused_recurrent if q.shape[1] <= 64 else chunk, q, k, v, g, beta,
+                   initial_state, final_state)
+
+
+def fla_run(kernel, q, k, v, g, beta, initial_state, final_state: bool):
+    """One of fla's two kernels (``fla_ops``) with our semantics: (o, final state or None)."""
     # Keywords only: the two kernels' positional orders differ (fused_recurrent has gk, gv
     # between g and beta).
-    o, state = kernel(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=initial_state,
-                      output_final_state=final_state, use_qk_l2norm_in_kernel=True)
-    return o, state
+    return kernel(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=initial_state,
+                  output_final_state=final_state, use_qk_l2norm_in_kernel=True)
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, backend: str = "auto",

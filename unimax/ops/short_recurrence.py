@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .gated_delta import fla_ops, recurrent_gated_delta_rule_ref
+from .gated_delta import fla_ops, fla_run, recurrent_gated_delta_rule_ref
 from .gemv import _interpreted, timed_choice
 
 # tokens: a verify block of up to 32 drafts, and the short prompts' buckets of 16 and 32
@@ -125,9 +125,7 @@ def _pow2(n: int) -> int:
 
 def launch_fla(q, k, v, g, beta, initial_state, final_state: bool):
     """fla's fused recurrent kernel, as ops.gated_delta launches it."""
-    _, fused_recurrent = fla_ops()
-    o, state = fused_recurrent(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                               output_final_state=final_state, use_qk_l2norm_in_kernel=True)
+    o, state = fla_run(fla_ops()[1], q, k, v, g, beta, initial_state, final_state)
     return o, (state if final_state else q.new_empty(0, dtype=torch.float32))
 
 
