@@ -125,6 +125,33 @@ def run_with_triton(code: str, needs: str = "triton", interpret: bool = True) ->
     return run.stdout
 
 
+def verifier_recordings(seed: int = 4, after=None) -> list[tuple]:
+    """The tiny model's verifier view (unimax.verifier.exact_view) compiled whole (fullgraph,
+    inductor's CPU backend), then eager: each records a block of 9 tokens on a 20-token prompt's
+    state, as the verifier does. Per forward, compiled first: (logits, every tape tensor,
+    ``after(forward, block, cache)`` if given)."""
+    from unimax.tiny import TINY_CONFIG
+    from unimax.verifier import exact_view
+
+    model = GDNForCausalLM.random(TINY_CONFIG, seed=seed)
+    view = exact_view(model)
+    compiled = torch.compile(view.forward_unchecked, fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, TINY_CONFIG.vocab_size, (1, 20), generator=gen)
+    block = torch.randint(0, TINY_CONFIG.vocab_size, (1, 9), generator=gen)
+    out = []
+    with torch.inference_mode():
+        for forward in (compiled, view.forward_unchecked):
+            cache = view.make_recurrent_cache()
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            tape = model.make_tape(9)
+            with cache.recording(tape):
+                logits = forward(block, cache, logits_to_keep=9)
+            more = () if after is None else after(forward, block, cache)
+            out.append((logits, *(t.clone() for t in tape.tensors()), *more))
+    return out
+
+
 def spied(fn, name, calls: list):
     """``fn`` that first appends ``name`` to ``calls``: which of several spied calls ran, in
     what order."""

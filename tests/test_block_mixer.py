@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import unimax
-from helpers import run_with_triton, spied
+from helpers import run_with_triton, spied, verifier_recordings
 from unimax.ops import block_mixer
 
 CHILD = r"""
@@ -142,29 +142,11 @@ def test_verifier_view_compiles_in_one_graph_through_the_op(monkeypatch):
     """The verifier's compiled view with the op forced (inductor's CPU backend, no graph break):
     the op mutates the tape's views, which inductor must write in place, and the compiled
     recording forward leaves the logits and tape the eager one does."""
-    from unimax import GDNForCausalLM
-    from unimax.tiny import TINY_CONFIG
-    from unimax.verifier import exact_view
-
     monkeypatch.setattr(block_mixer, "usable", lambda mixed: True)
-    model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
-    view = exact_view(model)
-    compiled = torch.compile(view.forward_unchecked, fullgraph=True, dynamic=False)
-    gen = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, TINY_CONFIG.vocab_size, (1, 20), generator=gen)
-    block = torch.randint(0, TINY_CONFIG.vocab_size, (1, 9), generator=gen)
     calls = []
     monkeypatch.setattr("unimax.layers.gdn_block_record",
                         spied(block_mixer.gdn_block_record, "op", calls))
-    out = []
-    with torch.inference_mode():
-        for forward in (compiled, view.forward_unchecked):
-            cache = view.make_recurrent_cache()
-            model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            tape = model.make_tape(9)
-            with cache.recording(tape):
-                logits = forward(block, cache, logits_to_keep=9)
-            out.append((logits, *(t.clone() for t in tape.tensors())))
+    out = verifier_recordings()
     assert calls  # (traced by the compile, called by the eager forward)
     for got, expected in zip(*out, strict=True):  # (inductor's norms round their own way)
         assert float((got - expected).float().norm() / expected.float().norm()) < 1e-5

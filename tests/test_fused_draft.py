@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unimax.fused_draft as fused_draft
-from helpers import run_with_triton, spied
+from helpers import run_with_triton, spied, verifier_recordings
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
@@ -405,24 +405,12 @@ def test_folded_verifier_compiles_in_one_graph():
     from unimax.tiny import TINY_CONFIG
     from unimax.verifier import exact_view
 
-    model = GDNForCausalLM.random(TINY_CONFIG, seed=4)
-    view = exact_view(model)
-    assert all(block.fused for block in view.layers)
-    compiled = torch.compile(view.forward_unchecked, fullgraph=True, dynamic=False)
-    gen = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, TINY_CONFIG.vocab_size, (1, 20), generator=gen)
-    block = torch.randint(0, TINY_CONFIG.vocab_size, (1, 9), generator=gen)
-    out = []
-    with torch.inference_mode():
-        for forward in (compiled, view.forward_unchecked):
-            cache = view.make_recurrent_cache()
-            model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            tape = model.make_tape(9)
-            with cache.recording(tape):
-                logits = forward(block, cache, logits_to_keep=9)
-            step = forward(block[:, :1], cache, logits_to_keep=1)  # (as k = 0 would)
-            out.append((logits, step, tape.conv_input.clone(), cache.recurrent_buffer.clone()))
-    for got, expected in zip(*out, strict=True):
+    assert all(block.fused for block in exact_view(GDNForCausalLM.random(TINY_CONFIG)).layers)
+
+    def step(forward, block, cache):  # (as k = 0 would)
+        return forward(block[:, :1], cache, logits_to_keep=1), cache.recurrent_buffer.clone()
+
+    for got, expected in zip(*verifier_recordings(after=step), strict=True):
         assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 

@@ -293,8 +293,8 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 def prefetching_shortlist(times: dict[str, float]) -> list[str]:
     """The prefetching twins ("form" + "p" @ the same tile) of the PREFETCH_SHORTLIST fastest
     timed names."""
-    fastest = sorted(times, key=times.get)[:PREFETCH_SHORTLIST]
-    return [name.replace("@", "p@", 1) for name in fastest if not name.split("@")[0].endswith("p")]
+    return [name.replace("@", "p@", 1)
+            for name in sorted(times, key=times.get)[:PREFETCH_SHORTLIST]]
 
 
 @fused_small_m_linear.register_fake
