@@ -16,10 +16,12 @@
 #                                           "verified 8 gdn-4b --no-fuse-bf16": BF16-only
 #                                           and the verifier without the folded GEMVs;
 #                                           "verified 8 gdn-4b --no-block-op": the
-#                                           verifier's recording mixers as torch forms
-#                                           (not ops.block_mixer's one kernel a layer);
+#                                           verifier's recording mixers' tape as torch
+#                                           forms (not ops.block_mixer's one kernel);
 #                                           "verified 8 gdn-4b --ab-block-op": both, the
 #                                           verify block timed each way in one process;
+#                                           "verified 8 gdn-4b --fixed-only": fixed k rows
+#                                           only (to fit one call with --kernels);
 #                                           "verified 8 gdn-4b --pdl": every fused GEMV with
 #                                           programmatic dependent launch;
 #                                           "verified 8 gdn-8b": the ~8B shape

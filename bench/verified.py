@@ -218,7 +218,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
                    ids), "warmup_s": time.perf_counter() - start})
     # Fixed k first; then every graph captured and timed, which calibrates the draft-length
     # policy, and the same rows with k chosen per block ("adaptive", the app's default).
-    for draft_block in (k, None):
+    for draft_block in (k,) if args.fixed_only else (k, None):
         if draft_block is None:
             engine.capture_graphs(verified=True)
             parts["policy_costs_ms"] = {"draft": engine.draft_length.draft_ms,
@@ -238,7 +238,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
                            bandwidth, reference, model, ids), "resyncs": forced.resyncs,
                   "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
-        if draft_block and args.acceptance:  # the same first rate with the plain loop
+        if draft_block and args.acceptance and not args.fixed_only:  # the same first rate,
+            # the plain loop
             engine.pipelined = False
             rate = args.acceptance[0]
             forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
@@ -367,6 +368,9 @@ def main() -> None:
     parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER)")
+    parser.add_argument("--fixed-only", action="store_true",
+                        help="only the fixed-k rows (no plain-loop or adaptive rows: their "
+                             "graph captures take minutes; one device call then holds the run)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16

@@ -320,3 +320,25 @@ def test_timed_choice_times_the_second_round_it_is_given(monkeypatch):
     assert got == "splitp@b" and table[("k",)] == "splitp@b"
     assert set(timed) == {*firsts, "rows16p@a", "splitp@b"}
     assert ops.TIMING_SPENT["candidates"] == 6
+
+
+def test_timed_choice_keeps_its_default_first_met_in_a_capture_when_asked(monkeypatch):
+    """A key first met while a graph is being captured cannot be timed: the default, not kept
+    (a later call times it), unless ``keep_default`` (ops.short_recurrence: the verify block's
+    and the rewind's recurrence must stay one kernel, captured graphs included)."""
+    from unimax.ops import gemv as ops
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    timed = []
+
+    def run(name):
+        timed.append(name)
+        return 1.0
+
+    table = {}
+    assert ops.timed_choice(table, ("k",), ("a", "b"), "b", True, run) == "b"
+    assert table == {}
+    assert ops.timed_choice(table, ("k",), ("a", "b"), "b", True, run, keep_default=True) == "b"
+    assert table == {("k",): "b"} and timed == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert ops.timed_choice(table, ("k",), ("a", "b"), "b", True, run) == "b" and timed == []

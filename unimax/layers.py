@@ -28,8 +28,8 @@ class GatedDeltaNetMixer(nn.Module):
     # Plain decode steps as one op (ops.decode_step); bench/profile_step.py's "-unfused"
     # variants turn it off on a view to time the torch forms beside it.
     decode_op = True
-    # The verifier's recording forwards as one op on CUDA (ops.block_mixer); bench/verified.py
-    # --no-block-op turns it off to time the torch forms beside it.
+    # The verifier's recording forwards write the tape in one op on CUDA (ops.block_mixer);
+    # bench/verified.py --no-block-op turns it off to time the torch forms beside it.
     block_op = True
 
     def __init__(self, config: GDNConfig):
@@ -63,9 +63,13 @@ class GatedDeltaNetMixer(nn.Module):
         cfg = self.config
         batch, seq_len, _ = mixed.shape
         if self._block_record(mixed, state):
-            o = gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight,
-                                 self.A_log, self.dt_bias, state.recurrent_states[0],
-                                 *state.tape.buffers, cfg.num_k_heads, cfg.allow_neg_eigval)
+            # the tape written by one op; the recurrence reads it there, as the rewind does
+            tape = state.tape.buffers
+            gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight, self.A_log,
+                             self.dt_bias, *tape, cfg.allow_neg_eigval)
+            o, _ = gated_delta_rule(*(buffer[:, :seq_len] for buffer in tape[1:]),
+                                    state.recurrent_states[0], backend=self.backend,
+                                    final_state=False)
             state.has_previous_state[0] = True
             return o, z
         if state is None:
@@ -165,9 +169,9 @@ class GatedDeltaNetMixer(nn.Module):
         return o, z
 
     def _block_record(self, mixed: torch.Tensor, state: RecurrentLayerState | None) -> bool:
-        """Whether this forward is the verifier's recording block of one sequence, run as one op
-        (ops.block_mixer): on CUDA with fla's kernels, 2 to SHORT_MAX tokens, not padded,
-        outside autograd, with the default kernels."""
+        """Whether this forward is the verifier's recording block of one sequence, its tape
+        written by one op (ops.block_mixer): on CUDA with fla's kernels, 2 to SHORT_MAX
+        tokens, not padded, outside autograd, with the default kernels."""
         return (self.block_op and state is not None and state.tape is not None
                 and state.valid is None and mixed.shape[0] == 1
                 and 1 < mixed.shape[1] <= SHORT_MAX

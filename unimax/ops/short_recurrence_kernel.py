@@ -120,63 +120,50 @@ def conv_silu(mixed, stride_mt, state, weight, t, ch, mask_t, mask_c, W: tl.cons
 
 
 @triton.jit
-def block_mixer_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, h0, o,
-                       tape_x, tape_q, tape_k, tape_v, tape_g, tape_beta, scale,
+def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
+                       tape_x, tape_q, tape_k, tape_v, tape_g, tape_beta,
                        stride_mt, stride_at, stride_bt, stride_xt, stride_qt, stride_vt,
                        stride_gt,
-                       T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       TC: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """A recording GDN mixer's middle over T tokens of one sequence, for one (value head, BV
-    columns of V): the convolution of its q, k and v channels from the in-projection's output
-    and the conv state (SiLU, rounded as the torch forms round), the gates g = -exp(A_log)
-    softplus(a + dt_bias) (fp32) and beta = sigmoid(b) (rounded to b's dtype, doubled with
-    NEG_EIGVAL), everything the tape records written there (each value once: the raw conv
-    input, q and k by the first program of their key head, g and beta by the first of their
-    value head), and the recurrence on those rounded values as short_recurrence_kernel runs it.
-    Writes no state (a recording forward leaves them to the rewind). Grid: (cdiv(V, BV), HV)."""
-    i_v = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    group = HV // H
-    i_h = i_hv // group
-    lead = (i_v == 0) & (i_hv % group == 0)  # this key head's q and k: written by this program
-    first = i_v == 0  # this value head's g and beta
-    KD = H * K  # key_dim
-    rk, rv, mask_k, mask_v, _, _, h = state_tile(h0, i_hv, i_v, K, V, BK, BV)
-    rt = tl.arange(0, TC)
-    A = tl.load(A_log + i_hv).to(tl.float32)
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    for c in tl.static_range(0, T, TC):
-        t = c + rt
-        mask_t = t < T
-        cq, ck, cv = i_h * K + rk, KD + i_h * K + rk, 2 * KD + i_hv * V + rv
-        q_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, cq, mask_t, mask_k, W)
-        k_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, ck, mask_t, mask_k, W)
-        v_raw = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, cv, mask_t, mask_v, W)
-        a_t = tl.load(a + t * stride_at + i_hv, mask=mask_t, other=0.0).to(tl.float32)
-        b_t = tl.load(b + t * stride_bt + i_hv, mask=mask_t, other=0.0)
-        x = a_t + bias
+                       T: tl.constexpr, KD: tl.constexpr, CD: tl.constexpr, HV: tl.constexpr,
+                       W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+                       NEG_EIGVAL: tl.constexpr):
+    """What a recording GDN mixer writes to the tape over T tokens of one sequence, for BC of
+    its CD conv channels: the raw conv input, and the convolution with SiLU (rounded as the
+    torch forms round) into q (channels 0 .. KD - 1), k (KD .. 2 KD - 1) or v (the rest);
+    program 0 also the gates of all HV heads, g = -exp(A_log) softplus(a + dt_bias) in fp32
+    and beta = sigmoid(b) rounded to b's dtype (doubled with NEG_EIGVAL). No recurrence: the
+    verify block's and the rewind's recurrences both read these values back through one kernel
+    (ops.short_recurrence), so a state comes out bit for bit the same whichever block boundary
+    it was computed across. Grid: (cdiv(CD, BC),)."""
+    pid = tl.program_id(0)
+    ch = pid * BC + tl.arange(0, BC)
+    t = tl.arange(0, BT)
+    mask_c = ch < CD
+    mask_t = t < T
+    m = mask_t[:, None] & mask_c[None, :]
+    y = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, ch, mask_t, mask_c, W)
+    raw = tl.load(mixed + t[:, None] * stride_mt + ch[None, :], mask=m, other=0.0)
+    tl.store(tape_x + t[:, None] * stride_xt + ch[None, :], raw, mask=m)
+    row = t[:, None] * stride_qt
+    is_q = ch < KD
+    is_k = (ch >= KD) & (ch < 2 * KD)
+    tl.store(tape_q + row + ch[None, :], y, mask=m & is_q[None, :])
+    tl.store(tape_k + row + (ch - KD)[None, :], y, mask=m & is_k[None, :])
+    tl.store(tape_v + t[:, None] * stride_vt + (ch - 2 * KD)[None, :], y,
+             mask=m & (ch >= 2 * KD)[None, :])
+    if pid == 0:
+        rh = tl.arange(0, BH)
+        mh = mask_t[:, None] & (rh < HV)[None, :]
+        a_t = tl.load(a + t[:, None] * stride_at + rh[None, :], mask=mh, other=0.0)
+        b_t = tl.load(b + t[:, None] * stride_bt + rh[None, :], mask=mh, other=0.0)
+        A = tl.load(A_log + rh, mask=rh < HV, other=0.0).to(tl.float32)
+        bias = tl.load(dt_bias + rh, mask=rh < HV, other=0.0).to(tl.float32)
+        x = a_t.to(tl.float32) + bias[None, :]
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
-        g_all = -tl.exp(A) * softplus
-        b_all = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
+        g = -tl.exp(A)[None, :] * softplus
+        beta = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
         if NEG_EIGVAL:
-            b_all = (b_all.to(tl.float32) * 2.0).to(b_t.dtype)
-        # the tape: each value written by one program
-        m_tk = mask_t[:, None] & mask_k[None, :]
-        m_tv = mask_t[:, None] & mask_v[None, :]
-        raw = tl.load(mixed + t[:, None] * stride_mt + cv[None, :], mask=m_tv, other=0.0)
-        tl.store(tape_x + t[:, None] * stride_xt + cv[None, :], raw, mask=m_tv)
-        for ch_k in tl.static_range(2):  # q's channels, then k's
-            cc = ch_k * KD + i_h * K + rk
-            raw = tl.load(mixed + t[:, None] * stride_mt + cc[None, :], mask=m_tk & lead,
-                          other=0.0)
-            tl.store(tape_x + t[:, None] * stride_xt + cc[None, :], raw, mask=m_tk & lead)
-        p_qk = t[:, None] * stride_qt + i_h * K + rk[None, :]
-        tl.store(tape_q + p_qk, q_raw, mask=m_tk & lead)
-        tl.store(tape_k + p_qk, k_raw, mask=m_tk & lead)
-        tl.store(tape_v + t[:, None] * stride_vt + i_hv * V + rv[None, :], v_raw, mask=m_tv)
-        tl.store(tape_g + t * stride_gt + i_hv, g_all, mask=mask_t & first)
-        tl.store(tape_beta + t * stride_gt + i_hv, b_all, mask=mask_t & first)
-        q_all, k_all = normalized(q_raw.to(tl.float32), k_raw.to(tl.float32), scale)
-        h = run_steps(h, q_all, k_all, v_raw.to(tl.float32), g_all, b_all.to(tl.float32),
-                      o + i_hv * V, rv, mask_v, c, T, TC, HV * V)
+            beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
+        gates = t[:, None] * stride_gt + rh[None, :]
+        tl.store(tape_g + gates, g, mask=mh)
+        tl.store(tape_beta + gates, beta, mask=mh)
