@@ -171,7 +171,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from unimax.ops.block_mixer import TILES
-from unimax.ops.short_recurrence import CHUNK, DEFAULT, parse
+from unimax.ops.short_recurrence import DEFAULT, chunk, parse
 from unimax.ops.short_recurrence_kernel import short_recurrence_kernel, tape_record_kernel
 
 i32, bf16, f32 = "i32", "*bf16", "*fp32"
@@ -183,14 +183,14 @@ record = dict(mixed=bf16, a=bf16, b=bf16, conv_state=bf16, conv_weight=bf16, A_l
               dt_bias=f32, tape_x=bf16, tape_q=bf16, tape_k=bf16, tape_v=bf16, tape_g=f32,
               tape_beta=bf16,
               **{n: i32 for n in ("stride_mt", "stride_at", "stride_bt", "stride_xt",
-                                  "stride_qt", "stride_vt", "stride_gt")})
+                                  "stride_qt", "stride_vt", "stride_gt")}, T=i32)
 
 
 def compile(fn, sig, consts, arch, warps):
     # pointers and strides 16-divisible, as a launch at 4B heads specializes them (vectorized
     # loads change the layouts)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values())
-             if kind in (i32, bf16, f32)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(sig.items())
+             if kind in (i32, bf16, f32) and name != "T"}
     sig = {**sig, **{name: "constexpr" for name in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
@@ -210,13 +210,13 @@ heads = dict(H=16, HV=32, K=128, V=128, BK=128, BV=bv)
 for arch in (90, 89):  # H100/H200, L4
     # the verify block (9 rows, no final state) and rewinds over 2 and 9 rows (final state)
     layouts = [reductions(compile(short_recurrence_kernel, short,
-                                  dict(T=t, TC=CHUNK, STORE_FINAL=final, **heads), arch,
+                                  dict(T=t, TC=chunk(t), STORE_FINAL=final, **heads), arch,
                                   warps).asm["ttgir"])
                for t, final in ((9, False), (2, True), (9, True), (33, False))]
     print(arch, "short", len(layouts[0]) > 0, all(x == layouts[0] for x in layouts))
     for bc, w in TILES:
         compiled = compile(tape_record_kernel, record,
-                           dict(T=9, KD=4096, CD=8192, HV=32, W=4, BT=16, BC=bc, BH=32,
+                           dict(KD=4096, CD=8192, HV=32, W=4, BT=16, BC=bc, BH=32,
                                 NEG_EIGVAL=False), arch, w)
         print(arch, "record", bc, "ex2.approx" in compiled.asm["ptx"],  # (the gates' exp)
               len(compiled.asm["cubin"]) > 0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import run_with_triton
+from unimax.ops import short_recurrence as short
 from unimax.ops.gated_delta import recurrent_gated_delta_rule_ref
 from unimax.ops.short_recurrence import parse, short_gated_delta_rule
 
@@ -105,3 +106,27 @@ def test_op_passes_opcheck(final):
     v, g = torch.randn(1, 5, 4, 8), -torch.rand(1, 5, 4)
     torch.library.opcheck(short_gated_delta_rule, (q, k, v, g, g.neg(), torch.randn(1, 4, 8, 8),
                                                    final))
+
+
+def test_one_choice_for_every_length_batch_and_final_flag(monkeypatch):
+    """The verify block (1 sequence, k + 1 tokens, no final state) and the rewinds (every layer
+    as the batch, any span, the final state) ask for one kernel choice: a state must round
+    alike whichever block boundary it was computed across (ops.short_recurrence's docstring).
+    The choice is asked for once per heads, and kept when first met in a capture."""
+    asked = []
+
+    def timed_choice(table, key, names, default, on_cuda, run, tensors, keep_default=False):
+        asked.append((key, default, keep_default))
+        table[key] = "short@4x1"
+        return table[key]
+
+    monkeypatch.setattr(short, "timed_choice", timed_choice)
+    monkeypatch.setattr(short, "CHOICES", {})
+    for batch, tokens, final in ((1, 9, False), (32, 9, True), (32, 3, True), (1, 33, False)):
+        q = torch.zeros(batch, tokens, 2, 8)
+        v = torch.zeros(batch, tokens, 4, 8)
+        g = torch.zeros(batch, tokens, 4)
+        state = torch.zeros(batch, 4, 8, 8)
+        assert short.choose(q, q, v, g, g, state, final) == "short@4x1"
+    assert asked == [((2, 8, 4, 8, torch.float32, False), short.DEFAULT, True)]
+    assert {short.chunk(t) for t in range(1, short.SHORT_MAX + 1)} == {short.CHUNK}

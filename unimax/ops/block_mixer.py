@@ -42,7 +42,7 @@ from .short_recurrence import _pow2
 # all of the block's tokens (up to 64 rows, SHORT_MAX padded) in one program; 4B heads have
 # 8192 channels: 128, 64 or 32 programs. The timed choice picks.
 TILES = ((64, 1), (128, 2), (256, 4))
-CHOICES: dict[tuple, str] = {}  # (T, conv_dim, H, K, HV, V, dtype, neg) -> "record@BCxW"
+CHOICES: dict[tuple, str] = {}  # (pow2(T), conv_dim, H, K, HV, V, dtype, neg) -> a name
 
 
 def check(mixed, a, b, conv_state, conv_weight, tape) -> None:
@@ -102,7 +102,7 @@ def launch(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape, neg_eigva
     tape_record_kernel[(triton.cdiv(conv_dim, block_c),)](
         mixed, a, b, conv_state, conv_weight, A_log, dt_bias, x, q, k, v, g, beta,
         mixed.stride(1), a.stride(1), b.stride(1), x.stride(1), q.stride(1), v.stride(1),
-        g.stride(1), T=tokens, KD=key_dim, CD=conv_dim, HV=value_heads,
+        g.stride(1), tokens, KD=key_dim, CD=conv_dim, HV=value_heads,
         W=conv_weight.shape[1], BT=_pow2(tokens), BC=block_c,
         BH=triton.next_power_of_2(value_heads), NEG_EIGVAL=neg_eigval, num_warps=warps)
 
@@ -134,7 +134,8 @@ def gdn_block_record(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if not (mixed.is_cuda and not _interpreted() and fla_ops() is not None):
         gdn_block_record_ref(*args, tape, neg_eigval)
         return
-    key = (*mixed.shape[1:], *tape_q.shape[2:], *tape_v.shape[2:], mixed.dtype, neg_eigval)
+    key = (_pow2(mixed.shape[1]), mixed.shape[2], *tape_q.shape[2:], *tape_v.shape[2:],
+           mixed.dtype, neg_eigval)  # (one compile per power of two of T: timed per bucket)
 
     def run(name: str, *tensors) -> None:
         launch(*tensors[:7], tensors[7:], neg_eigval, _tile(name))

@@ -125,9 +125,16 @@ def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: in
         head_k_dim ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), T=tokens,
         H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim,
-        BK=triton.next_power_of_2(head_k_dim), BV=block_v, TC=CHUNK,
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, TC=chunk(tokens),
         STORE_FINAL=final_state, num_warps=num_warps)
     return o, state
+
+
+def chunk(tokens: int) -> int:
+    """Tokens a program holds at once for a run of ``tokens``: CHUNK whatever the length (a
+    chunk of the length's own size would change the kernel's register layout with it, and the
+    block's and the rewind's states would round apart: see the module's docstring)."""
+    return CHUNK
 
 
 def _pow2(n: int) -> int:

@@ -123,8 +123,8 @@ def conv_silu(mixed, stride_mt, state, weight, t, ch, mask_t, mask_c, W: tl.cons
 def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
                        tape_x, tape_q, tape_k, tape_v, tape_g, tape_beta,
                        stride_mt, stride_at, stride_bt, stride_xt, stride_qt, stride_vt,
-                       stride_gt,
-                       T: tl.constexpr, KD: tl.constexpr, CD: tl.constexpr, HV: tl.constexpr,
+                       stride_gt, T,
+                       KD: tl.constexpr, CD: tl.constexpr, HV: tl.constexpr,
                        W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
                        NEG_EIGVAL: tl.constexpr):
     """What a recording GDN mixer writes to the tape over T tokens of one sequence, for BC of
@@ -134,7 +134,8 @@ def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
     and beta = sigmoid(b) rounded to b's dtype (doubled with NEG_EIGVAL). No recurrence: the
     verify block's and the rewind's recurrences both read these values back through one kernel
     (ops.short_recurrence), so a state comes out bit for bit the same whichever block boundary
-    it was computed across. Grid: (cdiv(CD, BC),)."""
+    it was computed across. T is a runtime argument (BT, its power of two, sizes the tile): one
+    compile per bucket of block lengths, not per length. Grid: (cdiv(CD, BC),)."""
     pid = tl.program_id(0)
     ch = pid * BC + tl.arange(0, BC)
     t = tl.arange(0, BT)
