@@ -10,6 +10,7 @@ import torch
 import unimax
 from helpers import run_with_triton, spied, verifier_recordings
 from unimax.ops import block_mixer
+from unimax.ops import short_recurrence as short
 
 CHILD = r"""
 import torch
@@ -171,7 +172,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from unimax.ops.block_mixer import TILES
-from unimax.ops.short_recurrence import DEFAULT, chunk, parse
+from unimax.ops.short_recurrence import DEFAULT, constants, names, parse
 from unimax.ops.short_recurrence_kernel import short_recurrence_kernel, tape_record_kernel
 
 i32, bf16, f32 = "i32", "*bf16", "*fp32"
@@ -205,15 +206,17 @@ def reductions(ttgir):
                     defs[shape.rsplit(", ", 1)[1]]) for axis, shape in ops})
 
 
-bv, warps = parse(DEFAULT)
-heads = dict(H=16, HV=32, K=128, V=128, BK=128, BV=bv)
 for arch in (90, 89):  # H100/H200, L4
-    # the verify block (9 rows, no final state) and rewinds over 2 and 9 rows (final state)
-    layouts = [reductions(compile(short_recurrence_kernel, short,
-                                  dict(T=t, TC=chunk(t), STORE_FINAL=final, **heads), arch,
-                                  warps).asm["ttgir"])
-               for t, final in ((9, False), (2, True), (9, True), (33, False))]
-    print(arch, "short", len(layouts[0]) > 0, all(x == layouts[0] for x in layouts))
+    # each launch setting (every one on sm_90, the default on sm_89): the verify block (9
+    # rows, no final state), rewinds over 2 and 9 rows (final state) and a 33-row block
+    for name in names()[1:] if arch == 90 else (DEFAULT,):
+        tile = parse(name)
+        layouts = [reductions(compile(short_recurrence_kernel, short,
+                                      dict(STORE_FINAL=final, H=16, HV=32, K=128, V=128,
+                                           **constants(tile, t, 128, 128)), arch,
+                                      tile[1]).asm["ttgir"])
+                   for t, final in ((9, False), (2, True), (9, True), (33, False))]
+        print(arch, name, len(layouts[0]) > 0, all(x == layouts[0] for x in layouts))
     for bc, w in TILES:
         compiled = compile(tape_record_kernel, record,
                            dict(KD=4096, CD=8192, HV=32, W=4, BT=16, BC=bc, BH=32,
@@ -226,12 +229,13 @@ for arch in (90, 89):  # H100/H200, L4
 def test_kernels_compile_for_hopper_and_ada_and_the_recurrence_has_one_layout():
     """Both kernels compile to PTX and a cubin for the H200 (sm_90) and the L4 (sm_89) at a 4B
     layer's heads without a GPU (the interpreter does not compile). And the few-token
-    recurrence at its default launch setting reduces in the same register layouts for the
+    recurrence at each launch setting reduces in the same register layouts for the
     verify block and for rewinds of any length, with or without the final state: the
     condition for a state computed across any block boundary to round alike."""
     out = run_with_triton(COMPILE_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     assert rows == [row for arch in ("90", "89") for row in
-                    [[arch, "short", "True", "True"]] + [[arch, "record", str(bc), "True",
-                                                          "True"]
-                                                         for bc, _ in block_mixer.TILES]], out
+                    [[arch, name, "True", "True"]
+                     for name in (short.names()[1:] if arch == "90" else (short.DEFAULT,))]
+                    + [[arch, "record", str(bc), "True", "True"]
+                       for bc, _ in block_mixer.TILES]], out

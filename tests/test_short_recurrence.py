@@ -34,19 +34,19 @@ for b, t, h, hv, k, v in [(1, 2, 2, 2, 16, 8), (1, 9, 2, 4, 32, 16), (2, 17, 1, 
         fla_o, fla_state = fused_recurrent_gated_delta_rule(
             q=q.contiguous(), k=kk.contiguous(), v=vv.contiguous(), g=g, beta=beta,
             initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        for bv, warps in (TILES[0], TILES[-1]):
-            o, state = launch_short(q, kk, vv, g, beta, h0, True, bv, warps)
+        for tile in (TILES[0], TILES[-1]):  # (16-token chunks at BV 4; 4-token ones at 8)
+            o, state = launch_short(q, kk, vv, g, beta, h0, True, *tile)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             assert o.dtype == dtype and o.shape == ref_o.shape
-            assert rel(o, fla_o) < tol and rel(state, fla_state) < 1e-5, (b, t, dtype, bv)
-            assert rel(o, ref_o) < tol and rel(state, ref_state) < 1e-5, (b, t, dtype, bv)
-            o2, none = launch_short(q, kk, vv, g, beta, h0, False, bv, warps)
+            assert rel(o, fla_o) < tol and rel(state, fla_state) < 1e-5, (b, t, dtype, tile)
+            assert rel(o, ref_o) < tol and rel(state, ref_state) < 1e-5, (b, t, dtype, tile)
+            o2, none = launch_short(q, kk, vv, g, beta, h0, False, *tile)
             assert torch.equal(o2, o) and none.numel() == 0
         print("ok", b, t, dtype)
 # no initial state: from zeros
 q, kk, vv = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 8)
 g, beta = -torch.rand(1, 4, 2), torch.rand(1, 4, 2)
-o, state = launch_short(q, kk, vv, g, beta, None, True, 8, 1)
+o, state = launch_short(q, kk, vv, g, beta, None, True, 8, 1, 16)
 ref_o, ref_state = recurrent_gated_delta_rule_ref(q, kk, vv, g, beta, None)
 assert rel(o, ref_o) < 1e-5 and rel(state, ref_state) < 1e-5
 print("ok zero state")
@@ -117,7 +117,7 @@ def test_one_choice_for_every_length_batch_and_final_flag(monkeypatch):
 
     def timed_choice(table, key, names, default, on_cuda, run, tensors, keep_default=False):
         asked.append((key, default, keep_default))
-        table[key] = "short@4x1"
+        table[key] = "short@4x1x8"
         return table[key]
 
     monkeypatch.setattr(short, "timed_choice", timed_choice)
@@ -127,6 +127,8 @@ def test_one_choice_for_every_length_batch_and_final_flag(monkeypatch):
         v = torch.zeros(batch, tokens, 4, 8)
         g = torch.zeros(batch, tokens, 4)
         state = torch.zeros(batch, 4, 8, 8)
-        assert short.choose(q, q, v, g, g, state, final) == "short@4x1"
+        assert short.choose(q, q, v, g, g, state, final) == "short@4x1x8"
     assert asked == [((2, 8, 4, 8, torch.float32, False), short.DEFAULT, True)]
-    assert {short.chunk(t) for t in range(1, short.SHORT_MAX + 1)} == {short.CHUNK}
+    for tile in (short.parse(name) for name in short.names()[1:]):  # the chunk: the setting's
+        assert {short.constants(tile, t, 128, 128)["TC"]
+                for t in range(1, short.SHORT_MAX + 1)} == {tile[2]}

@@ -16,8 +16,9 @@ where ours is not faster keep fla's. Measured (H200, 4B heads, graph-timed over 
 rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op runs the torch loop
 (``recurrent_gated_delta_rule_ref``), its twin.
 
-One choice per heads (not per batch, length or final-state flag), and a fixed chunk of CHUNK
-tokens: the verify block and the rewind must compute a state bit for bit alike. An fp32 sum's
+One choice per heads (not per batch, length or final-state flag), and the chunk of tokens
+held in registers fixed by the launch setting: the verify block and the rewind must compute a
+state bit for bit alike. An fp32 sum's
 rounding follows the kernel's register layout, which follows the launch setting and the tile
 shapes; a state computed across another block boundary, by another setting, rounds otherwise,
 and the verified stream then depends on where its blocks were cut (bench/RESULTS.md,
@@ -46,23 +47,26 @@ from .gemv import _interpreted, timed_choice
 # tokens: a verify block of up to 32 drafts, and the short prompts' buckets of 16 and 32
 # (longer runs keep fla's kernel: a step per token unrolled in the kernel, compiled per length)
 SHORT_MAX = 33
-CHUNK = 16  # tokens whose inputs one program holds in registers at once
-# launch settings (BV, warps) offered to the choice, beside fla's kernel. One warp a program,
-# as fla launches its own: on the H200 at 4B heads (bench/RESULTS.md, thirteenth session) BV 4
-# and 8 on one warp took 8.3-8.6 us for 9 tokens (fla's kernel 22.0) and 13.5 for 17 (40.1);
-# every setting with 2 to 8 warps was 2-6x slower than those (the per-step row picks and sums
-# cross warps). 16 x 1 was not timed there.
-TILES = ((4, 1), (8, 1), (16, 1))
+# launch settings (BV, warps, TC: tokens whose inputs one program holds in registers at once)
+# offered to the choice, beside fla's kernel. One warp a program, as fla launches its own: on
+# the H200 at 4B heads (bench/RESULTS.md, thirteenth session) BV 4 and 8 on one warp with TC 16
+# took 8.3-8.6 us for 9 tokens (fla's kernel 22.0) and 13.5 for 17 (40.1); every setting with 2
+# to 8 warps was 2-6x slower than those (the per-step row picks and sums cross warps). Each
+# step picks its token's q, k and v out of the chunk's registers by a masked sum over the
+# chunk, work in proportion to TC: chunks of 8 and 4 tokens halve and quarter it for one more
+# round trip of loads per chunk (not yet timed on a GPU; the choice times them). The chunk is
+# the setting's, never the length's: see the module's docstring.
+TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4))
 CHOICES: dict[tuple, str] = {}  # (H, K, HV, V, dtype, no state?) -> a name
-DEFAULT = "short@8x1"
+DEFAULT = "short@8x1x16"
 
 
 def names() -> tuple[str, ...]:
-    return ("fla",) + tuple(f"short@{bv}x{w}" for bv, w in TILES)
+    return ("fla",) + tuple(f"short@{bv}x{w}x{tc}" for bv, w, tc in TILES)
 
 
-def parse(name: str) -> tuple[int, int] | None:
-    """"short@BVxW" -> (BV, warps); "fla" -> None."""
+def parse(name: str) -> tuple[int, int, int] | None:
+    """"short@BVxWxTC" -> (BV, warps, TC); "fla" -> None."""
     if name == "fla":
         return None
     form, _, tile = name.partition("@")
@@ -103,10 +107,8 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: int,
-                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel at one launch setting (CUDA, or Triton's interpreter)."""
-    import triton
-
     from .short_recurrence_kernel import short_recurrence_kernel
 
     batch, tokens, num_k_heads, head_k_dim = q.shape
@@ -118,23 +120,25 @@ def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: in
                                     dtype=torch.float32)
     o = v.new_empty(batch, tokens, value_heads, head_v_dim)
     state = torch.empty_like(initial_state) if final_state else initial_state.new_empty(0)
-    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
-    grid = (triton.cdiv(head_v_dim, block_v), batch * value_heads)
+    consts = constants((block_v, num_warps, chunk), tokens, head_k_dim, head_v_dim)
+    grid = (-(-head_v_dim // consts["BV"]), batch * value_heads)
     short_recurrence_kernel[grid](
         q, k, v, g, beta, o, initial_state, state if final_state else initial_state,
         head_k_dim ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), T=tokens,
-        H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim,
-        BK=triton.next_power_of_2(head_k_dim), BV=block_v, TC=chunk(tokens),
-        STORE_FINAL=final_state, num_warps=num_warps)
+        v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim, STORE_FINAL=final_state,
+        num_warps=num_warps, **consts)
     return o, state
 
 
-def chunk(tokens: int) -> int:
-    """Tokens a program holds at once for a run of ``tokens``: CHUNK whatever the length (a
-    chunk of the length's own size would change the kernel's register layout with it, and the
-    block's and the rewind's states would round apart: see the module's docstring)."""
-    return CHUNK
+def constants(tile: tuple[int, int, int], tokens: int, head_k_dim: int,
+              head_v_dim: int) -> dict:
+    """The kernel's tile constants at a launch setting for a run of ``tokens``: the chunk is
+    the setting's whatever the length (a chunk of the length's own size would change the
+    kernel's register layout with it, and the block's and the rewind's states would round
+    apart: see the module's docstring). Also what the layout test compiles with."""
+    block_v, _, chunk = tile
+    return dict(T=tokens, BK=_pow2(head_k_dim), BV=min(block_v, _pow2(head_v_dim)), TC=chunk)
 
 
 def _pow2(n: int) -> int:
