@@ -1,8 +1,8 @@
 """What a recording GDN mixer writes to the verifier's tape over a verify block, as one op:
 the short convolution, the gates and the tape's copies, ``gdn_block_record(mixed, a, b,
-conv_state, conv_weight, A_log, dt_bias, *tape, num_k_heads, neg_eigval)``, which fills the
-tape's first T tokens and returns nothing; the mixer then runs the recurrence on the tape's q,
-k, v, g and beta (ops.short_recurrence), as the rewind does.
+conv_state, conv_weight, A_log, dt_bias, *tape, neg_eigval)``, which fills the tape's first T
+tokens and returns nothing (the heads come from the tape's shapes); the mixer then runs the
+recurrence on the tape's q, k, v, g and beta (ops.short_recurrence), as the rewind does.
 
 mixed (1, T, conv_dim) is the in-projection's [q | k | v] part before the convolution, a and b
 (1, T, HV) its raw decay and write-strength inputs (views of the projection's output); the

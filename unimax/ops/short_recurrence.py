@@ -9,23 +9,24 @@ token's inputs inside its time loop, so a token waits a memory round trip before
 Our kernel (short_recurrence_kernel.py) has fla's arithmetic but requests every token's inputs
 before the first step.
 
-Which kernel and launch (BV columns of V per program, warps) is a timed choice
-(ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among the candidates: heads
-where ours is not faster keep fla's. Measured (H200, 4B heads, graph-timed over input copies):
-8.3 us against fla's 22.0 for the 9-token block, 13.5 against 40.1 for 17 tokens; the 32-layer
-rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op runs the torch loop
+Which kernel and launch (BV columns of V per program, warps, tokens per chunk) is a timed
+choice (ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among the
+candidates: heads where ours is not faster keep fla's. Measured (H200, 4B heads, graph-timed
+over input copies): 8.3 us against fla's 22.0 for the 9-token block, 13.5 against 40.1 for 17
+tokens; the 32-layer rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op
+runs the torch loop
 (``recurrent_gated_delta_rule_ref``), its twin.
 
 One choice per heads (not per batch, length or final-state flag), and the chunk of tokens
 held in registers fixed by the launch setting: the verify block and the rewind must compute a
-state bit for bit alike. An fp32 sum's
-rounding follows the kernel's register layout, which follows the launch setting and the tile
-shapes; a state computed across another block boundary, by another setting, rounds otherwise,
-and the verified stream then depends on where its blocks were cut (bench/RESULTS.md,
-fourteenth session: with per-shape choices the forced-acceptance bench saw 22 of 45 blocks
-rejected at a forced acceptance of 1.0). For the same reason a choice first met while a graph
-is being captured keeps its default (our kernel at 8 columns, the fastest at every 4B shape
-timed) rather than taking it for that graph only.
+state bit for bit alike. An fp32 sum's rounding follows the kernel's register layout, which
+follows the launch setting and the tile shapes; a state computed across another block
+boundary, by another setting, rounds otherwise, and the verified stream then depends on where
+its blocks were cut (bench/RESULTS.md, fourteenth session: with a recurrence of its own in the
+verify block the forced-acceptance bench saw 22 of 45 blocks rejected at a forced acceptance
+of 1.0). For the same reason a choice first met while a graph is being captured keeps its
+default (our kernel at 8 columns and 16-token chunks, the fastest at every 4B shape timed)
+rather than taking it for that graph only.
 
 Shapes as ops.gated_delta: q, k (B, T, H, K), v (B, T, HV, V), g, beta (B, T, HV), the state
 (B, HV, K, V) fp32; each token's heads contiguous (batch and time may be strided: the tape's
