@@ -14,8 +14,7 @@ choice (ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among
 candidates: heads where ours is not faster keep fla's. Measured (H200, 4B heads, graph-timed
 over input copies): 8.3 us against fla's 22.0 for the 9-token block, 13.5 against 40.1 for 17
 tokens; the 32-layer rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op
-runs the torch loop
-(``recurrent_gated_delta_rule_ref``), its twin.
+runs the torch loop (``recurrent_gated_delta_rule_ref``), its twin.
 
 One choice per heads (not per batch, length or final-state flag), and the chunk of tokens
 held in registers fixed by the launch setting: the verify block and the rewind must compute a
