@@ -102,14 +102,22 @@ def engine_graph(model, variant: str):
 
 def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs: form@tile or
-    cuBLAS), by shape: which kernels the measured figures ran."""
-    from unimax.ops import fused_gemv, gemv
+    cuBLAS; the few-token recurrence per heads; the verifier's tape op per block-length
+    bucket), by shape: which kernels the measured figures ran."""
+    from unimax.ops import block_mixer, fused_gemv, gemv, short_recurrence
 
-    plain = {f"M{m} {n}x{k} {str(dtype).removeprefix('torch.')}": name
+    def dt(dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    plain = {f"M{m} {n}x{k} {dt(dtype)}": name
              for (m, n, k, dtype), name in gemv.CHOICES.items()}
-    fused = {f"{pro}{'+res' if res else ''} M{m} {n}x{k} {str(dtype).removeprefix('torch.')}":
+    fused = {f"{pro}{'+res' if res else ''} M{m} {n}x{k} {dt(dtype)}":
              name for (pro, res, m, n, k, dtype), name in fused_gemv.CHOICES.items()}
-    return {**plain, **fused}
+    short = {f"recurrence {h}x{k} {hv}x{v} {dt(dtype)}{' from zeros' if zero else ''}": name
+             for (h, k, hv, v, dtype, zero), name in short_recurrence.CHOICES.items()}
+    tape = {f"tape T<={t} {h}x{k} {hv}x{v} {dt(dtype)}": name
+            for (t, _, h, k, hv, v, dtype, _), name in block_mixer.CHOICES.items()}
+    return {**plain, **fused, **short, **tape}
 
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
