@@ -40,21 +40,6 @@ def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.con
 
 
 @triton.jit
-def state_tile(h0, i_nh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr):
-    """A program's tile of state i_nh (K, V), fp32: rows rk, columns rv (block i_v of BV), their
-    masks, the tile's offsets p_h and its values."""
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mask_k = rk < K
-    mask_v = rv < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    p_h = i_nh * K * V + rk[:, None] * V + rv[None, :]
-    h = tl.load(h0 + p_h, mask=mask_h, other=0.0).to(tl.float32)
-    return rk, rv, mask_k, mask_v, mask_h, p_h, h
-
-
-@triton.jit
 def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
                             stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
                             stride_gb, stride_gt, stride_bb, stride_bt,
@@ -76,7 +61,13 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    rk, rv, mask_k, mask_v, mask_h, p_h, h = state_tile(h0, i_nh, i_v, K, V, BK, BV)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mask_k = rk < K
+    mask_v = rv < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    p_h = i_nh * K * V + rk[:, None] * V + rv[None, :]
+    h = tl.load(h0 + p_h, mask=mask_h, other=0.0).to(tl.float32)
     rt = tl.arange(0, TC)
     for c in tl.static_range(0, T, TC):
         t = c + rt
