@@ -13,8 +13,7 @@ usage: python bench/gemv.py [--shape gdn-4b] [--json FILE]
            tile closes the gap (then GEMV_TILES takes it)
        python bench/gemv.py --fused [--shape gdn-4b]   the draft's fused FP8 GEMVs (the
            prologue and residual each linear has in unimax.fused_draft) at M = 1 through every
-           form: rows, rows16, the split-K forms split, split16, and each one's prefetching twin
-           (rowsp, ...; each autotuned), and which
+           form: rows, rows16 and the split-K forms split, split16 (each autotuned), and which
            form and tile the per-shape timed choice takes, timed the same way
 """
 
@@ -175,7 +174,6 @@ def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     row = {"name": name, "N": n, "K": k, "prologue": prologue, "MB": q.numel() / 1e6}
     forms = ("rows", "rows16") + (("split", "split16") if fused.split_fits(n, k, 1, True)
                                   else ())
-    forms += tuple(form + "p" for form in forms)  # the prefetching twins
     for form in forms:
         us = graph_us(lambda i, form=form: fused.fused_gemv(
             x, *weights[i], n, k, prologue, norm, z, res, kernel=form), copies)
@@ -191,8 +189,6 @@ def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
 
 def fused_main(args, bandwidth) -> None:
     """Every fused GEMV form per draft linear (FP8, M = 1), graph-timed over weight copies."""
-    from unimax.ops import fused_gemv as fused
-
     cfg = SHAPES[args.shape]
     rows = []
     for name, (n, k, _) in linear_shapes(cfg).items():
@@ -205,7 +201,7 @@ def fused_main(args, bandwidth) -> None:
           f"{args.shape}: us (fraction of copy bandwidth), and the timed choice")
     for r in rows:
         forms = "  ".join(f"{f} {r[f + '_us']:.2f} ({r[f + '_bw']:.2f})"
-                          for f in fused.KERNEL_NAMES if f + "_us" in r)
+                          for f in ("rows", "rows16", "split", "split16") if f + "_us" in r)
         chosen = (f" {r['chosen_us']:.2f} ({r['chosen_bw']:.2f})" if "chosen_us" in r else "")
         print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {forms}  chosen: {r['chosen']}{chosen}")
 

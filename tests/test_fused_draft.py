@@ -44,11 +44,10 @@ for dtype in (torch.float32, torch.bfloat16):
     for m, n, k, head in [(1, 100, 128, 32), (2, 70, 256, 64), (1, 33, 192, 64), (3, 40, 64, 16)]:
         for prologue, args, ref in cases(dtype, m, n, k, head):
             fp16 = ("rows16", "split16") if args[2] is not None else ()
-            forms = ("rows", "split") + fp16  # (split-K: slices of K, some empty)
-            for kernel in forms + tuple(form + "p" for form in forms):  # (p: prefetching)
+            for kernel in ("rows", "split") + fp16:  # (split-K: slices of K, some empty)
                 y = fused_gemv(*args, kernel=kernel)
                 err = rel(y, ref)
-                exact = dtype == torch.float32 and kernel in ("rows", "split", "rowsp", "splitp")
+                exact = dtype == torch.float32 and kernel in ("rows", "split")
                 assert y.shape == ref.shape == (m, n) and y.dtype == dtype
                 assert err < (1e-5 if exact else 2e-2), (dtype, m, n, k, prologue,
                                                           args[8] is None, kernel, err)
@@ -213,7 +212,7 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
-       "SPLIT": "constexpr", "PDL_LATE": "constexpr", "PREFETCH": "constexpr"}
+       "SPLIT": "constexpr", "PDL_LATE": "constexpr"}
 
 def ptx(consts, arch=90):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -226,8 +225,7 @@ for arch in (90, 89):  # H100/H200, L4
         for f16 in (True, False):
             consts = {"PRO": pro, "HEAD": 128, "KP": 4096, "HAS_SCALE": True,
                       "HAS_RES": pro % 2 == 0, "BLOCK_N": 16, "BLOCK_K": 256, "F16": f16,
-                      "PDL": False, "SPLIT": 4 if pro % 3 == 0 else 1, "PDL_LATE": False,
-                      "PREFETCH": f16 == (pro % 2 == 0)}  # (each prologue with and without)
+                      "PDL": False, "SPLIT": 4 if pro % 3 == 0 else 1, "PDL_LATE": False}
             code = ptx(consts, arch)
             print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"),
                   code.count("atom.global"))
@@ -245,46 +243,6 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
         assert int(cvt) > 0, (arch, pro, f16)
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
         assert (int(atomics) > 0) == (int(pro) % 3 == 0), (arch, pro, atomics)  # split-K
-
-
-PREFETCH_CHILD = FUSED_KERNEL + r"""
-# as a launch specializes them: pointers, sizes and strides multiples of 16 (4B shapes)
-names = list(sig)
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-         if n.endswith("_ptr") or n in ("N", "K") or n.startswith("stride")}
-for split in (1, 4):
-    for prefetch in (False, True):
-        consts = {"PRO": 1, "HEAD": 128, "KP": 4096, "HAS_SCALE": True, "HAS_RES": True,
-                  "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": False, "SPLIT": split,
-                  "PDL_LATE": False, "PREFETCH": prefetch}
-        code = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        lines = code.splitlines()
-        head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
-        back = next(i for i in range(len(lines) - 1, head, -1) if "bra" in lines[i]
-                    and lines[head].split(":")[0] in lines[i])
-        def v4(part):
-            return sum("ld.global.v4" in line for line in part)
-        fma = [i for i in range(head, back) if "fma.rn.f16x2" in lines[i]]
-        loads = [i for i in range(head, back) if "ld.global.v4" in lines[i]]
-        print(split, prefetch, v4(lines[:head]), len(loads), max(loads) < min(fma))
-"""
-
-
-def test_fused_gemv_prefetch_form_keeps_two_tiles_in_flight():
-    """The prefetching forms (the kernel's PREFETCH), compiled for sm_90 without a GPU as a
-    launch specializes them: W's loads stay 16-byte vectors, the first tile is loaded before
-    the K loop (as many vector loads as the loop makes per tile, on top of the plain form's
-    pre-loop loads of x), and inside the loop W's next tile is requested before the current
-    one's products: the loads the products wait on were issued an iteration earlier."""
-    out = run_with_triton(PREFETCH_CHILD, interpret=False)
-    rows = {(r[0], r[1]): [int(r[2]), int(r[3]), r[4]] for r in
-            (line.split() for line in out.strip().splitlines())}
-    for split in ("1", "4"):
-        (plain_before, plain_loop, _), (before, loop, ordered) = (rows[split, "False"],
-                                                                  rows[split, "True"])
-        assert loop == plain_loop > 0 and before == plain_before + plain_loop, (split, rows)
-        assert ordered == "True", (split, rows)
 
 
 PDL_CHILD = FUSED_KERNEL + r"""

@@ -292,36 +292,6 @@ def test_gc_paused_holds_collections_off_and_restores_the_state():
         gc.enable()
 
 
-def test_timed_choice_times_the_second_round_it_is_given(monkeypatch):
-    """``then``: names built from the first round's times (the fused GEMVs: the prefetching
-    twins of the fastest FP8 form@tiles, ops.fused_gemv.prefetching_shortlist) are timed too,
-    once, and the fastest of both rounds is kept."""
-    from unimax.ops import fused_gemv
-    from unimax.ops import gemv as ops
-
-    monkeypatch.setattr(ops, "_time_us",
-                        lambda fn, copies, label="": sum(fn(i) for i in range(copies)))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU)
-    monkeypatch.setattr(ops, "TIMING_SPENT", {"keys": 0, "candidates": 0, "seconds": 0.0})
-    monkeypatch.setattr(fused_gemv, "PREFETCH_SHORTLIST", 2)
-    speeds = {"rows@a": 5.0, "rows16@a": 3.0, "split@b": 4.0, "split16@b": 6.0,
-              "rows16p@a": 2.5, "splitp@b": 1.0, "rowsp@a": 0.5, "split16p@b": 0.1}
-    timed = []
-
-    def run(name, w):
-        timed.append(name)
-        return speeds[name]
-
-    firsts = ("rows@a", "rows16@a", "split@b", "split16@b")
-    table, weight = {}, torch.zeros(1 << 27, dtype=torch.uint8)  # (L2-sized: one copy)
-    got = ops.timed_choice(table, ("k",), firsts, "rows", True, run, (weight,),
-                           fused_gemv.prefetching_shortlist)
-    # the two fastest of the first round, rows16@a and split@b: their twins timed, not the rest
-    assert got == "splitp@b" and table[("k",)] == "splitp@b"
-    assert set(timed) == {*firsts, "rows16p@a", "splitp@b"}
-    assert ops.TIMING_SPENT["candidates"] == 6
-
-
 def test_timed_choice_keeps_its_default_first_met_in_a_capture_when_asked(monkeypatch):
     """A key first met while a graph is being captured cannot be timed: the default, not kept
     (a later call times it), unless ``keep_default`` (ops.short_recurrence: the verify block's

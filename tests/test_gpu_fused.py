@@ -24,7 +24,7 @@ def model():
 def test_fused_draft_on_gpu(model, monkeypatch):
     """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
     model's shapes, each prologue, FP8 weights with fp32 and FP16 products, with and without
-    the residual, each form's prefetching twin bit for bit equal to it; a full-FP8
+    the residual; a full-FP8
     draft view's fused steps track the unfused view's logits with the fused kernel really
     taken; the compiled fused draft in captured graphs decodes what it decodes eagerly."""
     import unimax.fused_draft as fused_draft
@@ -53,11 +53,6 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=kernel)
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
-                # the prefetching twin: the same products in the same order at a tile
-                tiled = [fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual,
-                                               1e-6, 1.0, kernel=f"{form}@16x256x4")
-                         for form in (kernel, kernel + "p")]
-                assert torch.equal(*tiled), (prologue, kernel)
     # split-K in a captured graph: its counters are set back by each launch, so replays with
     # new inputs give what eager calls give (fp32 slices added in order: bit for bit)
     q, s = quantize_rows(torch.randn(2560, 9216, device="cuda", generator=gen))

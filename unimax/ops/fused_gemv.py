@@ -139,8 +139,7 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
         return triton, fused_gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": max(64, head), "F16": f16}
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                for n, k, w in tiles_for(head)]
-    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES", "SPLIT",
-                                                        "PREFETCH"])(
+    return (triton, triton.autotune(configs=configs, key=["N", "K", "PRO", "HAS_RES", "SPLIT"])(
         fused_gemv_kernel), {"F16": f16})
 
 
@@ -152,12 +151,6 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
 # eleventh session) it barely helps (down at 4B 0.8 us faster, out_proj slower); the per-shape
 # timed choice takes it only where it is faster.
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
-# Each with a prefetching twin, "p" appended (the kernel's PREFETCH: the next weight tile in
-# flight while the current one is multiplied). For FP8 weights the timed choice times the
-# prefetching twins of the PREFETCH_SHORTLIST fastest form@tiles too (not of all 48: each
-# candidate is a Triton compile at warm-up, which already took minutes on the H200).
-KERNEL_NAMES += tuple(name + "p" for name in KERNEL_NAMES)
-PREFETCH_SHORTLIST = 6
 SPLIT_K = 4
 SPLIT_MAX_N = 4096
 MAX_TILES = 1 << 15  # the per-tile counters' buffer: cdiv(N, BLOCK_N) x M tiles at most
@@ -190,23 +183,20 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
-    SPLIT_K: the same sums in slices, added in slice order), any of them with "p" appended
-    (prefetching: the kernel's PREFETCH), each autotuned, or any with "@tile" (one of
-    ``tiles_for`` the prologue's head, as ops.gemv.tiled_names writes it)."""
+    SPLIT_K: the same sums in slices, added in slice order), each autotuned, or any with
+    "@tile" (one of ``tiles_for`` the prologue's head, as ops.gemv.tiled_names writes it)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
     head = _head(prologue, norm_weight)
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
-    prefetch = kernel.endswith("p")
-    f16 = kernel.removesuffix("p").endswith("16")
-    if f16 and scale is None:
+    if kernel.endswith("16") and scale is None:
         raise ValueError(f"fused_gemv: {kernel} (FP16 products) is for FP8 weights only")
     split = SPLIT_K if kernel.startswith("split") else 1
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
-    triton, launch, fixed = _kernel(f16, head, tile is not None)
+    triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     # split-K's partial sums and counters (rows: unused, any pointer)
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
@@ -221,7 +211,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     flags = dict(PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
-                 SPLIT=split, PREFETCH=prefetch, **fixed)
+                 SPLIT=split, **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
                  **pdl_launch(x), **tile_args(tile))
@@ -281,20 +271,10 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     forms = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
     if split_fits(out_features, in_features, x.shape[0], scale is not None):
         forms += ("split", "split16")
-    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice); FP8: then
-    # the prefetching twins of the fastest few (the BF16 GEMVs stream at ~80% of copy
-    # bandwidth already)
+    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
     names = tiled_names(forms, _tiles_by_form(_head(prologue, norm_weight)))
-    then = prefetching_shortlist if scale is not None else None
-    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale), then),
+    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
-
-
-def prefetching_shortlist(times: dict[str, float]) -> list[str]:
-    """The prefetching twins ("form" + "p" @ the same tile) of the PREFETCH_SHORTLIST fastest
-    timed names."""
-    return [name.replace("@", "p@", 1)
-            for name in sorted(times, key=times.get)[:PREFETCH_SHORTLIST]]
 
 
 @fused_small_m_linear.register_fake

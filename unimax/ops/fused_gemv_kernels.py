@@ -98,7 +98,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                      PDL_LATE: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                      PDL_LATE: tl.constexpr = False):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -114,17 +114,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     workspace ws (SPLIT, M, N, fp32); the last of a tile's SPLIT programs to finish (a counter
     per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue:
     one launch, where a split-K GEMV with a reduce kernel after it lost (bench/RESULTS.md,
-    2026-11-30, fourth session).
-
-    ``PREFETCH`` (the "p" forms): each iteration first issues the load of the next tile of W,
-    then multiplies the tile loaded by the iteration before, so every program keeps two tiles
-    in flight instead of one. Why: a draft GEMV's grid is about one wave (a 4B in-projection
-    at 16 rows a program: 772 programs on 132 SMs), so each program's K loop is a chain of
-    dependent DRAM round trips and the bytes in flight per SM, not the bandwidth, set the
-    speed: the FP8 GEMVs streamed 1.4-2.9 TB/s of the H200's ~4.1 (bench/RESULTS.md, twelfth
-    session). Registers bound the tile (the accumulator is fp32 or FP16 per element), but a
-    second FP8 tile in flight costs 1 byte per element. The same products in the same order:
-    the same sums as without."""
+    2026-11-30, fourth session)."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(2)
@@ -148,30 +138,13 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         start += BLOCK_K
     elif PRO == 1:
         rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
-    if PREFETCH:
-        rk = start + tl.arange(0, BLOCK_K)
+    for k0 in range(start, end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K) & (start < end), other=0.0)
-        for k0 in range(start, end, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            # the next tile, up to this slice's end (a scalar condition: the mask stays
-            # uniform over each vector of K, so the loads stay vectorized)
-            nk = rk + BLOCK_K
-            w_next = tl.load(w_ptr + rn[:, None] * stride_wn + nk[None, :],
-                             mask=(rn[:, None] < N) & (nk[None, :] < K) & (k0 + BLOCK_K < end),
-                             other=0.0)
-            x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps,
-                        offset, PRO, HEAD, BLOCK_K)
-            acc = tile_products(acc, x, w, F16)
-            w = w_next
-    else:
-        for k0 in range(start, end, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps,
-                        offset, PRO, HEAD, BLOCK_K)
-            acc = tile_products(acc, x, w, F16)
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
+                    PRO, HEAD, BLOCK_K)
+        acc = tile_products(acc, x, w, F16)
     if PDL and PDL_LATE:
         launch_dependents()
     y = tl.sum(acc.to(tl.float32), axis=1)

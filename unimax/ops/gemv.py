@@ -236,16 +236,15 @@ def candidates(m: int, scaled: bool) -> tuple[str, ...]:
 
 
 def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, on_cuda: bool,
-                 run, weights: tuple = (), then=None, keep_default: bool = False) -> str:
+                 run, weights: tuple = (), keep_default: bool = False) -> str:
     """The fastest of ``names`` for ``key``, timed once and kept in ``table``: ``run(name,
     *weights)`` is one call with that kernel on those tensors (a weight and its scale), timed
     in a captured graph over copies of them (``_time_us``, ops.timing). Off CUDA, in the
     interpreter, and for a key first met while a CUDA graph is being captured (it cannot be
     timed there): ``default``, not kept. Also the fused GEMVs' choice (ops/fused_gemv.py).
-    ``then(times)``: more names to time once ``names`` are timed (name -> us), say variants
-    of the fastest few only (each candidate is a Triton compile at warm-up). ``keep_default``:
-    a key first met on CUDA while a graph is being captured keeps ``default`` for good, for a
-    choice that must stay one kernel for every later call (ops.short_recurrence)."""
+    ``keep_default``: a key first met on CUDA while a graph is being captured keeps
+    ``default`` for good, for a choice that must stay one kernel for every later call
+    (ops.short_recurrence)."""
     if key not in table:
         if not on_cuda or _interpreted():
             return default
@@ -253,23 +252,17 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
             if keep_default:
                 table[key] = default
             return default
-        if len(names) == 1 and then is None:
+        if len(names) == 1:
             table[key] = names[0]
         else:
             start = time.perf_counter()
             copies = weight_copies(weights)
-
-            def timed(names):
-                return {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
-                                       f"{key} {name}")
-                        for name in names}
-
-            times = timed(names)
-            if then is not None:
-                times.update(timed(tuple(n for n in then(dict(times)) if n not in times)))
+            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
+                                    f"{key} {name}")
+                     for name in names}
             best = min(times, key=times.get)
             TIMING_SPENT["keys"] += 1
-            TIMING_SPENT["candidates"] += len(times)
+            TIMING_SPENT["candidates"] += len(names)
             TIMING_SPENT["seconds"] += time.perf_counter() - start
             table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)
     return table[key]
