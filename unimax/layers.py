@@ -64,10 +64,9 @@ class GatedDeltaNetMixer(nn.Module):
         batch, seq_len, _ = mixed.shape
         if self._block_record(mixed, state):
             # the tape written by one op; the recurrence reads it there, as the rewind does
-            tape = state.tape.buffers
             gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight, self.A_log,
-                             self.dt_bias, *tape, cfg.allow_neg_eigval)
-            o, _ = gated_delta_rule(*(buffer[:, :seq_len] for buffer in tape[1:]),
+                             self.dt_bias, *state.tape.buffers, cfg.allow_neg_eigval)
+            o, _ = gated_delta_rule(*state.tape.recurrence_inputs(seq_len),
                                     state.recurrent_states[0], backend=self.backend,
                                     final_state=False)
             state.has_previous_state[0] = True

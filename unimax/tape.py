@@ -34,7 +34,11 @@ class LayerTape:
             raise ValueError(f"the tape holds {self.max_tokens} tokens, the forward fed {t}")
         for buffer, value in zip(self.buffers, (conv_input, q, k, v, g, beta), strict=True):
             buffer[:, :t].copy_(value)
-        return tuple(buffer[:, :t] for buffer in self.buffers[1:])
+        return self.recurrence_inputs(t)
+
+    def recurrence_inputs(self, length: int) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, g, beta) of the first ``length`` recorded tokens: the tape's views."""
+        return tuple(buffer[:, :length] for buffer in self.buffers[1:])
 
 
 class Tape:
