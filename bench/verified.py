@@ -238,8 +238,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
                            bandwidth, reference, model, ids), "resyncs": forced.resyncs,
                   "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
-        if draft_block and args.acceptance and not args.fixed_only:  # the same first rate,
-            # the plain loop
+        if draft_block and args.acceptance and not args.fixed_only:  # the first rate again,
+            # with the plain loop
             engine.pipelined = False
             rate = args.acceptance[0]
             forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
@@ -277,7 +277,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
         kernels[f"exact run of {k} (per step)"] = kernels_of(
             verifier.runner, verifier.run_key(k, window, sampled=False), k)
-    if args.ab_block_op:  # the same verify block with the recording mixers as torch forms
+    if args.ab_block_op:  # the same verify block with the tape written by the torch forms
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
@@ -301,11 +301,9 @@ def bench_shape(shape, args, bandwidth) -> dict:
 def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
                             kernels: dict) -> None:
     """A second verified engine with unimax.layers.GatedDeltaNetMixer.block_op off (the
-    recording forward's conv, gates, tape copies and recurrence as the torch forms and the
-    few-token op, as before ops.block_mixer): its verify block of k drafts timed (and
-    profiled) beside the first engine's, in the same process, on the same model."""
-    import unimax.layers
-
+    recording forward's conv, gates and tape copies as the torch forms, not ops.block_mixer's
+    one kernel; the recurrence is the few-token op either way): its verify block of k drafts
+    timed (and profiled) beside the first engine's, in the same process, on the same model."""
     was = unimax.layers.GatedDeltaNetMixer.block_op
     unimax.layers.GatedDeltaNetMixer.block_op = False
     try:
@@ -354,8 +352,8 @@ def main() -> None:
                         help="BF16-only's fast step and the verifier's view without the "
                              "folded GEMVs (unimax.fused_draft.FUSE_BF16 off; on by default)")
     parser.add_argument("--no-block-op", action="store_true",
-                        help="the verifier's recording forwards through the torch forms and "
-                             "the few-token recurrence op, not one op per GDN layer "
+                        help="the verifier's recording forwards write the tape through the "
+                             "torch forms, not one op per GDN layer "
                              "(unimax.layers.GatedDeltaNetMixer.block_op; on by default)")
     parser.add_argument("--ab-block-op", action="store_true",
                         help="also a second verified engine without the block op, its verify "
