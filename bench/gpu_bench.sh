@@ -5,6 +5,12 @@
 #   run: bash bench/gpu_bench.sh tiles      gdn-4b: the FP8 GEMV's tiles (num_stages too) on
 #                                           the K-long linears, beside the autotuned choice;
 #                                           "tiles in_proj gate_up": the wide ones
+#   run: bash bench/gpu_bench.sh ncu        gdn-4b: the draft's fused FP8 GEMVs (and BF16, and FP8
+#                                           without the prologue) under Nsight Compute: DRAM
+#                                           rate, occupancy, stall reasons (bench/ncu_gemv.py)
+#   run: bash bench/gpu_bench.sh l2         gdn-4b: 8 layers' FP8 GEMVs in a graph, with the next
+#                                           linear's weights prefetched into L2 and not
+#                                           (bench/l2_prefetch.py)
 #   run: bash bench/gpu_bench.sh fusedk     gdn-4b then qwen3.5-0.8b: the draft's fused FP8
 #                                           GEMVs per linear through rows, rows16 and split-K
 #                                           (split, split16), and the timed choice
@@ -105,6 +111,16 @@ case "${1:-}" in
         > "$OUT/fusedk-$shape.log" 2>&1
       grep -v '^{' "$OUT/fusedk-$shape.log" | quiet | tail -6
     done ;;
+  ncu)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    timeout 500 "$ncu" --clock-control none --cache-control all -k regex:gemv --csv --page raw \
+      --print-units base --metrics "$(python3 bench/ncu_gemv.py --metrics)" \
+      python3 bench/ncu_gemv.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+    tail -5 "$OUT/ncu.err"; grep "==ERROR==" "$OUT/ncu.csv" | head -5
+    python3 bench/ncu_gemv.py --table "$OUT/ncu.csv" ;;
+  l2)
+    timeout 300 python3 bench/l2_prefetch.py --json "$OUT/l2.json" > "$OUT/l2.log" 2>&1
+    grep -v '^{' "$OUT/l2.log" | quiet | tail -14 ;;
   pdl)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-pdl fla+gemv-pdlend draft draft-pdl draft-pdlend --json "$OUT/pdl.json" \
@@ -164,5 +180,5 @@ case "${1:-}" in
         --json "$OUT/service_${name}_again.json" > "$OUT/service_${name}_again.log" 2>&1
       grep -v Assertion "$OUT/service_${name}_again.log" | quiet | cut -c1-200 | tail -14
     fi ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|verified|steps|fused|fusedk|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|ncu|l2|verified|steps|fused|fusedk|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
 esac
