@@ -7,7 +7,8 @@
 # other the two files took 340 + 311 s, past one call's 10 minutes), and these are correctness
 # tests, which share the GPU safely; speed is measured by bench/, never here. (Ninth session:
 # three files, 485 s wall, test_gpu_engine.py the long pole at 475 s; its verified tests then
-# moved to test_gpu_verified.py.) Arguments go to one pytest process instead (e.g. one file,
+# moved to test_gpu_verified.py; fifteenth session: that file alone ran past 560 s, and its
+# hybrid and rewind tests moved to test_gpu_hybrid.py.) Arguments go to one pytest process instead (e.g. one file,
 # or -k to pick tests).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -15,9 +16,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$SECONDS
 suite() {  # $1: log name; the rest: pytest arguments
+  # each line with the second it was written at, so that a file cut by its limit (the
+  # durations print only at the end) still says where its time went
   local log="$OUT/pytest-$1.log"; shift
   UNIMAX_ALLOW_FLA=1 timeout 560 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
-    --continue-on-collection-errors --durations=8 "$@" 2>&1 | tr -d '\000' > "$log"
+    --continue-on-collection-errors --durations=8 "$@" 2>&1 | tr -d '\000' |
+    while IFS= read -r line || [ -n "$line" ]; do
+      printf '%4d s %s\n' $((SECONDS - T0)) "$line"
+    done > "$log"
 }
 if [ $# -eq 0 ]; then
   for file in tests/test_gpu*.py; do
