@@ -216,6 +216,17 @@ def bench_shape(shape, args, bandwidth) -> dict:
     natural = timed_generate(engine, ids, args.new, "verified", draft_block=k)
     emit({**row_of(f"verified-{args.draft}", natural, weight_bytes, bandwidth, reference, model,
                    ids), "warmup_s": time.perf_counter() - start})
+
+    def forced_row(engine, rate: float, label: str, draft_block: int | None = k) -> None:
+        """A row at a forced acceptance ``rate`` (the best of two runs after a warm-up)."""
+        forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
+                              draft_block=draft_block)
+        forced.run()  # warm-up
+        result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
+        emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
+                       bandwidth, reference, model, ids), "resyncs": forced.resyncs,
+              "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
+
     # Fixed k first; then every graph captured and timed, which calibrates the draft-length
     # policy, and the same rows with k chosen per block ("adaptive", the app's default).
     for draft_block in (k,) if args.fixed_only else (k, None):
@@ -231,25 +242,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
         label = "" if draft_block else " adaptive"
         for rate in args.acceptance:
             engine.draft_length.forget()
-            forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
-                                  draft_block=draft_block)
-            forced.run()  # warm-up
-            result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
-            emit({**row_of(f"verified-{args.draft} @{rate}{label}", result, weight_bytes,
-                           bandwidth, reference, model, ids), "resyncs": forced.resyncs,
-                  "same_as_natural": result.tokens == natural.tokens, "mean_k": mean_k(result)})
+            forced_row(engine, rate, label, draft_block)
         if draft_block and args.acceptance and not args.fixed_only:  # the first rate again,
             # with the plain loop
             engine.pipelined = False
-            rate = args.acceptance[0]
-            forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
-                                  draft_block=draft_block)
-            forced.run()
-            result = min((forced.run() for _ in range(2)), key=lambda r: r.decode_seconds)
+            forced_row(engine, args.acceptance[0], " plain loop")
             engine.pipelined = True
-            emit({**row_of(f"verified-{args.draft} @{rate} plain loop", result, weight_bytes,
-                           bandwidth, reference, model, ids), "resyncs": forced.resyncs,
-                  "mean_k": mean_k(result)})
     for temperature in args.temperature:  # sampled: BF16-only against verified sampling
         params = unimax.SamplingParams(temperature=temperature, seed=0)
         for name, eng, mode in (("bf16", bf16, "fast"),
@@ -279,6 +277,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
             verifier.runner, verifier.run_key(k, window, sampled=False), k)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
+    if args.ab_pdl_fp8:
+        with_pdl_fp8(model, args, k, parts, forced_row)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -320,6 +320,25 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
         unimax.layers.GatedDeltaNetMixer.block_op = was
 
 
+def with_pdl_fp8(model, args, k: int, parts: dict, forced_row) -> None:
+    """A second verified engine with unimax.ops.fused_gemv.PDL "fp8" (programmatic launch for
+    the FP8 weights' GEMVs: the draft step's; the verifier's and BF16-only's stay plain): its
+    forced rows (``forced_row(engine, rate, label)``) and its draft step beside the first
+    engine's, in the same process. The flag is read as graphs are captured, so the engine is
+    built and captured with it set and the first one's graphs keep their plain launches."""
+    was = unimax.ops.fused_gemv.PDL
+    unimax.ops.fused_gemv.PDL = "fp8"
+    try:
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True)
+        for rate in args.acceptance:
+            forced_row(other, rate, " pdl-fp8")
+        parts["draft_step_ms_pdl_fp8"] = replay_ms(other.decode_graph.runner, (k, False)) / k
+        parts["draft_over_bf16_pdl_fp8"] = parts["draft_step_ms_pdl_fp8"] / parts["bf16_step_ms"]
+    finally:
+        unimax.ops.fused_gemv.PDL = was
+
+
 def kernels_of(runner, key, per: int) -> dict | None:
     """One replay's kernels grouped by name (bench/profile_step.py), per step of ``per``; None
     where the runner has no such graph."""
@@ -359,10 +378,15 @@ def main() -> None:
                         help="also a second verified engine without the block op, its verify "
                              "block timed beside the first's (parts: verify_K_ms_without_"
                              "block_op)")
-    parser.add_argument("--pdl", action="store_true",
+    parser.add_argument("--pdl", nargs="?", const="all", choices=["all", "fp8"],
                         help="every fused GEMV (BF16-only's step, the draft, the verifier's "
-                             "one-token forwards) with programmatic dependent launch "
+                             "one-token forwards) with programmatic dependent launch, or "
+                             "(--pdl fp8) those over FP8 weights only: the draft's "
                              "(unimax.ops.fused_gemv.PDL; off by default)")
+    parser.add_argument("--ab-pdl-fp8", action="store_true",
+                        help="also a second verified engine with PDL for FP8 weights only, "
+                             "its forced rows and draft step beside the first's (BF16-only "
+                             "as it was)")
     parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER)")
@@ -373,7 +397,7 @@ def main() -> None:
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     unimax.layers.GatedDeltaNetMixer.block_op = not args.no_block_op
-    unimax.ops.fused_gemv.PDL = args.pdl
+    unimax.ops.fused_gemv.PDL = {None: False, "all": True, "fp8": "fp8"}[args.pdl]
     unimax.ops.fused_gemv.PDL_TRIGGER = args.pdl_trigger
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,

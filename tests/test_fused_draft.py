@@ -279,6 +279,29 @@ def test_fused_gemv_pdl_form_compiles_for_hopper():
                     ["4", "True", "True", "2", "True"]], rows
 
 
+def test_pdl_is_asked_for_by_weight_dtype(monkeypatch):
+    """ops.fused_gemv.PDL: True asks for programmatic launch of every fused GEMV, "fp8" of the
+    FP8 weights' only (the draft's: BF16-only's step and the verifier keep plain launches),
+    False of none; anything else, or an unknown trigger, is refused by name. (On a CPU no
+    launch takes it: pdl_launch stays empty.)"""
+    import unimax.ops.fused_gemv as fused_gemv
+
+    fp8 = torch.zeros(4, 8).to(torch.float8_e4m3fn)
+    bf16 = torch.zeros(4, 8, dtype=torch.bfloat16)
+    for setting, wanted in ((False, (False, False)), (True, (True, True)),
+                            ("fp8", (True, False))):
+        monkeypatch.setattr(fused_gemv, "PDL", setting)
+        assert (fused_gemv.pdl_wanted(fp8), fused_gemv.pdl_wanted(bf16)) == wanted, setting
+        assert fused_gemv.pdl_launch(bf16, fp8) == {}  # (a CPU tensor: never launched so)
+    monkeypatch.setattr(fused_gemv, "PDL", "bf16")
+    with pytest.raises(ValueError, match="PDL must be False, True or 'fp8', got 'bf16'"):
+        fused_gemv.pdl_wanted(fp8)
+    monkeypatch.setattr(fused_gemv, "PDL", "fp8")
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "middle")
+    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start' or 'end'"):
+        fused_gemv.pdl_wanted(fp8)
+
+
 @pytest.mark.parametrize("block", [1, 4])
 def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, block,
                                                                monkeypatch):

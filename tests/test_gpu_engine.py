@@ -249,7 +249,8 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     PDL GEMV (residual add), launched early by the first, waits for that one: both outputs
     equal the PDL-free kernels' bit for bit (the same tiles and sums) after the inputs change,
     FP8 with either product form and BF16, the signal at the start or the end. Then the fused
-    BF16 fast step decodes the same tokens in its graphs with PDL on as with it off."""
+    BF16 fast step decodes the same tokens in its graphs with PDL on as with it off, and the
+    full-FP8 step with PDL for FP8 weights only ("fp8") as without."""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax.fp8 import quantize_rows
 
@@ -278,7 +279,7 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
                                             kernel=kernel)
 
         monkeypatch.setattr(fused_gemv, "PDL", True)
-        assert fused_gemv.pdl_launch(a)["launch_pdl"]  # (the PDL form really launches here)
+        assert fused_gemv.pdl_launch(a, q1)["launch_pdl"]  # (the PDL form really launches)
         body()  # (warm-up: compile and autotune outside the capture)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -295,4 +296,11 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     expected = plain.generate_fast(x, 24)
     monkeypatch.setattr(fused_gemv, "PDL", True)
     pdl = build_engine(model, decode="bf16", block_size=8, compile_step=True)
+    assert torch.equal(pdl.generate_fast(x, 24), expected)
+    # PDL "fp8": the full-FP8 draft step's GEMVs launched early, its tokens unchanged
+    monkeypatch.setattr(fused_gemv, "PDL", False)
+    expected = build_engine(model, decode="fp8", draft="full", block_size=8,
+                            compile_step=True).generate_fast(x, 24)
+    monkeypatch.setattr(fused_gemv, "PDL", "fp8")
+    pdl = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
     assert torch.equal(pdl.generate_fast(x, 24), expected)

@@ -52,9 +52,12 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # GEMVs follow a GEMV. Measured (bench/RESULTS.md, eleventh session) with the signal at each
 # program's start: 0.8B steps 4.5-7% faster, 4B steps 5-8% slower; off. PDL_TRIGGER "end":
 # the signal after a program's K loop instead, so the next kernel's programs arrive for the
-# last one's tail only, not for its whole run (bench/profile_step.py's "-pdlend" variants;
-# not yet measured).
-PDL = False
+# last one's tail only, not for its whole run: measured (fifteenth session) no faster anywhere.
+# The same run had the start signal 3.8% faster on the 4B draft step (FP8 weights) and 5%
+# slower on the BF16 step, where the eleventh session had the draft 8% slower: PDL = "fp8",
+# programmatic launch for the FP8 weights' GEMVs only (the draft's), is the form to A/B end to
+# end (bench/verified.py --ab-pdl-fp8). Off until a verified run shows it.
+PDL: bool | str = False  # or True (every fused GEMV), or "fp8" (FP8 weights only)
 PDL_TRIGGER = "start"  # or "end"
 
 
@@ -214,7 +217,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  SPLIT=split, **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
-                 **pdl_launch(x), **tile_args(tile))
+                 **pdl_launch(x, weight), **tile_args(tile))
     return y
 
 
@@ -228,15 +231,25 @@ def _tiles_by_form(head: int) -> dict[str, tuple]:
     return dict.fromkeys(KERNEL_NAMES, tiles_for(head))
 
 
-def pdl_launch(x: torch.Tensor) -> dict:
-    """The launch's PDL arguments: on (``PDL``) only on CUDA devices of compute capability 9+
-    (an L4, 8.9, has no programmatic dependent launch), never in the interpreter (no PTX)."""
-    on = PDL and x.is_cuda and not _interpreted() and \
+def pdl_wanted(weight: torch.Tensor) -> bool:
+    """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight``."""
+    if PDL not in (False, True, "fp8"):
+        raise ValueError(f"fused_gemv.PDL must be False, True or 'fp8', got {PDL!r}")
+    if PDL_TRIGGER not in ("start", "end"):
+        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
+    if PDL == "fp8":
+        return weight.element_size() == 1
+    return bool(PDL)
+
+
+def pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The launch's PDL arguments: on (``pdl_wanted``) only on CUDA devices of compute
+    capability 9+ (an L4, 8.9, has no programmatic dependent launch), never in the
+    interpreter (no PTX)."""
+    on = pdl_wanted(weight) and x.is_cuda and not _interpreted() and \
         torch.cuda.get_device_capability(x.device)[0] >= 9
     if not on:
         return {}
-    if PDL_TRIGGER not in ("start", "end"):
-        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
     return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True}
 
 
