@@ -64,6 +64,14 @@ for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
             y = fused_gemv(*args, kernel=f"{form}@{tile_text(tile)}")
             assert rel(y, ref) < 2e-2, (prologue, form, tile)
 print("tiles fine")
+# the whole-K tiles (WIDE_K_TILES): one tile wider than K, the rest of it masked
+for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
+    if args[8] is None:
+        continue
+    for form in ("rows", "rows16") if args[2] is not None else ("rows",):
+        y = fused_gemv(*args, kernel=f"{form}@2x4096x4")
+        assert rel(y, ref) < 2e-2, (prologue, form)
+print("wide fine")
 from unimax.ops.fused_gemv import _counters
 print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
@@ -85,7 +93,28 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
-    assert "tiles fine" in out, out
+    assert "tiles fine" in out and "wide fine" in out, out
+
+
+def test_whole_k_tiles_are_offered_to_long_k_rows_forms_only():
+    """The per-shape choice's candidates: the whole-K tiles (WIDE_K_TILES) for the rows forms
+    where K >= WIDE_K_MIN, never for split-K or shorter K; rows16 and split-K as before."""
+    from unimax.ops.fused_gemv import WIDE_K_MIN, WIDE_K_TILES, candidates
+    from unimax.ops.gemv import tile_text
+
+    wide = {tile_text(t) for t in WIDE_K_TILES}
+
+    def tiles_of(names, form):
+        return {n.split("@")[1] for n in names if n.split("@")[0] == form}
+
+    fp8_long = candidates(2560, 4096, 1, True, 128)  # (a 4B out-projection)
+    assert wide <= tiles_of(fp8_long, "rows") and wide <= tiles_of(fp8_long, "rows16")
+    assert not wide & (tiles_of(fp8_long, "split") | tiles_of(fp8_long, "split16"))
+    assert tiles_of(fp8_long, "split16")  # (split-K still offered there)
+    bf16_long = candidates(12352, WIDE_K_MIN, 1, False, 1)
+    assert wide <= tiles_of(bf16_long, "rows") and not tiles_of(bf16_long, "rows16")
+    short = candidates(2560, WIDE_K_MIN // 2, 1, True, 1)
+    assert not wide & tiles_of(short, "rows")
 
 
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:

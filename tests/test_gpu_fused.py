@@ -23,8 +23,8 @@ def model():
 
 def test_fused_draft_on_gpu(model, monkeypatch):
     """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
-    model's shapes, each prologue, FP8 weights with fp32 and FP16 products, with and without
-    the residual; a full-FP8
+    model's shapes, each prologue, FP8 weights with fp32 and FP16 products (the whole-K tiles
+    too), with and without the residual; a full-FP8
     draft view's fused steps track the unfused view's logits with the fused kernel really
     taken; the compiled fused draft in captured graphs decodes what it decodes eagerly."""
     import unimax.fused_draft as fused_draft
@@ -49,7 +49,9 @@ def test_fused_draft_on_gpu(model, monkeypatch):
             ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
                                                       residual, 1e-6, 1.0)
             split = ("split", "split16") if n <= fused_gemv.SPLIT_MAX_N else ()  # (as offered)
-            for kernel in ("rows", "rows16") + split:
+            wide = tuple(f"{form}@{'x'.join(map(str, tile))}" for form in ("rows", "rows16")
+                         for tile in fused_gemv.WIDE_K_TILES)  # (the whole-K tiles)
+            for kernel in ("rows", "rows16") + split + wide:
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=kernel)
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)

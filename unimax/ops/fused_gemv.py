@@ -187,7 +187,8 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
     SPLIT_K: the same sums in slices, added in slice order), each autotuned, or any with
-    "@tile" (one of ``tiles_for`` the prologue's head, as ops.gemv.tiled_names writes it)."""
+    "@tile" (one of ``tiles_for`` the prologue's head, or for the rows forms one of
+    WIDE_K_TILES, as ops.gemv.tiled_names writes it)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
     head = _head(prologue, norm_weight)
@@ -226,9 +227,27 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
     return norm_weight.shape[0] if prologue.startswith("gated") else 1
 
 
+# Whole-K tiles for the rows forms: 2-4 rows a program and BLOCK_K 2048-4096, so that a
+# program's K loop is one or two tiles long and the whole weight is asked for at once by
+# thousands of programs. Why: under Nsight Compute (fifteenth session) the short GEMVs wait on
+# their K loop's chain of dependent DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13
+# us), with DRAM at 28-66% of its peak and occupancy set by the grid; GEMV_TILES and the tile
+# sweep before them (bench/gemv.py --tiles) stopped at BLOCK_K 1024 for K <= 4096, 4+ round
+# trips. Offered where K >= WIDE_K_MIN; the timed choice takes one only where it is faster.
+# Not the split-K forms (their slices would be empty past the first).
+WIDE_K_TILES = ((2, 4096, 4), (4, 4096, 8), (4, 2048, 4))
+WIDE_K_MIN = 2048
+
+
 @functools.cache
-def _tiles_by_form(head: int) -> dict[str, tuple]:
-    return dict.fromkeys(KERNEL_NAMES, tiles_for(head))
+def _tiles_by_form(head: int, wide: bool = True) -> dict[str, tuple]:
+    """Each form's tiles (what a kernel name may carry); ``wide``: the rows forms with
+    WIDE_K_TILES (their BLOCK_K at least one head) too."""
+    tiles = dict.fromkeys(KERNEL_NAMES, tiles_for(head))
+    if wide:
+        rows = tiles_for(head) + tuple((n, max(k, head), w) for n, k, w in WIDE_K_TILES)
+        tiles.update(rows=rows, rows16=rows)
+    return tiles
 
 
 def pdl_wanted(weight: torch.Tensor) -> bool:
@@ -281,13 +300,21 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 
     if key in CHOICES:  # (every call after the first: no names to build)
         return run(CHOICES[key], weight, scale)
-    forms = ("rows", "rows16") if scale is not None else ("rows",)  # (rows16: FP8 only)
-    if split_fits(out_features, in_features, x.shape[0], scale is not None):
-        forms += ("split", "split16")
-    # every form at every tile, timed as a step runs them (ops.gemv.timed_choice)
-    names = tiled_names(forms, _tiles_by_form(_head(prologue, norm_weight)))
+    names = candidates(out_features, in_features, x.shape[0], scale is not None,
+                       _head(prologue, norm_weight))
     return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
+
+
+def candidates(out_features: int, in_features: int, m: int, scaled: bool,
+               head: int) -> tuple[str, ...]:
+    """The kernel names the per-shape choice times: every form at every one of its tiles
+    (rows16 for FP8 weights only, split-K where ``split_fits``, the whole-K tiles where K >=
+    WIDE_K_MIN), timed as a step runs them (ops.gemv.timed_choice)."""
+    forms = ("rows", "rows16") if scaled else ("rows",)
+    if split_fits(out_features, in_features, m, scaled):
+        forms += ("split", "split16")
+    return tiled_names(forms, _tiles_by_form(head, in_features >= WIDE_K_MIN))
 
 
 @fused_small_m_linear.register_fake
