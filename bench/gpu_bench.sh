@@ -42,6 +42,10 @@
 #                                           draft step, fused (the default: unimax.fused_draft)
 #                                           and unfused ("-nofuse");
 #                                           "fused gdn-4b": one shape
+#   run: bash bench/gpu_bench.sh conv       gdn-4b: the BF16 step and the draft step with the
+#                                           convolution folded into the in-projection (the
+#                                           default: unimax.ops.in_proj_conv) and not
+#                                           ("-noconv")
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)
@@ -130,6 +134,10 @@ case "${1:-}" in
       fla+gemv fla+gemv-pdl fla+gemv-pdlend draft draft-pdl draft-pdlend --json "$OUT/pdl.json" \
       > "$OUT/pdl.log" 2>&1
     grep -v Assertion "$OUT/pdl.log" | grep -v '^{' | quiet | cut -c1-130 | tail -100 ;;
+  conv)
+    timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
+      fla+gemv-noconv draft draft-noconv --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
+    grep -v Assertion "$OUT/conv.log" | grep -v '^{' | quiet | cut -c1-130 | tail -80 ;;
   combo)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \
       engine-verify-combo fla+gemv fla+gemv-combo draft draft-combo --json "$OUT/combo.json" \
@@ -184,5 +192,5 @@ case "${1:-}" in
         --json "$OUT/service_${name}_again.json" > "$OUT/service_${name}_again.log" 2>&1
       grep -v Assertion "$OUT/service_${name}_again.log" | quiet | cut -c1-200 | tail -14
     fi ;;
-  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|ncu|l2|verified|steps|fused|fusedk|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bench.sh kernels|tiles|ncu|l2|conv|verified|steps|fused|fusedk|combo|pdl|recurrent|ttft|ttft-all|sampled|service|profile|prefill|demo"; exit 2 ;;
 esac

@@ -20,7 +20,9 @@ same with inductor's combo kernels, which launch independent small kernels (the 
 block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one; "-pdl"
 before it (draft-pdl, engine-bf16-pdl): the fused GEMVs with programmatic dependent launch
 (unimax.ops.fused_gemv.PDL, off by default), "-pdlend" with its signal at the end of each
-program's K loop (PDL_TRIGGER "end").
+program's K loop (PDL_TRIGGER "end"); "-noconv" before those (draft-noconv): the GDN
+in-projection without the convolution folded in (unimax.ops.in_proj_conv.FOLD, on by
+default: fla's conv kernel then runs as a launch of its own).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -127,19 +129,22 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     programmatic dependent launch (unimax.ops.fused_gemv.PDL); "-pdlend": the same with
     PDL_TRIGGER "end"."""
     import unimax.ops.fused_gemv as fused_gemv
+    import unimax.ops.in_proj_conv as in_proj_conv
 
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
+    fold = not base.endswith("-noconv")
+    base = base.removesuffix("-noconv")
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
-    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER
-    fused_gemv.PDL, fused_gemv.PDL_TRIGGER = pdl, trigger
+    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD
+    fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD = pdl, trigger, fold
     try:
         with combo, torch.inference_mode():
             row = measure_variant(model, base.removesuffix("-pdlend").removesuffix("-pdl"),
                                   bandwidth)
     finally:
-        fused_gemv.PDL, fused_gemv.PDL_TRIGGER = saved
+        fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD = saved
     choices = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     return {**row, "variant": variant, "gemv_choices": choices}
 

@@ -72,6 +72,28 @@ for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
         y = fused_gemv(*args, kernel=f"{form}@2x4096x4")
         assert rel(y, ref) < 2e-2, (prologue, form)
 print("wide fine")
+# the in-projection with the convolution folded in (ops.in_proj_conv): its first C outputs
+# through the causal conv and SiLU, the window rolled in the state, against the twin
+from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
+for dtype in (torch.float32, torch.bfloat16):
+    w = torch.randn(105, 272)
+    q, s = quantize_rows(w)
+    x = (3 * torch.randn(1, 256)).to(dtype)
+    norm = 1 + 0.1 * torch.randn(256)
+    conv_w = torch.randn(64, 4)
+    state = torch.randn(1, 64, 4).to(dtype)
+    for kernel, weight, scale in (("rows", q, s), ("rows16@16x256x4", q, s), ("split", q, s),
+                                  ("rows@2x4096x4", w.to(dtype), None)):
+        got_state, want_state = state.clone(), state.clone()
+        got = fused_gemv(x, weight, scale, 100, 256, "rms", norm, eps=1e-6, offset=1.0,
+                         kernel=kernel, conv_state=got_state, conv_weight=conv_w)
+        want = fused_in_proj_conv_ref(x, weight, scale, 100, 256, norm, 1e-6, 1.0, want_state,
+                                      conv_w)
+        exact = dtype == torch.float32 and "16" not in kernel
+        assert rel(got, want) < (1e-5 if exact else 2e-2), (dtype, kernel, rel(got, want))
+        assert torch.equal(got_state[..., :3], state[..., 1:]), kernel  # (the window rolled)
+        assert rel(got_state[..., 3], want_state[..., 3]) < (1e-5 if exact else 2e-2)
+print("conv fine")
 from unimax.ops.fused_gemv import _counters
 print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
@@ -93,7 +115,7 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
-    assert "tiles fine" in out and "wide fine" in out, out
+    assert "tiles fine" in out and "wide fine" in out and "conv fine" in out, out
 
 
 def test_whole_k_tiles_are_offered_to_long_k_rows_forms_only():
@@ -117,6 +139,15 @@ def test_whole_k_tiles_are_offered_to_long_k_rows_forms_only():
     assert not wide & tiles_of(short, "rows")
 
 
+def spy_fused(monkeypatch, calls: list) -> None:
+    """Record in ``calls`` each fused GEMV a fused block runs: "fused", or "conv" for a GDN
+    in-projection with the convolution folded in (ops.in_proj_conv)."""
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
+                        spied(fused_small_m_linear, "fused", calls))
+    monkeypatch.setattr(fused_draft, "fused_in_proj_conv",
+                        spied(fused_draft.fused_in_proj_conv, "conv", calls))
+
+
 def steps(model, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Logits of one-token decode steps over ``tokens`` on a fresh cache (as the decoder runs
     them: inference mode)."""
@@ -135,7 +166,8 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
     (here the op runs its twin, the torch forms: up to the matmuls' summation order, since
     the twin reads the FP8 weight unpadded, and in BF16 the gates' sigmoid, which the fused
     step leaves unrounded), with the fused op really taken: four GEMVs per block, GDN and
-    attention alike."""
+    attention alike, a GDN block's in-projection with the convolution folded in
+    (ops.in_proj_conv)."""
     model = pure_or_hybrid.to(dtype)
     try:
         draft = quantize_view(model, "full")
@@ -143,10 +175,11 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
         tokens = torch.randint(0, model.config.vocab_size, (1, 12),
                                generator=torch.Generator().manual_seed(1))
         calls = []
-        monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                            spied(fused_small_m_linear, "fused", calls))
+        spy_fused(monkeypatch, calls)
         got, expected = steps(fused, tokens), steps(plain, tokens)
         assert len(calls) == tokens.shape[1] * 4 * model.config.num_hidden_layers
+        gdn = sum(hasattr(block.mixer, "decode_core") for block in model.layers)
+        assert calls.count("conv") == tokens.shape[1] * gdn  # (the GDN in-projections)
         tol = 1e-5 if dtype == torch.float32 else 5e-2  # (bf16: beta unrounded, 12 steps)
         for a, b in zip(got, expected, strict=True):
             assert float((a.float() - b.float()).norm() / b.float().norm()) < tol
@@ -166,8 +199,7 @@ def test_bf16_step_fused_by_default(pure_or_hybrid, monkeypatch):
     plain = gemv_view(model, fuse=False)
     assert not any(getattr(m, "fused", False) for m in plain.modules())
     calls = []
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                        spied(fused_small_m_linear, "fused", calls))
+    spy_fused(monkeypatch, calls)
     tokens = torch.randint(0, model.config.vocab_size, (1, 6),
                            generator=torch.Generator().manual_seed(2))
     for a, b in zip(steps(fused, tokens), steps(plain, tokens), strict=True):
@@ -193,8 +225,7 @@ def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_h
     assert all(b.fused for b in full.layers)
     assert not any(b.fused for b in model.layers)
     calls = []
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                        spied(fused_small_m_linear, "fused", calls))
+    spy_fused(monkeypatch, calls)
     token = torch.tensor([[5]])
     assert torch.is_grad_enabled()
     logits = full(input_ids=token, past_key_values=full.make_recurrent_cache(),
@@ -238,12 +269,15 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "s_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
        "cnt_ptr": "*i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32", "stride_rm": "i32",
-       "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
+       "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "cs_ptr": "*bf16", "cw_ptr": "*bf16",
+       "C": "i32", "stride_csm": "i32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
-       "SPLIT": "constexpr", "PDL_LATE": "constexpr"}
+       "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
+       "CONV_WP": "constexpr"}
 
 def ptx(consts, arch=90):
+    consts = {"CONV_W": 0, "CONV_WP": 1, **consts}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32)).asm["ptx"]
 """
@@ -258,16 +292,29 @@ for arch in (90, 89):  # H100/H200, L4
             code = ptx(consts, arch)
             print(arch, pro, f16, code.count("cvt.rn.f16x2.e4m3x2"), code.count("fma.rn.f16x2"),
                   code.count("atom.global"))
+    # the in-projection with the convolution folded in (ops.in_proj_conv): the epilogue
+    # compiles, its stores of the rolled windows beside the output's
+    consts = {"PRO": 1, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
+              "BLOCK_N": 16, "BLOCK_K": 256, "F16": True, "PDL": False, "SPLIT": 1,
+              "PDL_LATE": False, "CONV_W": 4, "CONV_WP": 4}
+    stores = [sum("st.global" in line for line in ptx({**consts, "CONV_W": w}, arch).splitlines())
+              for w in (4, 0)]
+    print("conv", arch, *stores)
 """
 
 
 def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
-    in the rows16 form, and the split-K form (atomics) where asked."""
+    in the rows16 form, and the split-K form (atomics) where asked; and the form with the
+    convolution folded in, storing the rolled windows."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
+    conv = [row for row in rows if row[0] == "conv"]
+    rows = [row for row in rows if row[0] != "conv"]
     assert len(rows) == 2 * len(PROLOGUES) * 2, out
+    assert [row[:2] for row in conv] == [["conv", "90"], ["conv", "89"]], out
+    assert all(int(row[2]) > int(row[3]) for row in conv), out  # (the windows' stores)
     for arch, pro, f16, cvt, hfma2, atomics in rows:
         assert int(cvt) > 0, (arch, pro, f16)
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
@@ -344,8 +391,7 @@ def test_verified_with_the_fused_full_draft_equals_exact_greedy(pure_or_hybrid, 
     engine = unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, block),
                                  state_safe_draft=False)
     calls = []
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                        spied(fused_small_m_linear, "fused", calls))
+    spy_fused(monkeypatch, calls)
     x = torch.randint(0, model.config.vocab_size, (1, 9),
                       generator=torch.Generator().manual_seed(block))
     got, report = engine.generate_verified(x, 20)
@@ -386,8 +432,8 @@ def test_compiled_folded_verifier_decodes_exact_greedy(pure_or_hybrid, monkeypat
 
 def test_fused_draft_step_compiles_in_one_graph():
     """Inductor (here its CPU backend, as the compiled step uses it on a GPU) traces the fused
-    draft step with no graph break (fullgraph) through the fused op, and the compiled steps
-    compute the eager ones' logits and states."""
+    draft step with no graph break (fullgraph) through the fused ops, and the compiled steps
+    compute the eager ones' logits and states (the conv windows too)."""
     from unimax import GDNForCausalLM
     from unimax.tiny import TINY_CONFIG
 
@@ -404,6 +450,8 @@ def test_fused_draft_step_compiles_in_one_graph():
             expected = view.forward_unchecked(ids, caches[1], logits_to_keep=1)
             assert float((got - expected).norm() / expected.norm()) < 1e-5
     assert torch.allclose(caches[0].recurrent_buffer, caches[1].recurrent_buffer, atol=1e-5)
+    # (the conv windows, rolled in place by the in-projection's op: ops.in_proj_conv)
+    assert torch.allclose(caches[0].conv_buffer, caches[1].conv_buffer, atol=1e-5)
 
 
 def test_folded_verifier_compiles_in_one_graph():
@@ -434,8 +482,7 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
     model = GDNForCausalLM.random(config, seed=5)
     draft = quantize_view(model, "full")
     calls = []
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear",
-                        spied(fused_small_m_linear, "fused", calls))
+    spy_fused(monkeypatch, calls)
     tokens = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(5))
     got = steps(gemv_view(draft, fuse=True), tokens)
     assert len(calls) == 5 * 2 * config.num_hidden_layers
@@ -460,16 +507,19 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     assert not any(getattr(m, "fused", False) for m in model.modules())
     rows, betas = [], []
 
-    def fused_op(x, *args):
-        rows.append(x.shape[0])
-        return fused_small_m_linear(x, *args)
+    def spy(op):
+        def fused_op(x, *args):
+            rows.append(x.shape[0])
+            return op(x, *args)
+        return fused_op
 
-    monkeypatch.setattr(fused_draft, "fused_small_m_linear", fused_op)
+    monkeypatch.setattr(fused_draft, "fused_small_m_linear", spy(fused_small_m_linear))
+    monkeypatch.setattr(fused_draft, "fused_in_proj_conv", spy(fused_draft.fused_in_proj_conv))
     real_core = type(model.layers[0].mixer).decode_core
 
-    def decode_core(self, projected, state, beta_in_kernel=False):
+    def decode_core(self, projected, state, beta_in_kernel=False, conv_done=False):
         betas.append(beta_in_kernel)
-        return real_core(self, projected, state, beta_in_kernel)
+        return real_core(self, projected, state, beta_in_kernel, conv_done)
 
     monkeypatch.setattr(type(model.layers[0].mixer), "decode_core", decode_core)
     gen = torch.Generator().manual_seed(3)

@@ -5,14 +5,16 @@ recurrence, and six small ones (residual add + RMSNorm twice, the gates' sigmoid
 norm's two, the SwiGLU) at ~1.5-2.5 us each, ~300 us of a ~1.9 ms step, that the FP8 bytes do
 not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
 
-    proj = in_proj(rms_norm(h))                  one fused GEMV (prologue "rms")
-    o, z = the mixer's decode core               the convolution + recurrence op, sigmoid(b)
-                                                 taken inside the recurrence's kernel
+    proj = conv(in_proj(rms_norm(h)))            one fused GEMV (prologue "rms"), the short
+                                                 convolution in its epilogue (ops.in_proj_conv)
+    o, z = the mixer's decode core               the recurrence, sigmoid(b) taken inside its
+                                                 kernel
     h = h + out_proj(gated_norm(o, z))           one fused GEMV (prologue "gated", residual)
     gu = gate_up(rms_norm(h))                    one fused GEMV (prologue "rms")
     h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
 
-(six launches per GDN layer: four GEMVs, fla's conv update and recurrence; ~12 before; a
+(five launches per GDN layer: four GEMVs and fla's recurrence; ~12 before, six before the
+convolution was folded (fifteenth session; ``in_proj_conv.FOLD``, on); a
 gated-attention block folds its norm, its output gate and both residual adds the same way). The
 GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Where the linears
 are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's tokens are
@@ -37,7 +39,9 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8Linear
+from .ops import in_proj_conv
 from .ops.fused_gemv import fused_small_m_linear
+from .ops.in_proj_conv import fused_in_proj_conv
 
 FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
@@ -73,6 +77,16 @@ def fused_linear(linear, x: torch.Tensor, prologue: str, norm=None,
         1e-6 if norm is None else norm.eps, getattr(norm, "offset", 0.0))
 
 
+def fused_in_proj_conv_linear(mixer, x: torch.Tensor, norm, state) -> torch.Tensor:
+    """The in-projection of RMSNorm(x) with the convolution folded in (ops.in_proj_conv): a
+    one-token decode step's, its conv state rolled."""
+    linear = mixer.in_proj
+    return fused_in_proj_conv(x, linear.weight, getattr(linear, "weight_scale", None),
+                              linear.out_features, linear.in_features, norm.weight, norm.eps,
+                              getattr(norm, "offset", 0.0), state.conv_states[0],
+                              mixer.conv_weight)
+
+
 def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     """GDNBlock.forward with its fusable parts fused (module docstring); x (B, T, hidden)."""
     batch, tokens, hidden = x.shape
@@ -85,12 +99,16 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     head = mixer.norm.weight.shape[0] if hasattr(mixer, "decode_core") else 0
     if (head and not head & (head - 1)  # (the gated prologue takes power-of-2 heads)
             and fusable(mixer.in_proj) and fusable(mixer.out_proj)):
-        projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
-        projected = projected.reshape(batch, tokens, -1)
         if mixer._one_op_step(state, tokens):
-            o, z = mixer.decode_core(projected, state, beta_in_kernel=block.beta_in_kernel)
+            conv_done = in_proj_conv.FOLD  # (the convolution in the in-projection's GEMV)
+            projected = (fused_in_proj_conv_linear(mixer, x2, block.mixer_norm, state)
+                         if conv_done else fused_linear(mixer.in_proj, x2, "rms",
+                                                        block.mixer_norm))
+            o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state,
+                                     beta_in_kernel=block.beta_in_kernel, conv_done=conv_done)
         else:  # (a one-token forward that is padded, recorded, or on no state)
-            o, z = mixer.core(projected, state)
+            projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
+            o, z = mixer.core(projected.reshape(batch, tokens, -1), state)
         gated = mixer.norm
         h = fused_linear(mixer.out_proj, o.reshape(rows, -1), f"gated_{gated.activation_name}",
                          gated, z=z.reshape(rows, -1), residual=x2)

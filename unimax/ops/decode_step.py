@@ -57,16 +57,20 @@ def write_strength(b: torch.Tensor, neg_eigval: bool) -> torch.Tensor:
 
 
 def gdn_decode_step_ref(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log,
-                        dt_bias, num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
+                        dt_bias, num_k_heads: int, beta_logits: bool = False,
+                        conv_done: bool = False) -> torch.Tensor:
     """The twin: the mixer's own torch forms, the states written with copy_."""
     if beta_logits:  # fp32, as fla's kernel takes the sigmoid
         beta = beta.float().sigmoid()
-    y, window = causal_conv1d_step(mixed, conv_weight, conv_state)
+    if conv_done:
+        y = mixed
+    else:
+        y, window = causal_conv1d_step(mixed, conv_weight, conv_state)
+        conv_state.copy_(window)
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
     o, state = recurrent_gated_delta_rule_ref(q, k, v, decay(a, A_log, dt_bias), beta,
                                               recurrent_state)
-    conv_state.copy_(window)
     recurrent_state.copy_(state)
     return o
 
@@ -138,8 +142,9 @@ def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
 
 
 def _fla_decode_step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
-                     num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
-    y = fla_conv_step(mixed, conv_state, conv_weight)
+                     num_k_heads: int, beta_logits: bool = False,
+                     conv_done: bool = False) -> torch.Tensor:
+    y = mixed if conv_done else fla_conv_step(mixed, conv_state, conv_weight)
     return fla_recurrent_step(y, a, beta, recurrent_state, A_log, dt_bias, num_k_heads,
                               beta_logits)
 
@@ -177,19 +182,22 @@ def check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k
 def gdn_decode_step(mixed: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                     conv_state: torch.Tensor, conv_weight: torch.Tensor,
                     recurrent_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    num_k_heads: int, beta_logits: bool = False) -> torch.Tensor:
+                    num_k_heads: int, beta_logits: bool = False,
+                    conv_done: bool = False) -> torch.Tensor:
     """One token through a GDN mixer's convolution and recurrence; fla's kernels on CUDA.
     ``beta_logits``: beta holds b itself and the kernel takes sigmoid(b) (fp32, where the
     mixer rounds it to the activation dtype first): the draft's step (unimax.fused_draft), one
-    kernel fewer per layer."""
+    kernel fewer per layer. ``conv_done``: mixed is already the convolution's output and
+    conv_state already rolled (ops.in_proj_conv, which folds the convolution into the
+    in-projection): the recurrence only."""
     check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k_heads)
     step = _fla_decode_step if mixed.is_cuda and fla_ops() is not None else gdn_decode_step_ref
     return step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
-                num_k_heads, beta_logits)
+                num_k_heads, beta_logits, conv_done)
 
 
 @gdn_decode_step.register_fake
 def _(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias, num_k_heads,
-      beta_logits=False):
+      beta_logits=False, conv_done=False):
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     return mixed.new_empty(mixed.shape[0], 1, value_heads, head_v_dim)

@@ -182,17 +182,23 @@ def split_fits(out_features: int, in_features: int, m: int, scaled: bool) -> boo
 
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
                norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
-               kernel: str | None = None) -> torch.Tensor:
+               kernel: str | None = None, conv_state=None, conv_weight=None) -> torch.Tensor:
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
     SPLIT_K: the same sums in slices, added in slice order), each autotuned, or any with
     "@tile" (one of ``tiles_for`` the prologue's head, or for the rows forms one of
-    WIDE_K_TILES, as ops.gemv.tiled_names writes it)."""
+    WIDE_K_TILES, as ops.gemv.tiled_names writes it). ``conv_state``, ``conv_weight``: the
+    first conv_weight.shape[0] outputs go through the causal convolution, its state rolled in
+    place (``fused_in_proj_conv``)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
     head = _head(prologue, norm_weight)
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
+    if conv_state is not None:
+        check_conv(x, out_features, conv_state, conv_weight)
+        if tile is None and not _interpreted():  # (the autotuner would rerun the kernel on
+            tile = CONV_TILE                     # the live state: a tile given instead)
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel.endswith("16") and scale is None:
@@ -211,15 +217,39 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                 counters)
     strides = (x.stride(0), 0 if z is None else z.stride(0), weight.stride(0),
                0 if residual is None else residual.stride(0), y.stride(0))
+    width = 0 if conv_weight is None else conv_weight.shape[1]
+    conv = (y, y, 0, 0) if conv_state is None else (conv_state, conv_weight,
+                                                    conv_weight.shape[0], conv_state.stride(0))
     # the RMS pre-pass loads the row at once up to 8192 wide
     flags = dict(PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
-                 SPLIT=split, **fixed)
+                 SPLIT=split, CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
+                 **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
-    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, **flags,
+    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
                  **pdl_launch(x, weight), **tile_args(tile))
     return y
+
+
+CONV_TILE = (16, 256, 4)  # the conv form's tile where none is named (one of GEMV_TILES)
+
+
+def check_conv(x, out_features: int, conv_state, conv_weight) -> None:
+    """Names what does not fit the convolution epilogue (the kernel reads by these layouts)."""
+    problems = []
+    if conv_weight is None or conv_weight.dim() != 2 or not conv_weight.is_contiguous():
+        problems.append("conv_weight must be a contiguous (channels, width) tensor")
+    elif not (conv_weight.shape[0] <= out_features and conv_state.dim() == 3
+              and conv_state.shape[0] == x.shape[0]
+              and conv_state.shape[1] >= conv_weight.shape[0]
+              and conv_state.shape[2] == conv_weight.shape[1] and conv_state.stride(2) == 1
+              and conv_state.stride(1) == conv_weight.shape[1]):
+        problems.append(f"conv_state {tuple(conv_state.shape)} must be ({x.shape[0]}, >= "
+                        f"{conv_weight.shape[0]}, {conv_weight.shape[1]}) with contiguous "
+                        f"channels, and the channels at most {out_features}")
+    if problems:
+        raise ValueError("fused_gemv: " + "; ".join(problems))
 
 
 def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:

@@ -92,13 +92,35 @@ def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, o
 
 
 @triton.jit
+def conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, W: tl.constexpr,
+                  WP: tl.constexpr):
+    """y (BLOCK_N,), rounded, through the causal convolution where rn < C: the window (the
+    state's last W - 1 inputs, then y) dotted with cw[rn] in fp32, SiLU, rounded to y's dtype;
+    the window written back as the state. Elsewhere y as it is."""
+    ch = keep & (rn < C)
+    s = tl.arange(0, WP)
+    slot = cs_ptr + row * stride_csm + rn[:, None] * W + s[None, :]
+    inside = ch[:, None] & (s[None, :] < W)
+    later = tl.load(slot + 1, mask=ch[:, None] & (s[None, :] < W - 1), other=0.0)
+    window = tl.where(s[None, :] == W - 1, y[:, None].to(later.dtype), later).to(y.dtype)
+    weights = tl.load(cw_ptr + rn[:, None] * W + s[None, :], mask=inside, other=0.0)
+    total = tl.sum(window.to(tl.float32) * weights.to(tl.float32), axis=1)
+    tl.debug_barrier()  # every lane has read the old window before any lane writes the new
+    tl.store(slot, window, mask=inside)
+    conv = (total * sigmoid(total)).to(y.dtype)
+    return tl.where(rn < C, conv, y)
+
+
+@triton.jit
 def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
                       stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
+                      cs_ptr, cw_ptr, C, stride_csm,
                       PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                      PDL_LATE: tl.constexpr = False):
+                      PDL_LATE: tl.constexpr = False, CONV_W: tl.constexpr = 0,
+                      CONV_WP: tl.constexpr = 1):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -120,7 +142,14 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     workspace ws (SPLIT, M, N, fp32); the last of a tile's SPLIT programs to finish (a counter
     per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue:
     one launch, where a split-K GEMV with a reduce kernel after it lost (bench/RESULTS.md,
-    2026-11-30, fourth session)."""
+    2026-11-30, fourth session).
+
+    ``CONV_W`` > 0 (a GDN mixer's in-projection in a decode step): outputs rn < C are the
+    short convolution's channels. Each is the last input of its causal window, which the
+    program that computes it owns: it rolls the window in the conv state cs (M, >= C, CONV_W,
+    contiguous; weights cw (C, CONV_W)) and stores SiLU(window . cw[rn]) in place of the
+    projection, which removes the convolution's own launch (ops.conv.causal_conv1d_step's
+    arithmetic: the window in x's dtype, the products and sum in fp32, SiLU, then rounded)."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(2)
@@ -172,6 +201,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rn, mask=keep, other=0.0)
     y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
+    if CONV_W > 0:
+        y = conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, CONV_W, CONV_WP)
     if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
         r = tl.load(r_ptr + row * stride_rm + rn, mask=keep, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
