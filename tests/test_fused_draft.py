@@ -255,6 +255,16 @@ def test_fused_op_names_bad_input():
                              0.0)
     assert set(PROLOGUES) == {"none", "rms", "gated_silu", "gated_sigmoid", "swiglu",
                               "sigmoid_gate"}
+    # the in-projection with the convolution folded in: its state and weight by name
+    conv_in = fused_draft.fused_in_proj_conv
+    norm = torch.ones(64)
+    with pytest.raises(ValueError, match=r"conv_state \(1, 32, 3\) must be \(1, >= 32, 4\)"):
+        conv_in(x, w, None, 40, 64, norm, 1e-6, 0.0, torch.zeros(1, 32, 3), torch.ones(32, 4))
+    with pytest.raises(ValueError, match="channels at most 40"):
+        conv_in(x, w, None, 40, 64, norm, 1e-6, 0.0, torch.zeros(1, 48, 4), torch.ones(48, 4))
+    with pytest.raises(ValueError, match="conv_weight must be a contiguous"):
+        conv_in(x, w, None, 40, 64, norm, 1e-6, 0.0, torch.zeros(1, 32, 4),
+                torch.ones(4, 32).t())
 
 
 # The fused GEMV kernel and its signature, compiled to PTX in a child process (no GPU)

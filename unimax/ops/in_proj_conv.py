@@ -60,9 +60,9 @@ def fused_in_proj_conv(x: torch.Tensor, weight: torch.Tensor,
     """RMSNorm(x) @ W^T (* scale), its first conv_weight.shape[0] channels through the causal
     convolution and SiLU, conv_state rolled in place: the fused kernel on CUDA, the twin
     elsewhere."""
-    check(x, weight, out_features, in_features, "rms", norm_weight, None, None)
-    check_conv(x, out_features, conv_state, conv_weight)
-    if not x.is_cuda:
+    if not x.is_cuda:  # (on CUDA fused_gemv checks the same, once per call)
+        check(x, weight, out_features, in_features, "rms", norm_weight, None, None)
+        check_conv(x, out_features, conv_state, conv_weight)
         return fused_in_proj_conv_ref(x, weight, scale, out_features, in_features,
                                       norm_weight, eps, offset, conv_state, conv_weight)
     key = ("rms+conv", False, x.shape[0], out_features, in_features, weight.dtype)
