@@ -5,9 +5,11 @@
 #   run: bash bench/gpu_bench.sh tiles      gdn-4b: the FP8 GEMV's tiles (num_stages too) on
 #                                           the K-long linears, beside the autotuned choice;
 #                                           "tiles in_proj gate_up": the wide ones
-#   run: bash bench/gpu_bench.sh ncu        gdn-4b: the draft's fused FP8 GEMVs (and BF16, and FP8
-#                                           without the prologue) under Nsight Compute: DRAM
-#                                           rate, occupancy, stall reasons (bench/ncu_gemv.py)
+#   run: bash bench/gpu_bench.sh ncu        gdn-4b: the draft's fused FP8 GEMVs (and BF16, FP8
+#                                           without the prologue, at the whole-K tiles, the
+#                                           in-projection with the conv folded in) under Nsight
+#                                           Compute: DRAM rate, occupancy, stall reasons
+#                                           (bench/ncu_gemv.py)
 #   run: bash bench/gpu_bench.sh l2         gdn-4b: 8 layers' FP8 GEMVs in a graph, with the next
 #                                           linear's weights prefetched into L2 and not
 #                                           (bench/l2_prefetch.py)

@@ -1,8 +1,10 @@
 """Why the draft's fused FP8 GEMVs stream ~2.5 TB/s where the BF16 ones reach ~3.25 (GPU, under
 Nsight Compute): each 4B decode linear with the draft's prologue and residual, at the tile the
 timed choice took on the H200 (bench/RESULTS.md, fifteenth session), as FP8 and as BF16, and
-FP8 without its prologue (what the prologue costs), each launched twice (the table reads the
-second); then the FP8 LM head's plain GEMV, which streams ~4.3 TB/s in the step, for contrast.
+FP8 without its prologue (what the prologue costs), FP8 at each whole-K tile
+(ops.fused_gemv.WIDE_K_TILES, offered to the choice since), the in-projection with the
+convolution folded in (ops.in_proj_conv), each launched twice (the table reads the second);
+then the FP8 LM head's plain GEMV, which streams ~4.3 TB/s in the step, for contrast.
 
 usage: ncu --clock-control none --cache-control all -k regex:gemv --csv --page raw \
            --print-units base \
@@ -24,8 +26,8 @@ from gemv import linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
-from unimax.ops.fused_gemv import fused_gemv  # noqa: E402
-from unimax.ops.gemv import gemv  # noqa: E402
+from unimax.ops.fused_gemv import WIDE_K_TILES, fused_gemv  # noqa: E402
+from unimax.ops.gemv import gemv, tile_text  # noqa: E402
 
 # linear (in a layer's order) -> (prologue, residual?, the FP8 kernel and the BF16 kernel the
 # H200's timed choice took for gdn-4b, fifteenth session)
@@ -46,12 +48,20 @@ def launches(cfg) -> list[tuple[str, str, int, int, str, bool, str]]:
         out.append((f"{name} fp8 {fp8}", "fp8", n, k, prologue, residual, fp8))
         out.append((f"{name} fp8-noprologue {fp8}", "fp8", n, k, "none", residual, fp8))
         out.append((f"{name} bf16 {bf16}", "bf16", n, k, prologue, residual, bf16))
+        for tile in WIDE_K_TILES:  # the whole-K tiles (ops.fused_gemv), FP8 with FP16 products
+            wide = f"rows16@{tile_text(tile)}"
+            out.append((f"{name} fp8 {wide}", "fp8", n, k, prologue, residual, wide))
+    fp8 = LINEARS["in_proj"][2]  # the in-projection with the convolution folded in
+    n, k, _ = sizes["in_proj"]
+    out.append((f"in_proj fp8+conv {fp8}", "fp8", n, k, "rms+conv", False, fp8))
     out.append(("lm_head fp8 rows16@16x256x4 (gemv)", "fp8", cfg.vocab_size, cfg.hidden_size,
                 "head", False, "rows16@16x256x4"))
     return out
 
 
-def run(label, kind, n, k, prologue, residual, kernel, head) -> None:
+def run(label, kind, n, k, prologue, residual, kernel, head, conv_dim) -> None:
+    conv = prologue == "rms+conv"  # (ops.in_proj_conv's form: its first conv_dim outputs)
+    prologue = prologue.removesuffix("+conv")
     torch.manual_seed(0)
     base = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     weight, scale = quantize_rows(base) if kind == "fp8" else (base, None)
@@ -62,12 +72,14 @@ def run(label, kind, n, k, prologue, residual, kernel, head) -> None:
     norm = torch.rand(head if prologue.startswith("gated") else k, device="cuda",
                       dtype=torch.bfloat16) if prologue in ("rms", "gated_silu") else None
     r = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
+    state = torch.randn(1, conv_dim, 4, device="cuda", dtype=torch.bfloat16) if conv else None
+    conv_w = torch.randn(conv_dim, 4, device="cuda", dtype=torch.bfloat16) if conv else None
     for _ in range(2):
         if prologue == "head":  # (the plain GEMV: unimax.ops.gemv)
             gemv(x, weight, scale, kernel=kernel)
             continue
         fused_gemv(x, weight, scale, n, k, prologue, norm_weight=norm, z=z, residual=r,
-                   kernel=kernel)
+                   kernel=kernel, conv_state=state, conv_weight=conv_w)
     torch.cuda.synchronize()
 
 
@@ -125,7 +137,7 @@ def main() -> None:
         table(Path(sys.argv[sys.argv.index("--table") + 1]), [row[0] for row in plan])
     else:
         for row in plan:
-            run(*row, head=cfg.head_v_dim)
+            run(*row, head=cfg.head_v_dim, conv_dim=cfg.conv_dim)
 
 
 if __name__ == "__main__":
