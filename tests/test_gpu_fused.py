@@ -32,6 +32,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     from helpers import spied
     from unimax.fast_step import gemv_view
     from unimax.fp8 import quantize_rows, quantize_view
+    from unimax.ops.gemv import tile_text
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     for prologue, n, k in (("rms", 12352, 2560), ("gated_silu", 2560, 4096),
@@ -50,7 +51,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                                                       residual, 1e-6, 1.0)
             split = ("split", "split16") if n <= fused_gemv.SPLIT_MAX_N else ()  # (as offered)
             # the whole-K tiles: each at the K-long linears, one elsewhere (compiles cost)
-            wide = tuple(f"{form}@{'x'.join(map(str, tile))}" for form in ("rows", "rows16")
+            wide = tuple(f"{form}@{tile_text(tile)}" for form in ("rows", "rows16")
                          for tile in fused_gemv.WIDE_K_TILES) if residual is not None else ()
             if prologue not in ("gated_silu", "swiglu"):
                 wide = wide[-1:]

@@ -34,6 +34,9 @@ from .fused_gemv import (
 from .gemv import tile_text, timed_choice
 
 FOLD = True  # unimax.fused_draft folds the convolution into the in-projection (bench: off)
+# the kernel where none was timed (a key first met in a capture): a named tile, never
+# autotuned (the autotuner would rerun the kernel on the live state)
+DEFAULT = f"rows@{tile_text(CONV_TILE)}"
 
 
 def fused_in_proj_conv_ref(x, weight, scale, out_features: int, in_features: int,
@@ -73,14 +76,13 @@ def fused_in_proj_conv(x: torch.Tensor, weight: torch.Tensor,
                           norm_weight=norm_weight, eps=eps, offset=offset, kernel=kernel,
                           conv_state=state, conv_weight=conv_weight)
 
-    default = f"rows@{tile_text(CONV_TILE)}"  # (never autotuned: see fused_gemv)
     if key not in CHOICES and not torch.cuda.is_current_stream_capturing():
         # timed on a copy of the state: each timed call rolls the windows it is given
         scratch = conv_state.clone()
         names = candidates(out_features, in_features, x.shape[0], scale is not None, 1)
-        timed_choice(CHOICES, key, names, default, True,
+        timed_choice(CHOICES, key, names, DEFAULT, True,
                      lambda kernel, w, s: run(kernel, w, s, scratch), (weight, scale))
-    return run(CHOICES.get(key, default), weight, scale)
+    return run(CHOICES.get(key, DEFAULT), weight, scale)
 
 
 @fused_in_proj_conv.register_fake
