@@ -112,6 +112,8 @@ def test_fused_draft_on_gpu(model, monkeypatch):
         calls = []
         monkeypatch.setattr(fused_gemv, "fused_gemv",
                             spied(fused_gemv.fused_gemv, "fused", calls))
+        monkeypatch.setattr(fused_draft, "fused_in_proj_conv",
+                            spied(fused_draft.fused_in_proj_conv, "conv", calls))
         for i in range(tokens.shape[1]):
             a, b, a32, b32 = (view(input_ids=tokens[:, i: i + 1], past_key_values=cache,
                                    use_cache=True).logits.float()
@@ -122,7 +124,10 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                                                    for k, v in errors.items()})
     assert max(errors["fp32"]) < 1e-2
     assert sum(errors["bf16"]) / len(errors["bf16"]) < 5e-2  # (the CPU test's BF16 bound)
-    assert len(calls) == 2 * 20 * 4 * CONFIG.num_hidden_layers  # (both fused views)
+    # both fused views, 4 fused GEMVs per layer: the in-projection with the convolution
+    # folded in (in_proj_conv.FOLD, on) and 3 plain ones
+    steps = 2 * 20 * CONFIG.num_hidden_layers
+    assert calls.count("conv") == steps and calls.count("fused") == 3 * steps, calls[:8]
     assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
     x = prompt(60, seed=6)
     graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
