@@ -48,6 +48,10 @@
 #                                           convolution folded into the in-projection (the
 #                                           default: unimax.ops.in_proj_conv) and not
 #                                           ("-noconv")
+#   run: bash bench/gpu_bench.sh tma        gdn-4b: the TMA forms' GPU test, then the draft step
+#                                           and the BF16 step with the TMA forms offered to
+#                                           the fused GEMVs' timed choice (the default) and
+#                                           not ("-notma"); "tma 300": that time limit
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)
@@ -140,6 +144,16 @@ case "${1:-}" in
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
       fla+gemv-noconv draft draft-noconv --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
     grep -v Assertion "$OUT/conv.log" | grep -v '^{' | quiet | cut -c1-130 | tail -80 ;;
+  tma)
+    # the TMA forms' GPU test first (a failure skips the timing), then the steps with and
+    # without them offered to the timed choice
+    UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests/test_gpu_fused.py -k tma > "$OUT/tma-test.log" 2>&1
+    tail -15 "$OUT/tma-test.log" | cut -c1-160
+    grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
+    timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
+      fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
+    grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
   combo)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \
       engine-verify-combo fla+gemv fla+gemv-combo draft draft-combo --json "$OUT/combo.json" \

@@ -1,8 +1,8 @@
 """Why the draft's fused FP8 GEMVs stream ~2.5 TB/s where the BF16 ones reach ~3.25 (GPU, under
 Nsight Compute): each 4B decode linear with the draft's prologue and residual, at the tile the
 timed choice took on the H200 (bench/RESULTS.md, fifteenth session), as FP8 and as BF16, and
-FP8 without its prologue (what the prologue costs), FP8 at each whole-K tile
-(ops.fused_gemv.WIDE_K_TILES, offered to the choice since), the in-projection with the
+FP8 without its prologue (what the prologue costs), FP8 and BF16 through the TMA forms
+(ops.fused_gemv.TMA_FORMS: W's tiles pipelined into shared memory), the in-projection with the
 convolution folded in (ops.in_proj_conv), each launched twice (the table reads the second);
 then the FP8 LM head's plain GEMV, which streams ~4.3 TB/s in the step, for contrast.
 
@@ -26,7 +26,7 @@ from gemv import linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
-from unimax.ops.fused_gemv import WIDE_K_TILES, fused_gemv  # noqa: E402
+from unimax.ops.fused_gemv import fused_gemv  # noqa: E402
 from unimax.ops.gemv import gemv, tile_text  # noqa: E402
 
 # linear (in a layer's order) -> (prologue, residual?, the FP8 kernel and the BF16 kernel the
@@ -39,6 +39,10 @@ LINEARS = {
 }
 
 
+# the TMA forms at the tiles most like the chosen plain ones (three for FP8, one for BF16)
+TMA_KERNELS = ("tma16@16x256x4x4", "tma16@32x256x4x4", "tma16@16x256x4x6", "tma@16x256x4x4")
+
+
 def launches(cfg) -> list[tuple[str, str, int, int, str, bool, str]]:
     """(label, weight kind, N, K, prologue, residual?, kernel) in launch order."""
     sizes = linear_shapes(cfg)
@@ -48,9 +52,9 @@ def launches(cfg) -> list[tuple[str, str, int, int, str, bool, str]]:
         out.append((f"{name} fp8 {fp8}", "fp8", n, k, prologue, residual, fp8))
         out.append((f"{name} fp8-noprologue {fp8}", "fp8", n, k, "none", residual, fp8))
         out.append((f"{name} bf16 {bf16}", "bf16", n, k, prologue, residual, bf16))
-        for tile in WIDE_K_TILES:  # the whole-K tiles (ops.fused_gemv), FP8 with FP16 products
-            wide = f"rows16@{tile_text(tile)}"
-            out.append((f"{name} fp8 {wide}", "fp8", n, k, prologue, residual, wide))
+        for tma in TMA_KERNELS:  # W through TMA, pipelined (ops.fused_gemv.TMA_FORMS)
+            kind = "fp8" if tma.startswith("tma16") else "bf16"
+            out.append((f"{name} {kind} {tma}", kind, n, k, prologue, residual, tma))
     fp8 = LINEARS["in_proj"][2]  # the in-projection with the convolution folded in
     n, k, _ = sizes["in_proj"]
     out.append((f"in_proj fp8+conv {fp8}", "fp8", n, k, "rms+conv", False, fp8))

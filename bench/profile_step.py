@@ -22,7 +22,9 @@ before it (draft-pdl, engine-bf16-pdl): the fused GEMVs with programmatic depend
 (unimax.ops.fused_gemv.PDL, off by default), "-pdlend" with its signal at the end of each
 program's K loop (PDL_TRIGGER "end"); "-noconv" before those (draft-noconv): the GDN
 in-projection without the convolution folded in (unimax.ops.in_proj_conv.FOLD, on by
-default: fla's conv kernel then runs as a launch of its own).
+default: fla's conv kernel then runs as a launch of its own); "-notma" before "-noconv"
+(draft-notma, fla+gemv-notma): the fused GEMVs without their TMA forms offered
+(unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -135,18 +137,28 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
     fold = not base.endswith("-noconv")
     base = base.removesuffix("-noconv")
+    tma = not base.endswith("-notma")
+    base = base.removesuffix("-notma")
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
-    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD
-    fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD = pdl, trigger, fold
+    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA
+    fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA = (
+        pdl, trigger, fold, tma)
+    choices = dict(fused_gemv.CHOICES)  # (the TMA variants' choices, timed again without)
+    if not tma:
+        for key in [key for key, name in choices.items() if name.startswith("tma")]:
+            del fused_gemv.CHOICES[key]
     try:
         with combo, torch.inference_mode():
             row = measure_variant(model, base.removesuffix("-pdlend").removesuffix("-pdl"),
                                   bandwidth)
+        chosen = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     finally:
-        fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD = saved
-    choices = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
-    return {**row, "variant": variant, "gemv_choices": choices}
+        fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA = saved
+        if not tma:
+            fused_gemv.CHOICES.clear()
+            fused_gemv.CHOICES.update(choices)
+    return {**row, "variant": variant, "gemv_choices": chosen}
 
 
 def measure_variant(model, variant: str, bandwidth: float) -> dict:

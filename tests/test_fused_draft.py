@@ -64,14 +64,18 @@ for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
             y = fused_gemv(*args, kernel=f"{form}@{tile_text(tile)}")
             assert rel(y, ref) < 2e-2, (prologue, form, tile)
 print("tiles fine")
-# the whole-K tiles (WIDE_K_TILES): one tile wider than K, the rest of it masked
-for prologue, args, ref in cases(torch.bfloat16, 1, 70, 256, 64):
-    if args[8] is None:
-        continue
-    for form in ("rows", "rows16") if args[2] is not None else ("rows",):
-        y = fused_gemv(*args, kernel=f"{form}@2x4096x4")
-        assert rel(y, ref) < 2e-2, (prologue, form)
-print("wide fine")
+# the TMA forms (W's tiles through a tensor descriptor over (n, k), zeros past both: the
+# weights are padded with random values past n and k, and K = 192 leaves a tile part empty),
+# each at its first and last tile, with and without the residual at the narrower tiles
+from unimax.ops.fused_gemv import TMA_FORMS, _tiles_by_form
+for m, n, k in ((1, 70, 256), (2, 33, 192)):
+    for prologue, args, ref in cases(torch.bfloat16, m, n, k, 64):
+        tiles = _tiles_by_form(64)["tma"]
+        for tile in (tiles[0], tiles[-1]) if args[8] is not None else tiles[:1]:
+            for form in TMA_FORMS if args[2] is not None else ("tma",):
+                y = fused_gemv(*args, kernel=f"{form}@{tile_text(tile)}")
+                assert rel(y, ref) < 2e-2, (m, n, k, prologue, form, tile, rel(y, ref))
+print("tma fine")
 # the in-projection with the convolution folded in (ops.in_proj_conv): its first C outputs
 # through the causal conv and SiLU, the window rolled in the state, against the twin
 from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
@@ -83,7 +87,7 @@ for dtype in (torch.float32, torch.bfloat16):
     conv_w = torch.randn(64, 4)
     state = torch.randn(1, 64, 4).to(dtype)
     for kernel, weight, scale in (("rows", q, s), ("rows16@16x256x4", q, s), ("split", q, s),
-                                  ("rows@2x4096x4", w.to(dtype), None)):
+                                  ("tma@16x256x4x4", w.to(dtype), None), ("tma16", q, s)):
         got_state, want_state = state.clone(), state.clone()
         got = fused_gemv(x, weight, scale, 100, 256, "rms", norm, eps=1e-6, offset=1.0,
                          kernel=kernel, conv_state=got_state, conv_weight=conv_w)
@@ -115,28 +119,53 @@ print("compiled", float((traced(x) - 2 * fused_small_m_linear_ref(
 def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
-    assert "tiles fine" in out and "wide fine" in out and "conv fine" in out, out
+    assert "tiles fine" in out and "tma fine" in out and "conv fine" in out, out
 
 
-def test_whole_k_tiles_are_offered_to_long_k_rows_forms_only():
-    """The per-shape choice's candidates: the whole-K tiles (WIDE_K_TILES) for the rows forms
-    where K >= WIDE_K_MIN, never for split-K or shorter K; rows16 and split-K as before."""
-    from unimax.ops.fused_gemv import WIDE_K_MIN, WIDE_K_TILES, candidates
-    from unimax.ops.gemv import tile_text
+def test_tma_forms_are_offered_where_they_fit():
+    """The per-shape choice's candidates: the TMA forms only where asked (the device and W's
+    layout allow: ``tma_problem``), "tma16" for FP8 weights only, each tile's BLOCK_K at least
+    one head and at most a TMA box; rows, rows16 and split-K as before. ``tma_problem`` names
+    a pre-Hopper device and a misaligned W, and fused_gemv refuses a TMA form there."""
+    from unimax.ops.fused_gemv import TMA_FORMS, TMA_MAX_K, candidates, fused_gemv, tma_problem
 
-    wide = {tile_text(t) for t in WIDE_K_TILES}
+    def forms(names):
+        return {n.split("@")[0] for n in names}
 
-    def tiles_of(names, form):
-        return {n.split("@")[1] for n in names if n.split("@")[0] == form}
+    fp8 = candidates(2560, 4096, 1, True, 128, tma=True)  # (a 4B out-projection)
+    assert forms(fp8) == {"rows", "rows16", "split", "split16", *TMA_FORMS}
+    assert forms(candidates(2560, 4096, 1, True, 128)) == {"rows", "rows16", "split", "split16"}
+    assert forms(candidates(12352, 2560, 1, False, 1, tma=True)) == {"rows", "tma"}
+    for name in fp8:
+        if name.startswith("tma"):
+            n, k, warps, stages = (int(v) for v in name.split("@")[1].split("x"))
+            assert 128 <= k <= TMA_MAX_K and stages > 1, name
+    x, w = torch.randn(1, 64), torch.randn(40, 64)
+    assert "compute capability 9.0" in tma_problem(w, x)  # (no Triton interpreter here)
+    with pytest.raises(ValueError, match="tma: TMA needs compute capability"):
+        fused_gemv(x, w, None, 40, 64, "none", kernel="tma")
 
-    fp8_long = candidates(2560, 4096, 1, True, 128)  # (a 4B out-projection)
-    assert wide <= tiles_of(fp8_long, "rows") and wide <= tiles_of(fp8_long, "rows16")
-    assert not wide & (tiles_of(fp8_long, "split") | tiles_of(fp8_long, "split16"))
-    assert tiles_of(fp8_long, "split16")  # (split-K still offered there)
-    bf16_long = candidates(12352, WIDE_K_MIN, 1, False, 1)
-    assert wide <= tiles_of(bf16_long, "rows") and not tiles_of(bf16_long, "rows16")
-    short = candidates(2560, WIDE_K_MIN // 2, 1, True, 1)
-    assert not wide & tiles_of(short, "rows")
+
+TMA_ALIGN_CHILD = """
+import torch
+from unimax.ops.fused_gemv import fused_gemv, tma_problem
+x, w = torch.randn(1, 64), torch.randn(40, 72)
+print("aligned", tma_problem(w, x))
+print("offset", tma_problem(w[:, 1:65], x))
+print("stride", tma_problem(torch.randn(40, 67)[:, :64], x))
+try:
+    fused_gemv(x, w[:, 1:65], None, 40, 64, "none", kernel="tma")
+except ValueError as e:
+    print("refused", e)
+"""
+
+
+def test_tma_problem_names_a_misaligned_weight():
+    out = run_with_triton(TMA_ALIGN_CHILD)
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert lines["aligned"] == "None", out
+    assert "16-byte aligned" in lines["offset"] and "16-byte aligned" in lines["stride"], out
+    assert "take a rows form" in lines["refused"], out
 
 
 def spy_fused(monkeypatch, calls: list) -> None:
@@ -284,12 +313,15 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
        "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
-       "CONV_WP": "constexpr"}
+       "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr"}
+
+def compiled(consts, arch=90, signature=sig):
+    consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, **consts}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32)).asm
 
 def ptx(consts, arch=90):
-    consts = {"CONV_W": 0, "CONV_WP": 1, **consts}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                          target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return compiled(consts, arch)["ptx"]
 """
 
 PTX_CHILD = FUSED_KERNEL + """
@@ -310,6 +342,15 @@ for arch in (90, 89):  # H100/H200, L4
     stores = [sum("st.global" in line for line in ptx({**consts, "CONV_W": w}, arch).splitlines())
               for w in (4, 0)]
     print("conv", arch, *stores)
+# the TMA form (sm_90): W's tile loads in the K loop are TMA copies, and Triton's pipeliner
+# issues them STAGES - 1 ahead (more async copies and shared memory with more stages)
+tma_sig = {**sig, "w_ptr": "tensordesc<fp8e4nv[32, 256]>"}
+for stages in (1, 4):
+    asm = compiled({"PRO": 1, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
+                    "BLOCK_N": 32, "BLOCK_K": 256, "F16": True, "PDL": False, "SPLIT": 1,
+                    "PDL_LATE": False, "TMA": True, "STAGES": stages}, 90, tma_sig)
+    print("tma", stages, asm["ttgir"].count("async_tma_copy"),
+          asm["ptx"].count("cp.async.bulk.tensor"))
 """
 
 
@@ -317,11 +358,14 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
     in the rows16 form, and the split-K form (atomics) where asked; and the form with the
-    convolution folded in, storing the rolled windows."""
+    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     conv = [row for row in rows if row[0] == "conv"]
-    rows = [row for row in rows if row[0] != "conv"]
+    tma = {int(row[1]): (int(row[2]), int(row[3])) for row in rows if row[0] == "tma"}
+    rows = [row for row in rows if row[0] not in ("conv", "tma")]
+    # one TMA load before the loop and one in it unpipelined; 3 more in flight at 4 stages
+    assert tma[1][0] >= 1 and tma[4][0] >= tma[1][0] + 2 and tma[4][1] > tma[1][1], out
     assert len(rows) == 2 * len(PROLOGUES) * 2, out
     assert [row[:2] for row in conv] == [["conv", "90"], ["conv", "89"]], out
     assert all(int(row[2]) > int(row[3]) for row in conv), out  # (the windows' stores)

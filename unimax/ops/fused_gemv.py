@@ -58,6 +58,7 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # programmatic launch for the FP8 weights' GEMVs only (the draft's), is the form to A/B end to
 # end (bench/verified.py --ab-pdl-fp8). Off until a verified run shows it.
 PDL: bool | str = False  # or True (every fused GEMV), or "fp8" (FP8 weights only)
+TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
 PDL_TRIGGER = "start"  # or "end"
 
 
@@ -186,11 +187,11 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
-    SPLIT_K: the same sums in slices, added in slice order), each autotuned, or any with
-    "@tile" (one of ``tiles_for`` the prologue's head, or for the rows forms one of
-    WIDE_K_TILES, as ops.gemv.tiled_names writes it). ``conv_state``, ``conv_weight``: the
-    first conv_weight.shape[0] outputs go through the causal convolution, its state rolled in
-    place (``fused_in_proj_conv``)."""
+    SPLIT_K: the same sums in slices, added in slice order), each autotuned, or the TMA forms
+    "tma", "tma16" (see TMA_FORMS; at TMA_TILE), or any with "@tile" (one of the form's
+    tiles for the prologue's head, ``_tiles_by_form``, as ops.gemv.tiled_names writes it).
+    ``conv_state``, ``conv_weight``: the first conv_weight.shape[0] outputs go through the
+    causal convolution, its state rolled in place (``fused_in_proj_conv``)."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
     m = x.shape[0]
     head = _head(prologue, norm_weight)
@@ -206,13 +207,28 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     split = SPLIT_K if kernel.startswith("split") else 1
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
+    tma = kernel in TMA_FORMS
+    if tma:
+        problem = tma_problem(weight, x)
+        if problem:
+            raise ValueError(f"fused_gemv: {kernel}: {problem}; take a rows form")
+        tile = tile or (TMA_TILE[0], max(TMA_TILE[1], head), *TMA_TILE[2:])
     triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     # split-K's partial sums and counters (rows: unused, any pointer)
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
             if split > 1 else y)
     counters = _counters(x.device) if split > 1 else y
-    pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
+    if tma:  # (tile: BLOCK_N, BLOCK_K, warps, stages; the stages are the kernel's STAGES)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w = TensorDescriptor(weight, [out_features, in_features], [weight.stride(0), 1],
+                             list(tile[:2]))
+        fixed = {**fixed, "TMA": True, "STAGES": tile[3]}
+        tile = tile[:3]
+    else:
+        w = weight
+    pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, w,
                 x if scale is None else scale, x if residual is None else residual, y, work,
                 counters)
     strides = (x.stride(0), 0 if z is None else z.stride(0), weight.stride(0),
@@ -257,27 +273,42 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
     return norm_weight.shape[0] if prologue.startswith("gated") else 1
 
 
-# Whole-K tiles for the rows forms: 2-4 rows a program and BLOCK_K 2048-4096, so that a
-# program's K loop is one or two tiles long and the whole weight is asked for at once by
-# thousands of programs. Why: under Nsight Compute (fifteenth session) the short GEMVs wait on
-# their K loop's chain of dependent DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13
-# us), with DRAM at 28-66% of its peak and occupancy set by the grid; GEMV_TILES and the tile
-# sweep before them (bench/gemv.py --tiles) stopped at BLOCK_K 1024 for K <= 4096, 4+ round
-# trips. Offered where K >= WIDE_K_MIN; the timed choice takes one only where it is faster.
-# Not the split-K forms (their slices would be empty past the first).
-WIDE_K_TILES = ((2, 4096, 4), (4, 4096, 8), (4, 2048, 4))
-WIDE_K_MIN = 2048
+# TMA forms ("tma", "tma16": the rows forms with W's tiles through the Tensor Memory
+# Accelerator, STAGES - 1 tiles in flight per program ahead of its products; see the kernel's
+# TMA). Why: under Nsight Compute (fifteenth session) the short GEMVs wait on their K loop's
+# chain of dependent DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13 us), with DRAM
+# at 28-66% of its peak and occupancy set by the grid; no plain-load form keeps more than one
+# tile in flight per program (Triton pipelines only TMA loads and loads that feed tl.dot), and
+# the forms that tried otherwise lost: two tiles in registers (fourteenth session), whole-K
+# tiles (1.05-1.7x slower on every 4B linear, sixteenth session: each program redoes x's
+# prologue for 2-4 rows), L2 prefetches (fifteenth). Tiles are (BLOCK_N, BLOCK_K, warps,
+# stages), BLOCK_K at most 256 (a TMA box's limit) and at least one head. Offered on compute
+# capability 9+ (an L4 has no TMA) where W's layout allows a descriptor (``tma_fits``); the
+# timed choice takes one only where it is faster. Not split-K.
+TMA_FORMS = ("tma", "tma16")
+TMA_TILES = ((8, 256, 4, 4), (16, 256, 4, 4), (16, 256, 4, 6), (32, 256, 4, 4),
+             (64, 128, 4, 4))
+TMA_TILE = (16, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
+TMA_MAX_K = 256             # the tile's)
 
 
 @functools.cache
-def _tiles_by_form(head: int, wide: bool = True) -> dict[str, tuple]:
-    """Each form's tiles (what a kernel name may carry); ``wide``: the rows forms with
-    WIDE_K_TILES (their BLOCK_K at least one head) too."""
-    tiles = dict.fromkeys(KERNEL_NAMES, tiles_for(head))
-    if wide:
-        rows = tiles_for(head) + tuple((n, max(k, head), w) for n, k, w in WIDE_K_TILES)
-        tiles.update(rows=rows, rows16=rows)
-    return tiles
+def _tiles_by_form(head: int) -> dict[str, tuple]:
+    """Each form's tiles (what a kernel name may carry), BLOCK_K at least one head."""
+    tma = tuple((n, max(k, head), w, s) for n, k, w, s in TMA_TILES if max(k, head) <= TMA_MAX_K)
+    return {**dict.fromkeys(KERNEL_NAMES, tiles_for(head)), **dict.fromkeys(TMA_FORMS, tma)}
+
+
+def tma_problem(weight: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why W's tiles cannot come through TMA here (None: they can): the device (compute
+    capability 9+, or Triton's interpreter), and the descriptor's layout rules."""
+    hopper = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if not (hopper or _interpreted()):
+        return "TMA needs compute capability 9.0 or newer (Hopper)"
+    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
+        return (f"TMA needs W 16-byte aligned with 16-byte aligned rows (row stride "
+                f"{weight.stride(0)} x {weight.element_size()} bytes)")
+    return None
 
 
 def pdl_wanted(weight: torch.Tensor) -> bool:
@@ -331,20 +362,22 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     if key in CHOICES:  # (every call after the first: no names to build)
         return run(CHOICES[key], weight, scale)
     names = candidates(out_features, in_features, x.shape[0], scale is not None,
-                       _head(prologue, norm_weight))
+                       _head(prologue, norm_weight), TMA and tma_problem(weight, x) is None)
     return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
 
 
 def candidates(out_features: int, in_features: int, m: int, scaled: bool,
-               head: int) -> tuple[str, ...]:
+               head: int, tma: bool = False) -> tuple[str, ...]:
     """The kernel names the per-shape choice times: every form at every one of its tiles
-    (rows16 for FP8 weights only, split-K where ``split_fits``, the whole-K tiles where K >=
-    WIDE_K_MIN), timed as a step runs them (ops.gemv.timed_choice)."""
+    (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms where ``tma``:
+    see TMA_FORMS), timed as a step runs them (ops.gemv.timed_choice)."""
     forms = ("rows", "rows16") if scaled else ("rows",)
     if split_fits(out_features, in_features, m, scaled):
         forms += ("split", "split16")
-    return tiled_names(forms, _tiles_by_form(head, in_features >= WIDE_K_MIN))
+    if tma:
+        forms += TMA_FORMS if scaled else ("tma",)
+    return tiled_names(forms, _tiles_by_form(head))
 
 
 @fused_small_m_linear.register_fake

@@ -112,6 +112,19 @@ def conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, W: tl.constex
 
 
 @triton.jit
+def w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           TMA: tl.constexpr):
+    """W's tile (BLOCK_N, BLOCK_K) at rows rn, columns k0.., zeros past N and K."""
+    if TMA:
+        w = w_ptr.load([tl.program_id(0) * BLOCK_N, k0])
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+    return w
+
+
+@triton.jit
 def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
                       stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
                       cs_ptr, cw_ptr, C, stride_csm,
@@ -120,7 +133,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                       PDL_LATE: tl.constexpr = False, CONV_W: tl.constexpr = 0,
-                      CONV_WP: tl.constexpr = 1):
+                      CONV_WP: tl.constexpr = 1, TMA: tl.constexpr = False,
+                      STAGES: tl.constexpr = 1):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -144,6 +158,14 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     one launch, where a split-K GEMV with a reduce kernel after it lost (bench/RESULTS.md,
     2026-11-30, fourth session).
 
+    ``TMA`` (compute capability 9+; w_ptr is then a tensor descriptor of W over (N, K) with
+    block (BLOCK_N, BLOCK_K), which fills zeros past N and K as the masks do): W's tiles come
+    through the Tensor Memory Accelerator, which Triton's loop pipeliner (num_stages) issues
+    stages - 1 tiles ahead into shared memory. A plain tl.load that feeds no tl.dot is never
+    pipelined (checked in the compiled TTGIR: no async copies at any num_stages), so each
+    program of the plain forms waits out one DRAM round trip per tile: the short GEMVs' fixed
+    cost (bench/RESULTS.md, fifteenth session, Nsight Compute).
+
     ``CONV_W`` > 0 (a GDN mixer's in-projection in a decode step): outputs rn < C are the
     short convolution's channels. Each is the last input of its causal window, which the
     program that computes it owns: it rolls the window in the conv state cs (M, >= C, CONV_W,
@@ -162,8 +184,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         if PDL and not PDL_LATE:
             launch_dependents()
         rk = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        w = w_tile(w_ptr, rn, start, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
         if PDL:
             wait_for_the_kernel_before()
         if PRO == 1:  # (the norm's pre-pass over x now overlaps that load)
@@ -172,10 +193,9 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                     PRO, HEAD, BLOCK_K)
         acc = tile_products(acc, x, w, F16)
         start += BLOCK_K
-    for k0 in range(start, end, BLOCK_K):
+    for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
         x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
                     PRO, HEAD, BLOCK_K)
         acc = tile_products(acc, x, w, F16)
