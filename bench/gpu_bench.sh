@@ -52,6 +52,9 @@
 #                                           and the BF16 step with the TMA forms offered to
 #                                           the fused GEMVs' timed choice (the default) and
 #                                           not ("-notma"); "tma 300": that time limit
+#   run: bash bench/gpu_bench.sh tmak       gdn-4b: each draft linear's FP8 fused GEMV at the
+#                                           chosen plain kernel and at every TMA form and tile
+#                                           (bench/tma_gemv.py); "tmak 200": that time limit
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)
@@ -154,6 +157,9 @@ case "${1:-}" in
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
+  tmak)
+    timeout ${2:-240} python3 bench/tma_gemv.py --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
+    quiet < "$OUT/tmak.log" | grep "^{" | cut -c1-170 ;;
   combo)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b --variants engine-verify \
       engine-verify-combo fla+gemv fla+gemv-combo draft draft-combo --json "$OUT/combo.json" \
