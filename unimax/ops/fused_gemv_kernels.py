@@ -59,36 +59,60 @@ def row_rstd(x_ptr, row, K, stride_xm, eps, KP: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
-            PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[row]'s slice rk as the linear's input: through the prologue, rounded to x's dtype
-    where the torch forms round (the twins in unimax.norms, in the same order of operations).
-    RMS: x * rstd * (offset + w). GATED_*: per head of HEAD (BLOCK_K holds whole heads),
-    x * rsqrt(mean(x^2) + eps) * w * act(z). SWIGLU: silu(x[rk]) * x[K + rk] (gate, up).
-    SIGMOID_GATE: x * sigmoid(z) (gated attention's output)."""
+def x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO: tl.constexpr,
+            HEAD: tl.constexpr):
+    """The loads x_math needs for x[row]'s slice rk: x, and per prologue the norm's weight,
+    z, or the up half (the third: the gated norm's weight; x where a prologue needs less).
+    Apart from the math so that the TMA forms can issue the next slice's loads a tile ahead."""
     mask = rk < K
     x = tl.load(x_ptr + row * stride_xm + rk, mask=mask, other=0.0)
+    a = x
+    b = x
     if PRO == 1:
-        w = tl.load(nw_ptr + rk, mask=mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * rstd * (offset + w)).to(x.dtype)
+        a = tl.load(nw_ptr + rk, mask=mask, other=0.0)
+    elif PRO == 2 or PRO == 3:
+        a = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0)
+        b = tl.load(nw_ptr + rk % HEAD)
+    elif PRO == 4:
+        a = tl.load(x_ptr + row * stride_xm + K + rk, mask=mask, other=0.0)
+    elif PRO == 5:
+        a = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0)
+    return x, a, b
+
+
+@triton.jit
+def x_math(x, a, b, rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """x's slice as the linear's input from x_loads' values: through the prologue, rounded to
+    x's dtype where the torch forms round (the twins in unimax.norms, in the same order of
+    operations). RMS: x * rstd * (offset + w). GATED_*: per head of HEAD (BLOCK_K holds whole
+    heads), x * rsqrt(mean(x^2) + eps) * w * act(z). SWIGLU: silu(x[rk]) * x[K + rk] (gate,
+    up). SIGMOID_GATE: x * sigmoid(z) (gated attention's output)."""
+    if PRO == 1:
+        x = (x.to(tl.float32) * rstd * (offset + a.to(tl.float32))).to(x.dtype)
     elif PRO == 2 or PRO == 3:
         heads = tl.reshape(x.to(tl.float32), (BLOCK_K // HEAD, HEAD))
         r = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)
-        w = tl.reshape(tl.load(nw_ptr + rk % HEAD).to(tl.float32), (BLOCK_K // HEAD, HEAD))
-        z = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0).to(tl.float32)
-        z = tl.reshape(z, (BLOCK_K // HEAD, HEAD))
+        w = tl.reshape(b.to(tl.float32), (BLOCK_K // HEAD, HEAD))
+        z = tl.reshape(a.to(tl.float32), (BLOCK_K // HEAD, HEAD))
         gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
         x = tl.reshape(heads * r[:, None] * w * gate, (BLOCK_K,)).to(x.dtype)
     elif PRO == 4:
-        up = tl.load(x_ptr + row * stride_xm + K + rk, mask=mask, other=0.0)
         g = x.to(tl.float32)
         silu = (g * sigmoid(g)).to(x.dtype)
-        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        x = (silu.to(tl.float32) * a.to(tl.float32)).to(x.dtype)
     elif PRO == 5:
-        z = tl.load(z_ptr + row * stride_zm + rk, mask=mask, other=0.0)
-        gate = sigmoid(z.to(tl.float32)).to(x.dtype)
+        gate = sigmoid(a.to(tl.float32)).to(x.dtype)
         x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
     return x
+
+
+@triton.jit
+def x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
+            PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[row]'s slice rk as the linear's input (x_loads, then x_math)."""
+    x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
+    return x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K)
 
 
 @triton.jit
@@ -160,11 +184,14 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
 
     ``TMA`` (compute capability 9+; w_ptr is then a tensor descriptor of W over (N, K) with
     block (BLOCK_N, BLOCK_K), which fills zeros past N and K as the masks do): W's tiles come
-    through the Tensor Memory Accelerator, which Triton's loop pipeliner (num_stages) issues
-    stages - 1 tiles ahead into shared memory. A plain tl.load that feeds no tl.dot is never
-    pipelined (checked in the compiled TTGIR: no async copies at any num_stages), so each
-    program of the plain forms waits out one DRAM round trip per tile: the short GEMVs' fixed
-    cost (bench/RESULTS.md, fifteenth session, Nsight Compute).
+    through the Tensor Memory Accelerator, which Triton's loop pipeliner (STAGES) issues
+    STAGES - 1 tiles ahead into shared memory, and x's slices (with z, the norm's weight, the
+    up half) are loaded a tile ahead into registers: with W's wait gone, each iteration's
+    L2 round trip for x would otherwise be the chain (sixteenth session: W alone pipelined,
+    the TMA forms ran 1.04-2.9x slower than the plain ones). A plain tl.load that feeds no
+    tl.dot is never pipelined (checked in the compiled TTGIR: no async copies at any
+    num_stages), so each program of the plain forms waits out one DRAM round trip per tile:
+    the short GEMVs' fixed cost (bench/RESULTS.md, fifteenth session, Nsight Compute).
 
     ``CONV_W`` > 0 (a GDN mixer's in-projection in a decode step): outputs rn < C are the
     short convolution's channels. Each is the last input of its causal window, which the
@@ -193,12 +220,24 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                     PRO, HEAD, BLOCK_K)
         acc = tile_products(acc, x, w, F16)
         start += BLOCK_K
-    for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
-        x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps, offset,
-                    PRO, HEAD, BLOCK_K)
-        acc = tile_products(acc, x, w, F16)
+    if TMA:  # W's tiles pipelined by Triton, x's loads issued here a tile ahead of their use
+        rk = start + tl.arange(0, BLOCK_K)
+        x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
+        for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
+            w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
+            rk = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+            x_next, a_next, b_next = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm,
+                                             stride_zm, PRO, HEAD)
+            acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w,
+                                F16)
+            x, a, b = x_next, a_next, b_next
+    else:
+        for k0 in range(start, end, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
+            x = x_slice(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, rstd, eps,
+                        offset, PRO, HEAD, BLOCK_K)
+            acc = tile_products(acc, x, w, F16)
     if PDL and PDL_LATE:
         launch_dependents()
     y = tl.sum(acc.to(tl.float32), axis=1)
