@@ -184,7 +184,7 @@ def test_tma_gemv_on_gpu():
     x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
 
     def call():
-        return fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none", kernel="tma16@16x256x4x6")
+        return fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none", kernel="tma16@32x256x4x4")
 
     call()
     graph = torch.cuda.CUDAGraph()

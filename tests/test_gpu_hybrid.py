@@ -16,11 +16,11 @@ pytestmark = pytest.mark.gpu
 
 def test_hybrid_graphs_on_gpu(tmp_path):
     """Hybrid model (gated attention over static KV buffers) on the GPU: graph decoding equals
-    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly;
-    every graph captured up front (as the app does) with a short-prefill bucket as long as the
-    KV buffers (512), then a prompt in it that leaves the context's last tokens to the reply."""
+    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly.
+    (Every graph captured up front, then a prompt as long as the KV buffers allow:
+    tests/test_gpu_hybrid_capture.py, a file of its own: together they took 496 s of the
+    560 a file has, sixteenth session.)"""
     from helpers import write_qwen_checkpoint
-    from unimax.reference import first_divergence, is_near_tie
 
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     write_qwen_checkpoint(tmp_path, seed=4, num_layers=4, layer_types=layer_types)
@@ -33,11 +33,6 @@ def test_hybrid_graphs_on_gpu(tmp_path):
         g = build_engine(model, decode="fp8", draft=draft, block_size=8)
         e = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
         assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
-    g.capture_graphs(verified=True)  # (each warm-up from position 0: the 512 bucket fits)
-    long = torch.randint(0, 97, (1, 500), device="cuda")
-    got = g.generate_verified(long, 12)[0][0].tolist()  # (its prompt in the padded 512 graph)
-    reference = unimax.exact_greedy_tokens(model, long, 12)[0].tolist()
-    assert is_near_tie(first_divergence(model, long, got, reference))
 
 
 @torch.inference_mode()

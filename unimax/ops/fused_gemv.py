@@ -286,8 +286,8 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
 # capability 9+ (an L4 has no TMA) where W's layout allows a descriptor (``tma_fits``); the
 # timed choice takes one only where it is faster. Not split-K.
 TMA_FORMS = ("tma", "tma16")
-TMA_TILES = ((8, 256, 4, 4), (16, 256, 4, 4), (16, 256, 4, 6), (32, 256, 4, 4),
-             (64, 128, 4, 4))
+TMA_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))  # (8 x 256 and 6 stages:
+# slower at every 4B linear on the H200, sixteenth session)
 TMA_TILE = (16, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
 TMA_MAX_K = 256             # the tile's)
 
