@@ -23,7 +23,6 @@ from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
 from unimax.ops import fused_gemv as fused  # noqa: E402
-from unimax.ops.gemv import tile_text  # noqa: E402
 from unimax.ops.timing import graph_us  # noqa: E402
 
 # the FP8 kernels the H200's timed choice took for gdn-4b (sixteenth session)
@@ -43,8 +42,8 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> list[dict]:
     norm = (torch.ones(head if gated else k, device="cuda", dtype=torch.bfloat16)
             if prologue != "swiglu" else None)
     res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
-    kernels = [CHOSEN[name]] + [f"{form}@{tile_text(tile)}" for form in fused.TMA_FORMS
-                                for tile in fused._tiles_by_form(head)["tma"]]
+    kernels = [CHOSEN[name]] + [name for name in fused.candidates(n, k, 1, True, head, tma=True)
+                                if name.startswith("tma")]  # (the TMA forms offered here)
     rows = []
     for kernel in kernels:
         row = {"linear": name, "N": n, "K": k, "kernel": kernel}

@@ -124,9 +124,10 @@ def test_fused_gemv_matches_its_twin_in_the_interpreter():
 
 def test_tma_forms_are_offered_where_they_fit():
     """The per-shape choice's candidates: the TMA forms only where asked (the device and W's
-    layout allow: ``tma_problem``), "tma16" for FP8 weights only, each tile's BLOCK_K at least
-    one head and at most a TMA box; rows, rows16 and split-K as before. ``tma_problem`` names
-    a pre-Hopper device and a misaligned W, and fused_gemv refuses a TMA form there."""
+    layout allow: ``tma_problem``), "tma16" and the split ones for FP8 weights only (the split
+    ones where split-K is offered), each tile's BLOCK_K at least one head and at most a TMA
+    box; rows, rows16 and split-K as before. ``tma_problem`` names a pre-Hopper device and a
+    misaligned W, and fused_gemv refuses a TMA form there."""
     from unimax.ops.fused_gemv import TMA_FORMS, TMA_MAX_K, candidates, fused_gemv, tma_problem
 
     def forms(names):
@@ -136,6 +137,9 @@ def test_tma_forms_are_offered_where_they_fit():
     assert forms(fp8) == {"rows", "rows16", "split", "split16", *TMA_FORMS}
     assert forms(candidates(2560, 4096, 1, True, 128)) == {"rows", "rows16", "split", "split16"}
     assert forms(candidates(12352, 2560, 1, False, 1, tma=True)) == {"rows", "tma"}
+    # (the TMA split forms where split-K is offered: FP8, narrow outputs, K-long)
+    assert forms(candidates(12352, 2560, 1, True, 1, tma=True)) == {"rows", "rows16", "tma",
+                                                                     "tma16"}
     for name in fp8:
         if name.startswith("tma"):
             n, k, warps, stages = (int(v) for v in name.split("@")[1].split("x"))
@@ -345,12 +349,12 @@ for arch in (90, 89):  # H100/H200, L4
 # the TMA form (sm_90): W's tile loads in the K loop are TMA copies, and Triton's pipeliner
 # issues them STAGES - 1 ahead (more async copies and shared memory with more stages)
 tma_sig = {**sig, "w_ptr": "tensordesc<fp8e4nv[32, 256]>"}
-for stages in (1, 4):
+for stages, split in ((1, 1), (4, 1), (4, 4)):
     asm = compiled({"PRO": 1, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
-                    "BLOCK_N": 32, "BLOCK_K": 256, "F16": True, "PDL": False, "SPLIT": 1,
+                    "BLOCK_N": 32, "BLOCK_K": 256, "F16": True, "PDL": False, "SPLIT": split,
                     "PDL_LATE": False, "TMA": True, "STAGES": stages}, 90, tma_sig)
-    print("tma", stages, asm["ttgir"].count("async_tma_copy"),
-          asm["ptx"].count("cp.async.bulk.tensor"))
+    print("tma", stages * split, asm["ttgir"].count("async_tma_copy"),
+          asm["ptx"].count("cp.async.bulk.tensor"), asm["ptx"].count("atom.global"))
 """
 
 
@@ -362,10 +366,11 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     conv = [row for row in rows if row[0] == "conv"]
-    tma = {int(row[1]): (int(row[2]), int(row[3])) for row in rows if row[0] == "tma"}
+    tma = {int(row[1]): tuple(int(v) for v in row[2:]) for row in rows if row[0] == "tma"}
     rows = [row for row in rows if row[0] not in ("conv", "tma")]
     # one TMA load before the loop and one in it unpipelined; 3 more in flight at 4 stages
     assert tma[1][0] >= 1 and tma[4][0] >= tma[1][0] + 2 and tma[4][1] > tma[1][1], out
+    assert tma[16][0] == tma[4][0] and tma[16][2] > 0 == tma[4][2], out  # (split-K: atomics)
     assert len(rows) == 2 * len(PROLOGUES) * 2, out
     assert [row[:2] for row in conv] == [["conv", "90"], ["conv", "89"]], out
     assert all(int(row[2]) > int(row[3]) for row in conv), out  # (the windows' stores)

@@ -152,9 +152,10 @@ def test_fused_draft_on_gpu(model, monkeypatch):
 def test_tma_gemv_on_gpu():
     """The TMA forms (ops.fused_gemv.TMA_FORMS: W's tiles through tensor descriptors,
     pipelined into shared memory) at a 4B model's four draft linears, FP8 with fp32 and FP16
-    products and BF16: the twin's outputs; in a captured graph, replays with new inputs give
-    what eager calls give (the descriptor is a launch argument, kept by the graph). (The
-    timed choice among them and the plain forms: test_fused_draft_on_gpu's steps.)"""
+    products (split-K too where offered) and BF16: the twin's outputs; in a captured graph,
+    replays with new inputs give what eager calls give (the descriptor is a launch argument,
+    kept by the graph; split-K's counters set back). (The timed choice among them and the
+    plain forms: test_fused_draft_on_gpu's steps.)"""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax.fp8 import quantize_rows
 
@@ -171,7 +172,8 @@ def test_tma_gemv_on_gpu():
                 .to(torch.bfloat16) if prologue != "swiglu" else None)
         r = (torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)
              if residual else None)
-        for (weight, scale), kernels in ((quantize_rows(w), ("tma@32x256x4x4", "tma16")),
+        split = ("tmasplit16@32x256x4x4", "tmasplit") if n <= fused_gemv.SPLIT_MAX_N else ()
+        for (weight, scale), kernels in ((quantize_rows(w), ("tma@32x256x4x4", "tma16") + split),
                                          ((w.to(torch.bfloat16), None), ("tma",))):
             ref = fused_gemv.fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
                                                       r, 1e-6, 1.0)
@@ -183,14 +185,15 @@ def test_tma_gemv_on_gpu():
     q, s = quantize_rows(torch.randn(2560, 4096, device="cuda", generator=gen))
     x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
 
-    def call():
-        return fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none", kernel="tma16@32x256x4x4")
+    for kernel in ("tma16@32x256x4x4", "tmasplit16@16x256x4x4"):
+        def call(kernel=kernel):
+            return fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none", kernel=kernel)
 
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-        graph.replay()
-        assert torch.equal(out, call())
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            graph.replay()
+            assert torch.equal(out, call()), kernel

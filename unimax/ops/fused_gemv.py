@@ -204,10 +204,10 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel.endswith("16") and scale is None:
         raise ValueError(f"fused_gemv: {kernel} (FP16 products) is for FP8 weights only")
-    split = SPLIT_K if kernel.startswith("split") else 1
+    split = SPLIT_K if "split" in kernel else 1
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
-    tma = kernel in TMA_FORMS
+    tma = kernel.startswith("tma")
     if tma:
         problem = tma_problem(weight, x)
         if problem:
@@ -273,19 +273,24 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
     return norm_weight.shape[0] if prologue.startswith("gated") else 1
 
 
-# TMA forms ("tma", "tma16": the rows forms with W's tiles through the Tensor Memory
-# Accelerator, STAGES - 1 tiles in flight per program ahead of its products; see the kernel's
-# TMA). Why: under Nsight Compute (fifteenth session) the short GEMVs wait on their K loop's
-# chain of dependent DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13 us), with DRAM
-# at 28-66% of its peak and occupancy set by the grid; no plain-load form keeps more than one
-# tile in flight per program (Triton pipelines only TMA loads and loads that feed tl.dot), and
-# the forms that tried otherwise lost: two tiles in registers (fourteenth session), whole-K
-# tiles (1.05-1.7x slower on every 4B linear, sixteenth session: each program redoes x's
-# prologue for 2-4 rows), L2 prefetches (fifteenth). Tiles are (BLOCK_N, BLOCK_K, warps,
-# stages), BLOCK_K at most 256 (a TMA box's limit) and at least one head. Offered on compute
-# capability 9+ (an L4 has no TMA) where W's layout allows a descriptor (``tma_fits``); the
-# timed choice takes one only where it is faster. Not split-K.
-TMA_FORMS = ("tma", "tma16")
+# TMA forms ("tma", "tma16", and split-K "tmasplit", "tmasplit16": the rows and split forms
+# with W's tiles through the Tensor Memory Accelerator, STAGES - 1 tiles in flight per program
+# ahead of its products, and x's slices loaded a tile ahead; see the kernel's TMA). Why: under
+# Nsight Compute (fifteenth session) the short GEMVs wait on their K loop's chain of dependent
+# DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13 us), with DRAM at 28-66% of its
+# peak and occupancy set by the grid; no plain-load form keeps more than one tile in flight per
+# program (Triton pipelines only TMA loads and loads that feed tl.dot), and the forms that
+# tried otherwise lost: two tiles in registers (fourteenth session), whole-K tiles (1.05-1.7x
+# slower on every 4B linear, sixteenth session: each program redoes x's prologue for 2-4
+# rows), L2 prefetches (fifteenth). Tiles are (BLOCK_N, BLOCK_K, warps, stages), BLOCK_K at
+# most 256 (a TMA box's limit) and at least one head. Offered on compute capability 9+ (an L4
+# has no TMA) where W's layout allows a descriptor (``tma_problem``), the split forms where
+# split-K is (``split_fits``); the timed choice takes one only where it is faster. Measured
+# (bench/tma_gemv.py, sixteenth session, FP8, x loaded a tile ahead): in_proj 5% faster than
+# its plain choice, gate_up 8% slower, and the K-long narrow ones (out_proj, down: 80-160
+# programs of 16-36 tiles) 1.3x slower, the case split-K serves in the plain forms: hence the
+# TMA split forms (not yet timed on a GPU).
+TMA_FORMS = ("tma", "tma16", "tmasplit", "tmasplit16")
 TMA_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))  # (8 x 256 and 6 stages:
 # slower at every 4B linear on the H200, sixteenth session)
 TMA_TILE = (16, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
@@ -376,7 +381,9 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
     if split_fits(out_features, in_features, m, scaled):
         forms += ("split", "split16")
     if tma:
-        forms += TMA_FORMS if scaled else ("tma",)
+        forms += ("tma", "tma16") if scaled else ("tma",)
+        if split_fits(out_features, in_features, m, scaled):
+            forms += ("tmasplit", "tmasplit16")
     return tiled_names(forms, _tiles_by_form(head))
 
 
