@@ -188,7 +188,8 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
     SPLIT_K: the same sums in slices, added in slice order), each autotuned, or the TMA forms
-    "tma", "tma16" (see TMA_FORMS; at TMA_TILE), or any with "@tile" (one of the form's
+    "tma", "tma16", "tmasplit", "tmasplit16" (see TMA_FORMS; at TMA_TILE unless named: never
+    autotuned, the descriptor's block is the tile's), or any with "@tile" (one of the form's
     tiles for the prologue's head, ``_tiles_by_form``, as ops.gemv.tiled_names writes it).
     ``conv_state``, ``conv_weight``: the first conv_weight.shape[0] outputs go through the
     causal convolution, its state rolled in place (``fused_in_proj_conv``)."""
