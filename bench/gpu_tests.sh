@@ -8,8 +8,9 @@
 # tests, which share the GPU safely; speed is measured by bench/, never here. (Ninth session:
 # three files, 485 s wall, test_gpu_engine.py the long pole at 475 s; its verified tests then
 # moved to test_gpu_verified.py; fifteenth session: that file alone ran past 560 s, and its
-# hybrid and rewind tests moved to test_gpu_hybrid.py.) Arguments go to one pytest process instead (e.g. one file,
-# or -k to pick tests).
+# hybrid and rewind tests moved to test_gpu_hybrid.py; sixteenth session: that file took 535 s,
+# its capture-everything test moved to test_gpu_hybrid_capture.py.) Arguments go to one pytest
+# process instead (e.g. one file, or -k to pick tests).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
