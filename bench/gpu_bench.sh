@@ -53,8 +53,10 @@
 #                                           the fused GEMVs' timed choice (the default) and
 #                                           not ("-notma"); "tma 300": that time limit
 #   run: bash bench/gpu_bench.sh tmak       gdn-4b: each draft linear's FP8 fused GEMV at the
-#                                           chosen plain kernel and at every TMA form and tile
-#                                           (bench/tma_gemv.py); "tmak 200": that time limit
+#                                           chosen plain kernel and at every TMA form and tile,
+#                                           and on out_proj/down split-K at 2 and 8 slices and
+#                                           TMA at 3 and 5 stages (bench/tma_gemv.py); "tmak
+#                                           200": that time limit
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)

@@ -2,9 +2,11 @@
 with the draft's prologue and residual) at the plain form and tile the H200's timed choice
 took (sixteenth session) and at every TMA form and tile (unimax.ops.fused_gemv.TMA_FORMS),
 graph-timed over weight copies as the choice times them; errors printed per candidate, not
-hidden (the choice times a failing candidate as infinitely slow).
+hidden (the choice times a failing candidate as infinitely slow). On the K-long narrow
+linears (out_proj, down: where split-K is offered) also a sweep: the split forms at SPLIT_K
+2 and 8 (4 is the default) and the TMA forms at 3 and 5 stages.
 
-usage: python bench/tma_gemv.py [--shape gdn-4b] [--json FILE]
+usage: python bench/tma_gemv.py [--shape gdn-4b] [--json FILE] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ CHOSEN = {"in_proj": "rows16@16x256x4", "out_proj": "rows@4x1024x4",
           "gate_up": "rows16@32x256x4", "down": "split16@16x512x8"}
 
 
-def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> list[dict]:
+def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float, sweep: bool) -> list[dict]:
+    """The linear at its chosen plain kernel and every TMA form offered; with ``sweep`` and
+    where split-K is offered, the split forms at SPLIT_K 2, 4 and 8 and the TMA forms at 3 and
+    5 stages too (module settings changed for the bench only, put back after)."""
     prologue, residual, width = FOLDS[name]
     torch.manual_seed(0)
     q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -42,19 +47,42 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> list[dict]:
     norm = (torch.ones(head if gated else k, device="cuda", dtype=torch.bfloat16)
             if prologue != "swiglu" else None)
     res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
-    kernels = [CHOSEN[name]] + [name for name in fused.candidates(n, k, 1, True, head, tma=True)
-                                if name.startswith("tma")]  # (the TMA forms offered here)
     rows = []
-    for kernel in kernels:
-        row = {"linear": name, "N": n, "K": k, "kernel": kernel}
+
+    def timed(kernel: str, **setting) -> None:
+        row = {"linear": name, "N": n, "K": k, "kernel": kernel, **setting}
         try:
-            us = graph_us(lambda i, kernel=kernel: fused.fused_gemv(
+            us = graph_us(lambda i: fused.fused_gemv(
                 x, *weights[i], n, k, prologue, norm, z, res, kernel=kernel), len(weights))
             row.update(us=us, of_copy=q.numel() / (us * 1e-6) / bandwidth)
         except Exception as err:  # noqa: BLE001 (a bench row: the error is the result)
             row["error"] = repr(err)[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
+
+    timed(CHOSEN[name])
+    offered = fused.candidates(n, k, 1, True, head, tma=True)
+    for kernel in offered:
+        if kernel.startswith("tma"):
+            timed(kernel)
+    if not sweep or not fused.split_fits(n, k, 1, True):
+        return rows
+    saved = fused.SPLIT_K, fused.TMA_TILES
+    try:
+        for split in (2, 8):
+            fused.SPLIT_K = split
+            for kernel in ("split16@16x512x8", "tmasplit16@16x256x4x4",
+                           "tmasplit16@32x256x4x4"):
+                timed(kernel, split=split)
+        fused.SPLIT_K = saved[0]
+        for stages in (3, 5):
+            fused.TMA_TILES = ((32, 256, 4, stages),)
+            fused._tiles_by_form.cache_clear()
+            for form in ("tma16", "tmasplit16"):
+                timed(f"{form}@32x256x4x{stages}", stages=stages)
+    finally:
+        fused.SPLIT_K, fused.TMA_TILES = saved
+        fused._tiles_by_form.cache_clear()
     return rows
 
 
@@ -62,21 +90,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gdn-4b")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="without the split-K counts and TMA stages swept (K-long linears)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     cfg = SHAPES[args.shape]
     rows = []
     for name, (n, k, _) in linear_shapes(cfg).items():
         if name in FOLDS:
-            rows += linear_rows(cfg, name, n, k, bandwidth)
+            rows += linear_rows(cfg, name, n, k, bandwidth, not args.no_sweep)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.shape} FP8 fused GEMVs, M = 1")
-    print(f"{'linear':9} {'kernel':22} {'us':>7} {'of copy':>8}")
+    print(f"{'linear':9} {'kernel':24} {'setting':10} {'us':>7} {'of copy':>8}")
     for row in rows:
         text = (f"{row['us']:7.2f} {row['of_copy']:8.2f}" if "us" in row
                 else row["error"][:60])
-        print(f"{row['linear']:9} {row['kernel']:22} {text}")
+        setting = (f"split {row['split']}" if "split" in row else
+                   f"stages {row['stages']}" if "stages" in row else "")
+        print(f"{row['linear']:9} {row['kernel']:24} {setting:10} {text}")
 
 
 if __name__ == "__main__":
