@@ -1,7 +1,8 @@
 """The decode linears one at a time (GPU): each weight shape of a model at M = 1 (a decode step)
 and M = 9 (a verifier block of 8), BF16 and FP8 weights, through the Triton kernels of
 unimax.ops.gemv (the default per M; the tensor-core kernel at M = 1 too; the GEMV with FP16
-products for FP8), cuBLAS for BF16,
+products for FP8; split-K on the tensor cores, "dotsplit", where offered: its fastest tile),
+cuBLAS for BF16,
 in CUDA-graph replays over enough weight copies that L2 cannot serve them. Prints the time and
 the fraction of the copy bandwidth per shape, and the sum over one decode step's linears.
 
@@ -66,10 +67,19 @@ def run_shape(name, n, k, m, kind, bandwidth) -> dict:
             variants["rows16"] = lambda i: gemv_mod.gemv(x, *weights[i], kernel="rows16")
     if kind == "bf16":
         variants["cublas"] = lambda i: F.linear(x, weights[i][0])
+    if gemv_mod.dotsplit_fits(m, n, k):  # (the verifier's narrow K-long linears: each tile)
+        for tile in gemv_mod.DOTSPLIT_TILES:
+            name = f"dotsplit@{gemv_mod.tile_text(tile)}"
+            variants[name] = lambda i, name=name: gemv_mod.gemv(x, *weights[i], kernel=name)
     for label, fn in variants.items():
         us = graph_us(fn, copies)
         row[label + "_us"] = us
         row[label + "_bw"] = weight_bytes / (us * 1e-6) / bandwidth
+    split = [label for label in variants if label.startswith("dotsplit@")]
+    if split:  # (the table's column: the fastest tile)
+        best = min(split, key=lambda label: row[label + "_us"])
+        row.update(dotsplit_us=row[best + "_us"], dotsplit_bw=row[best + "_bw"],
+                   dotsplit_tile=best)
     return row
 
 
@@ -235,7 +245,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; shape {args.shape}; "
           "us per call (fraction of copy bandwidth)")
-    labels = ("triton", "rows16", "dot", "cublas")
+    labels = ("triton", "rows16", "dot", "dotsplit", "cublas")
     print(f"{'kind':5} {'M':>2} {'linear':9} {'MB':>7} " + "".join(f"{x:>20}" for x in labels))
     for r in rows:
         cells = "".join(f"{r[x + '_us']:>11.1f} ({r[x + '_bw']:.2f})" if x + "_us" in r

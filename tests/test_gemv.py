@@ -48,6 +48,21 @@ for form, tiles in TILES.items():
             y, r = gemv(x, *args, kernel=f"{form}@{tile_text(tile)}"), gemv_ref(x, *args)
             assert float((y.float() - r.float()).norm() / r.float().norm()) < 1e-2
             print("tile", form, tile)
+# split-K on the tensor cores ("dotsplit"): slices of K added by each tile's last program;
+# K not a tile multiple, slices past K empty (K = 300 in 8 slices of 256), N not a tile multiple
+from unimax.ops.gemv import DOTSPLIT_TILES, _counters
+for m, n, k in ((9, 70, 1100), (5, 33, 300), (16, 40, 2048)):
+    x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k)
+    q, s = quantize_rows(w)
+    for args in ((q, s), (w.to(torch.bfloat16), None)):
+        r = gemv_ref(x, *args)
+        for kernel in ["dotsplit"] + [f"dotsplit@{tile_text(t)}" for t in DOTSPLIT_TILES]:
+            y = gemv(x, *args, kernel=kernel)
+            assert float((y.float() - r.float()).norm() / r.float().norm()) < 1e-2, (m, n, kernel)
+    print("dotsplit", m, n, k)
+print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
+x, w = torch.randn(3, 300).to(torch.bfloat16), torch.randn(70, 300)
+q, s = quantize_rows(w)
 # the op has a fake kernel: a compiled function traces through it with no graph break
 traced = torch.compile(lambda x, w, s: small_m_linear(x, w, s) * 2, fullgraph=True,
                        backend="eager")
@@ -58,7 +73,21 @@ print("compiled", float((traced(x, q, s) - 2 * gemv(x, q, s)).abs().max()))
 def test_triton_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 18 and "compiled 0.0" in out, out
-    assert out.count("tile") == 10, out
+    assert out.count("tile") == 14 and out.count("\ndotsplit ") == 3, out
+    assert "counters left 0" in out, out
+
+
+def test_dotsplit_is_offered_to_narrow_k_long_blocks():
+    """The per-shape choice's candidates at a verifier block's M: "dotsplit" (split-K on the
+    tensor cores) for the narrow, K-long weights only (a 4B out- and down-projection, not its
+    in-projection or a short K), never at decode's M; cuBLAS for BF16 weights as before."""
+    from unimax.ops.gemv import candidates
+
+    assert candidates(9, False, 2560, 9216) == ("dot", "dotsplit", "cublas")
+    assert candidates(9, True, 2560, 4096) == ("dot", "dotsplit")
+    assert candidates(9, False, 12352, 2560) == ("dot", "cublas")
+    assert candidates(9, False, 2560, 512) == ("dot", "cublas")
+    assert candidates(1, False, 2560, 9216) == ("rows", "cublas")
 
 
 def test_kernel_names_with_tiles():
@@ -312,3 +341,37 @@ def test_timed_choice_keeps_its_default_first_met_in_a_capture_when_asked(monkey
     assert table == {("k",): "b"} and timed == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert ops.timed_choice(table, ("k",), ("a", "b"), "b", True, run) == "b" and timed == []
+
+
+DOT_PTX_CHILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import unimax.ops.gemv as g
+
+fn = g._dot_kernel(False, True)[1]
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+       "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+       "stride_wn": "i32", "stride_ym": "i32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
+       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
+       "SPLIT": "constexpr"}
+for arch in (90, 89):  # H100/H200, L4
+    for split in (1, 4):
+        consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
+                  "DOT_F32": False, "SPLIT": split}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+        print(arch, split, int("wgmma" in ptx or "mma.sync" in ptx), ptx.count("atom.global"))
+"""
+
+
+def test_dotsplit_compiles_for_hopper_and_ada():
+    """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K (no GPU):
+    on the tensor cores either way; atomics (the per-tile counters) only with slices."""
+    out = run_with_triton(DOT_PTX_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert len(rows) == 4, out
+    for arch, split, mma, atomics in rows:
+        assert mma == "1", (arch, split)
+        assert (int(atomics) > 0) == (split == "4"), (arch, split, atomics)

@@ -1,7 +1,8 @@
 """GPU (run on the lent H200 with fla installed: UNIMAX_ALLOW_FLA=1 pytest -m gpu): the verify
 block's own kernels at a 4B layer's heads: the few-token recurrence (unimax.ops.short_recurrence)
 against fla's fused recurrent kernel, and bit for bit across block cuts; the recording mixer's
-tape as one kernel (unimax.ops.block_mixer) against its twin. A file of its own: Triton
+tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor-core kernel
+for its narrow linears (unimax.ops.gemv's "dotsplit"). A file of its own: Triton
 compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel."""
 
 import pytest
@@ -153,3 +154,41 @@ def test_block_mixer_matches_its_twin_on_gpu():
         block_mixer.launch(*args, again, False, block_mixer._tile(block_mixer.CHOICES[key]))
         assert all(torch.equal(x, y) for x, y in zip(got_tape, again, strict=True))
         print(tokens, "chose", block_mixer.CHOICES[key])
+
+
+@torch.inference_mode()
+def test_dotsplit_on_gpu():
+    """The verify block's split-K tensor-core kernel ("dotsplit", unimax.ops.gemv) at a 4B
+    model's narrow, K-long linears (out- and down-projection) and 9 rows, BF16 and FP8 weights,
+    every tile: the twin's outputs; in a captured graph, replays with new inputs give what
+    eager calls give (each launch sets its counters back); the per-shape choice, offered it,
+    still computes the twin's outputs."""
+    from unimax.fp8 import quantize_rows
+    from unimax.ops import gemv as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for n, k in ((2560, 4096), (2560, 9216)):
+        w = torch.randn(n, k, device="cuda", generator=gen) / 50
+        x = torch.randn(9, k, device="cuda", generator=gen).to(torch.bfloat16)
+        for weight, scale in (quantize_rows(w), (w.to(torch.bfloat16), None)):
+            ref = ops.gemv_ref(x, weight, scale)
+            for tile in ops.DOTSPLIT_TILES:
+                got = ops.gemv(x, weight, scale, kernel=f"dotsplit@{ops.tile_text(tile)}")
+                assert rel_err(got.float(), ref.float()) < 1e-2, (n, k, tile, weight.dtype)
+            ops.CHOICES.clear()
+            got = ops.small_m_linear(x, weight, scale)
+            assert rel_err(got.float(), ref.float()) < 1e-2, (n, k, "chosen", weight.dtype)
+            print(n, k, weight.dtype, "chose", list(ops.CHOICES.values()))
+    weight = w.to(torch.bfloat16)
+
+    def call():
+        return ops.gemv(x, weight, None, kernel="dotsplit@32x256x4x3x8")
+
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        graph.replay()
+        assert torch.equal(out, call())

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from ..norms import gated_rms_norm_ref, rms_norm_ref
 from .gemv import (
     GEMV_TILES,
+    MAX_TILES,
     PROGRAM_ROWS,
+    _counters,
     _interpreted,
     gemv_ref,
     parse_kernel,
@@ -157,17 +159,6 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
 SPLIT_K = 4
 SPLIT_MAX_N = 4096
-MAX_TILES = 1 << 15  # the per-tile counters' buffer: cdiv(N, BLOCK_N) x M tiles at most
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """Split-K's per-tile arrival counters, zero between launches (each tile's last program
-    sets its counter back): one buffer per device, allocated at first use (a warm-up, never
-    inside a graph capture: timed_choice offers split only to keys it has timed). Shared, so
-    split launches must not run concurrently on two streams: UNI MAX runs one engine thread,
-    its forwards on one stream."""
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
 def split_tiles_fit(out_features: int, m: int) -> bool:

@@ -81,9 +81,43 @@ def _gemv_kernel(scaled: bool, f16: bool = False, tiled: bool = False):
             {"F16": f16})
 
 
+# Split-K's per-tile arrival counters (the fused GEMVs' split forms, ops/fused_gemv.py, and
+# "dotsplit" here): cdiv(N, BLOCK_N) x M tiles at most.
+MAX_TILES = 1 << 15
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """Split-K's per-tile arrival counters, zero between launches (each tile's last program
+    sets its counter back): one buffer per device, allocated at first use (a warm-up, never
+    inside a graph capture: the timed choices offer split-K only to keys they have timed).
+    Shared, so split launches must not run concurrently on two streams: UNI MAX runs one engine
+    thread, its forwards on one stream."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
 # The tensor-core kernel's autotuned tiles (BLOCK_N, BLOCK_K, warps, stages).
 DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4),
              (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2))
+
+
+# "dotsplit": the tensor-core kernel with K in slices (BLOCK_N, BLOCK_K, warps, stages,
+# slices), reduced in the same launch by each tile's last program. For the verifier's narrow,
+# K-long linears at M = k + 1 (4B: the out- and down-projections, 2560 rows: 20-80 programs
+# of "dot" on 132 SMs), where cuBLAS took the down-projection with a split-K GEMM and a reduce
+# kernel after it, 16.4 us for 47 MB (69% of copy bandwidth, sixteenth session's verify
+# block). Offered where N <= DOTSPLIT_MAX_N and K >= 4 tiles of 256; the timed choice takes
+# it only where faster. Never autotuned (the workspace's size is the tile's).
+DOTSPLIT_TILES = ((32, 256, 4, 3, 4), (64, 256, 4, 3, 4), (32, 256, 4, 3, 8),
+                  (64, 128, 4, 4, 8), (16, 256, 4, 3, 8))
+DOTSPLIT_TILE = (32, 256, 4, 3, 4)  # where none is named
+DOTSPLIT_MAX_N = 4096
+
+
+def dotsplit_fits(m: int, n: int, k: int) -> bool:
+    """Whether "dotsplit" is offered for this shape (see DOTSPLIT_TILES)."""
+    return m > PROGRAM_ROWS and n <= DOTSPLIT_MAX_N and k >= 4 * 256 and \
+        -(-n // min(t[0] for t in DOTSPLIT_TILES)) <= MAX_TILES
 
 
 @functools.cache
@@ -109,7 +143,7 @@ def _dot_kernel(scaled: bool, tiled: bool = False):
 # step) rather than leave the tile to Triton's autotuner, which times a lone call with L2
 # flushed: the way the form choice timed before it missed by up to 44% (ops/timing.py).
 
-TILES = {"rows": GEMV_TILES, "rows16": GEMV_TILES, "dot": DOT_TILES}
+TILES = {"rows": GEMV_TILES, "rows16": GEMV_TILES, "dot": DOT_TILES, "dotsplit": DOTSPLIT_TILES}
 
 
 def tile_text(tile: tuple[int, ...]) -> str:
@@ -151,8 +185,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          kernel: str | None = None) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
-    weights only) or "dot" (tensor cores), each autotuned, or any with "@tile" (one of its
-    TILES, as ``tiled_names`` writes it); by default rows for M <= PROGRAM_ROWS."""
+    weights only) or "dot" (tensor cores), each autotuned, or "dotsplit" (tensor cores, K in
+    slices: DOTSPLIT_TILES; at DOTSPLIT_TILE), or any with "@tile" (one of its TILES, as
+    ``tiled_names`` writes it); by default rows for M <= PROGRAM_ROWS."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -175,12 +210,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         launch[grid](x, weight, scale if scaled else x, y, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, **fixed,
                      **tile_args(tile))
-    else:
+    elif kernel == "dot":
         triton, launch, fixed = _dot_kernel(scaled, tile is not None)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        launch[grid](x, weight, scale if scaled else x, y, m, n, k, x.stride(0),
+        launch[grid](x, weight, scale if scaled else x, y, y, y, m, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16, **fixed,
                      **tile_args(tile))
+    else:  # dotsplit: the workspace and counters for its slices (see DOTSPLIT_TILES)
+        *tile, split = tile or DOTSPLIT_TILE
+        tiles = -(-n // tile[0])
+        if tiles > MAX_TILES:
+            raise ValueError(f"gemv: dotsplit takes at most {MAX_TILES} output tiles, got {tiles}")
+        triton, launch, fixed = _dot_kernel(scaled, True)
+        work = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+        launch[(tiles, split)](x, weight, scale if scaled else x, y, work, _counters(x.device),
+                               m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                               HAS_SCALE=scaled, BLOCK_M=16, SPLIT=split, **fixed,
+                               **tile_args(tuple(tile)))
     return y
 
 
@@ -225,13 +271,15 @@ def _time_us(fn, copies: int, label: str = "") -> float:
         return do_bench(lambda: fn(0), warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def candidates(m: int, scaled: bool) -> tuple[str, ...]:
-    """The kernels worth timing for M rows: the Triton kernel of that M, the GEMV with FP16
-    products for FP8 weights, and cuBLAS for BF16 weights (for FP8 it would first dequantize
-    them). Measured and left out (bench/gemv.py, H200, 4B shapes, M = 1): the tensor-core
-    kernel, 1.4x slower than the GEMV for FP8 weights with FP16 products and 1.06x for BF16."""
+def candidates(m: int, scaled: bool, n: int = 0, k: int = 0) -> tuple[str, ...]:
+    """The kernels worth timing for M rows of an (N, K) weight: the Triton kernel of that M,
+    the GEMV with FP16 products for FP8 weights, the split-K tensor-core kernel where
+    ``dotsplit_fits``, and cuBLAS for BF16 weights (for FP8 it would first dequantize them).
+    Measured and left out (bench/gemv.py, H200, 4B shapes, M = 1): the tensor-core kernel,
+    1.4x slower than the GEMV for FP8 weights with FP16 products and 1.06x for BF16."""
     if m > PROGRAM_ROWS:
-        return ("dot",) if scaled else ("dot", "cublas")
+        split = ("dotsplit",) if dotsplit_fits(m, n, k) else ()
+        return ("dot",) + split + (() if scaled else ("cublas",))
     return ("rows", "rows16") if scaled else ("rows", "cublas")
 
 
@@ -275,7 +323,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) ->
     key = (x.shape[0], *weight.shape, weight.dtype)
     if key in CHOICES:  # (every call after the first: no names to build)
         return CHOICES[key]
-    forms = candidates(x.shape[0], scale is not None)
+    forms = candidates(x.shape[0], scale is not None, *weight.shape)
     names = tiled_names(tuple(f for f in forms if f in TILES), TILES) + tuple(
         f for f in forms if f not in TILES)  # (cuBLAS picks its own tiles)
     return timed_choice(CHOICES, key, names,

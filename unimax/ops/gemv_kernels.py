@@ -55,13 +55,29 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_y
 
 
 @triton.jit
-def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-               HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+               stride_ym, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+               SPLIT: tl.constexpr = 1):
+    """y = x @ W^T (* s): all M <= BLOCK_M rows of x against a tile of W's rows per program.
+
+    ``SPLIT`` > 1 (split-K, "dotsplit": the verifier's K-long, narrow linears, whose N / BLOCK_N
+    tiles are too few programs to keep the H200's memory busy): program (n, s) sums its slice
+    s of K (whole BLOCK_K tiles) and stores the partial tile in the workspace ws (SPLIT, M, N,
+    fp32); the last of a tile's SPLIT programs (a counter per tile, cnt, set back to 0 by it)
+    adds them in slice order and stores y: one launch, the scheme of the fused GEMVs' split-K
+    (fused_gemv_kernels.py), where cuBLAS runs a reduce kernel after its split-K GEMM."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(1)
+    start = 0
+    end = K
+    if SPLIT > 1:  # (each slice whole tiles; the last may be short, or empty)
+        span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+        start = part * span
+        end = tl.minimum(start + span, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(start, end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
@@ -74,7 +90,21 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride
                           input_precision="ieee")
         else:
             acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT > 1:
+        slot = rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptr + part * M * N + slot, acc, mask=inside)
+        tl.debug_barrier()  # every thread's partial stored before the counter moves
+        tile = tl.program_id(0)
+        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT - 1  # (acq_rel, device scope)
+        tl.debug_barrier()
+        inside = inside & last  # the others are done: only the last program writes y
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(SPLIT):  # in slice order, whichever program came last
+            acc += tl.load(ws_ptr + s * M * N + slot, mask=inside, other=0.0,
+                           cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0, mask=last)  # ready for the next launch (replays)
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+             mask=inside)
