@@ -140,6 +140,7 @@ def test_tma_forms_are_offered_where_they_fit():
     # (the TMA split forms where split-K is offered: FP8, narrow outputs, K-long)
     assert forms(candidates(12352, 2560, 1, True, 1, tma=True)) == {"rows", "rows16", "tma",
                                                                      "tma16"}
+    assert forms(candidates(64, 256, 1, True, 1, tma=True)) == {"rows", "rows16"}  # (short K)
     for name in fp8:
         if name.startswith("tma"):
             n, k, warps, stages = (int(v) for v in name.split("@")[1].split("x"))

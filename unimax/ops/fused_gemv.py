@@ -367,12 +367,13 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 def candidates(out_features: int, in_features: int, m: int, scaled: bool,
                head: int, tma: bool = False) -> tuple[str, ...]:
     """The kernel names the per-shape choice times: every form at every one of its tiles
-    (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms where ``tma``:
-    see TMA_FORMS), timed as a step runs them (ops.gemv.timed_choice)."""
+    (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms where ``tma``
+    and K holds at least two of their tiles: see TMA_FORMS), timed as a step runs them
+    (ops.gemv.timed_choice)."""
     forms = ("rows", "rows16") if scaled else ("rows",)
     if split_fits(out_features, in_features, m, scaled):
         forms += ("split", "split16")
-    if tma:
+    if tma and in_features >= 2 * TMA_MAX_K:  # (one or two tiles: nothing to pipeline)
         forms += ("tma", "tma16") if scaled else ("tma",)
         if split_fits(out_features, in_features, m, scaled):
             forms += ("tmasplit", "tmasplit16")
