@@ -10,7 +10,7 @@ and the kernel it replaces (a launch of ~1.5-2.5 us on the H200, for a few kilob
 import triton
 import triton.language as tl
 
-from .gemv_kernels import tile_products
+from .gemv_kernels import split_k_sum, tile_products
 
 # Prologues (the PRO constexpr; fused_gemv.PROLOGUES names them)
 NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU, SIGMOID_GATE = 0, 1, 2, 3, 4, 5
@@ -178,9 +178,9 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     ``SPLIT`` > 1 (split-K, for the few-row, K-long linears: more programs in flight): program
     (n, row, s) sums its slice s of K (whole BLOCK_K tiles) and stores the partial sums in the
     workspace ws (SPLIT, M, N, fp32); the last of a tile's SPLIT programs to finish (a counter
-    per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue:
-    one launch, where a split-K GEMV with a reduce kernel after it lost (bench/RESULTS.md,
-    2026-11-30, fourth session).
+    per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue
+    (gemv_kernels.split_k_sum): one launch, where a split-K GEMV with a reduce kernel after it
+    lost (bench/RESULTS.md, 2026-11-30, fourth session).
 
     ``TMA`` (compute capability 9+; w_ptr is then a tensor descriptor of W over (N, K) with
     block (BLOCK_N, BLOCK_K), which fills zeros past N and K as the masks do): W's tiles come
@@ -244,19 +244,9 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     if F16:
         y = y * 64.0
     keep = rn < N
-    if SPLIT > 1:
-        rows = tl.num_programs(1)
-        tl.store(ws_ptr + (part * rows + row) * N + rn, y, mask=keep)
-        tl.debug_barrier()  # every thread's partial stored before the counter moves
-        tile = row * tl.num_programs(0) + tl.program_id(0)
-        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT - 1  # (acq_rel, device scope)
-        tl.debug_barrier()
-        keep = keep & last  # the others are done: only the last program writes y
-        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for s in range(SPLIT):  # in split order, whichever program came last
-            y += tl.load(ws_ptr + (s * rows + row) * N + rn, mask=keep, other=0.0,
-                         cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0, mask=last)  # ready for the next launch (replays)
+    if SPLIT > 1:  # (the slices added by the tile's last program: only it writes y)
+        y, keep = split_k_sum(y, ws_ptr, cnt_ptr, row * tl.num_programs(0) + tl.program_id(0),
+                              part, row * N + rn, tl.num_programs(1) * N, keep, SPLIT)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rn, mask=keep, other=0.0)
     y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is

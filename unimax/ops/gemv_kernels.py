@@ -55,6 +55,27 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_y
 
 
 @triton.jit
+def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
+                SPLIT: tl.constexpr):
+    """Split-K in one launch: each of a tile's SPLIT programs stores its partial sums (fp32,
+    at ``slot`` of slice ``part``'s ``size`` in the workspace ws) and counts itself in at the
+    tile's counter; the last to arrive adds the SPLIT slices in slice order (the same sums
+    whichever program came last) and sets the counter back to 0 for the next launch (graph
+    replays). Returns (the total, where to store it: ``inside`` in the last program only).
+    The fused GEMVs' split forms (fused_gemv_kernels.py) and "dotsplit" (dot_kernel)."""
+    tl.store(ws_ptr + part * size + slot, part_sum, mask=inside)
+    tl.debug_barrier()  # every thread's partial stored before the counter moves
+    last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT - 1  # (acq_rel, device scope)
+    tl.debug_barrier()
+    inside = inside & last  # the others are done: only the last program writes
+    total = tl.zeros_like(part_sum)
+    for s in range(SPLIT):  # in slice order, whichever program came last
+        total += tl.load(ws_ptr + s * size + slot, mask=inside, other=0.0, cache_modifier=".cg")
+    tl.atomic_xchg(cnt_ptr + tile, 0, mask=last)  # ready for the next launch (replays)
+    return total, inside
+
+
+@triton.jit
 def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                stride_ym, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
@@ -63,10 +84,9 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
 
     ``SPLIT`` > 1 (split-K, "dotsplit": the verifier's K-long, narrow linears, whose N / BLOCK_N
     tiles are too few programs to keep the H200's memory busy): program (n, s) sums its slice
-    s of K (whole BLOCK_K tiles) and stores the partial tile in the workspace ws (SPLIT, M, N,
-    fp32); the last of a tile's SPLIT programs (a counter per tile, cnt, set back to 0 by it)
-    adds them in slice order and stores y: one launch, the scheme of the fused GEMVs' split-K
-    (fused_gemv_kernels.py), where cuBLAS runs a reduce kernel after its split-K GEMM."""
+    s of K (whole BLOCK_K tiles); ``split_k_sum`` adds the slices in the tile's last program
+    (workspace ws (SPLIT, M, N) fp32, a counter per tile in cnt): one launch, where cuBLAS runs
+    a reduce kernel after its split-K GEMM."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
@@ -92,18 +112,8 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
             acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT > 1:
-        slot = rm[:, None] * N + rn[None, :]
-        tl.store(ws_ptr + part * M * N + slot, acc, mask=inside)
-        tl.debug_barrier()  # every thread's partial stored before the counter moves
-        tile = tl.program_id(0)
-        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT - 1  # (acq_rel, device scope)
-        tl.debug_barrier()
-        inside = inside & last  # the others are done: only the last program writes y
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT):  # in slice order, whichever program came last
-            acc += tl.load(ws_ptr + s * M * N + slot, mask=inside, other=0.0,
-                           cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0, mask=last)  # ready for the next launch (replays)
+        acc, inside = split_k_sum(acc, ws_ptr, cnt_ptr, tl.program_id(0), part,
+                                  rm[:, None] * N + rn[None, :], M * N, inside, SPLIT)
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
