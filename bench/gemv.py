@@ -166,21 +166,30 @@ FOLDS = {"in_proj": ("rms", False, 1), "out_proj": ("gated_silu", True, 1),
          "gate_up": ("rms", False, 1), "down": ("swiglu", True, 2)}
 
 
+def fold_inputs(cfg, name: str, n: int, k: int):
+    """A draft linear's fused GEMV inputs at M = 1 (FP8 weight copies, x, z, the norm's
+    weight, the residual) as unimax.fused_draft calls it: (prologue, head, weights, q, x, z,
+    norm, res)."""
+    prologue, residual, width = FOLDS[name]
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(1, width * k, device="cuda", dtype=torch.bfloat16)
+    gated = prologue.startswith("gated")
+    head = cfg.head_v_dim if gated else 1
+    z = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gated else None
+    norm = (torch.ones(head if gated else k, device="cuda", dtype=torch.bfloat16)
+            if prologue != "swiglu" else None)
+    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
+    return prologue, head, bench_copies(q, scale), q, x, z, norm, res
+
+
 def fused_row(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     """One draft linear's fused FP8 GEMV (M = 1) through every form, and the timed choice."""
     from unimax.ops import fused_gemv as fused
 
-    prologue, residual, width = FOLDS[name]
-    torch.manual_seed(0)
-    q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-    weights = bench_copies(q, scale)
+    prologue, _, weights, q, x, z, norm, res = fold_inputs(cfg, name, n, k)
+    scale = weights[0][1]
     copies = len(weights)
-    x = torch.randn(1, width * k, device="cuda", dtype=torch.bfloat16)
-    gated = prologue.startswith("gated")
-    z = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gated else None
-    norm = (torch.ones(cfg.head_v_dim if gated else k, device="cuda", dtype=torch.bfloat16)
-            if prologue != "swiglu" else None)
-    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
     row = {"name": name, "N": n, "K": k, "prologue": prologue, "MB": q.numel() / 1e6}
     forms = ("rows", "rows16") + (("split", "split16") if fused.split_fits(n, k, 1, True)
                                   else ())

@@ -16,14 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth  # noqa: E402
-from gemv import FOLDS, bench_copies, linear_shapes  # noqa: E402
+from gemv import FOLDS, fold_inputs, linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
-from unimax.fp8 import quantize_rows  # noqa: E402
 from unimax.ops import fused_gemv as fused  # noqa: E402
 from unimax.ops.timing import graph_us  # noqa: E402
 
@@ -36,17 +33,7 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float, sweep: bool) -
     """The linear at its chosen plain kernel and every TMA form offered; with ``sweep`` and
     where split-K is offered, the split forms at SPLIT_K 2, 4 and 8 and the TMA forms at 3 and
     5 stages too (module settings changed for the bench only, put back after)."""
-    prologue, residual, width = FOLDS[name]
-    torch.manual_seed(0)
-    q, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-    weights = bench_copies(q, scale)
-    x = torch.randn(1, width * k, device="cuda", dtype=torch.bfloat16)
-    gated = prologue.startswith("gated")
-    head = cfg.head_v_dim if gated else 1
-    z = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if gated else None
-    norm = (torch.ones(head if gated else k, device="cuda", dtype=torch.bfloat16)
-            if prologue != "swiglu" else None)
-    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if residual else None
+    prologue, head, weights, q, x, z, norm, res = fold_inputs(cfg, name, n, k)
     rows = []
 
     def timed(kernel: str, **setting) -> None:
