@@ -45,6 +45,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def assert_replays_match_eager(call, x: torch.Tensor, gen: torch.Generator, label="") -> None:
+    """``call()`` (reading x) captured in a CUDA graph after a warm-up call outside it (compiles
+    and autotuning): three replays, each after new values in x, equal eager calls bit for bit
+    (a kernel's per-launch state, such as split-K's counters, set back by each launch)."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device=x.device, generator=gen))
+        graph.replay()
+        assert torch.equal(out, call()), label
+
+
 def randomize_(module: torch.nn.Module, seed: int) -> None:
     """Every parameter random in a realistic range (reference inits leave norms at 0 or 1,
     which would hide a wrong norm offset or a missing gate)."""

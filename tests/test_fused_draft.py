@@ -153,9 +153,13 @@ def test_tma_forms_are_offered_where_they_fit():
 
 TMA_ALIGN_CHILD = """
 import torch
-from unimax.ops.fused_gemv import fused_gemv, tma_problem
+import unimax.ops.fused_gemv as f
+from unimax.ops.fused_gemv import fused_gemv, tma_offered, tma_problem
 x, w = torch.randn(1, 64), torch.randn(40, 72)
 print("aligned", tma_problem(w, x))
+print("offered", tma_offered(w, x), tma_offered(w[:, 1:65], x))
+f.TMA = False
+print("off", tma_offered(w, x))
 print("offset", tma_problem(w[:, 1:65], x))
 print("stride", tma_problem(torch.randn(40, 67)[:, :64], x))
 try:
@@ -166,9 +170,12 @@ except ValueError as e:
 
 
 def test_tma_problem_names_a_misaligned_weight():
+    """tma_problem names a misaligned W (base or rows); the choice is offered the TMA forms only
+    where there is no problem and fused_gemv.TMA is on; fused_gemv refuses them elsewhere."""
     out = run_with_triton(TMA_ALIGN_CHILD)
     lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
     assert lines["aligned"] == "None", out
+    assert lines["offered"] == "True False" and lines["off"] == "False", out  # (TMA: the switch)
     assert "16-byte aligned" in lines["offset"] and "16-byte aligned" in lines["stride"], out
     assert "take a rows form" in lines["refused"], out
 

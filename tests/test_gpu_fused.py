@@ -9,7 +9,7 @@ import torch
 
 import unimax
 from helpers import GPU_CONFIG as CONFIG
-from helpers import gpu_model, rel_err
+from helpers import assert_replays_match_eager, gpu_model, rel_err
 from helpers import gpu_prompt as prompt
 from unimax import build_engine
 
@@ -60,17 +60,9 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     q, s = quantize_rows(torch.randn(2560, 9216, device="cuda", generator=gen))
     x = torch.randn(1, 2 * 9216, device="cuda", generator=gen).to(torch.bfloat16)
     for kernel in ("split", "split16"):
-        def split_call(kernel=kernel):
-            return fused_gemv.fused_gemv(x, q, s, 2560, 9216, "swiglu", kernel=kernel)
-
-        split_call()  # (warm-up: compile and autotune outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = split_call()
-        for _ in range(3):
-            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-            graph.replay()
-            assert torch.equal(out, split_call()), kernel
+        assert_replays_match_eager(
+            lambda kernel=kernel: fused_gemv.fused_gemv(x, q, s, 2560, 9216, "swiglu",
+                                                        kernel=kernel), x, gen, kernel)
 
     # the in-projection with the convolution folded in (ops.in_proj_conv) at the 4B
     # in-projection, through the op (its timed choice on a copy of the state): the twin's
@@ -181,14 +173,6 @@ def test_tma_gemv_on_gpu():
     x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
 
     for kernel in ("tma16@32x256x4x4", "tmasplit16@16x256x4x4"):
-        def call(kernel=kernel):
-            return fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none", kernel=kernel)
-
-        call()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
-        for _ in range(3):
-            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-            graph.replay()
-            assert torch.equal(out, call()), kernel
+        assert_replays_match_eager(
+            lambda kernel=kernel: fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none",
+                                                        kernel=kernel), x, gen, kernel)

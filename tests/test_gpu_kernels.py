@@ -8,7 +8,7 @@ compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import assert_replays_match_eager, rel_err
 from unimax.ops.gated_delta import fla_ops
 
 pytestmark = pytest.mark.gpu
@@ -180,15 +180,5 @@ def test_dotsplit_on_gpu():
             assert rel_err(got.float(), ref.float()) < 1e-2, (n, k, "chosen", weight.dtype)
             print(n, k, weight.dtype, "chose", list(ops.CHOICES.values()))
     weight = w.to(torch.bfloat16)
-
-    def call():
-        return ops.gemv(x, weight, None, kernel="dotsplit@32x256x4x3x8")
-
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-        graph.replay()
-        assert torch.equal(out, call())
+    assert_replays_match_eager(
+        lambda: ops.gemv(x, weight, None, kernel="dotsplit@32x256x4x3x8"), x, gen, "dotsplit")

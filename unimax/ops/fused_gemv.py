@@ -308,6 +308,12 @@ def tma_problem(weight: torch.Tensor, x: torch.Tensor) -> str | None:
     return None
 
 
+def tma_offered(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the timed choice is offered the TMA forms for this weight (``TMA`` on, read at
+    the choice, and nothing in ``tma_problem``)."""
+    return TMA and tma_problem(weight, x) is None
+
+
 def pdl_wanted(weight: torch.Tensor) -> bool:
     """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight``."""
     if PDL not in (False, True, "fp8"):
@@ -359,7 +365,7 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     if key in CHOICES:  # (every call after the first: no names to build)
         return run(CHOICES[key], weight, scale)
     names = candidates(out_features, in_features, x.shape[0], scale is not None,
-                       _head(prologue, norm_weight), TMA and tma_problem(weight, x) is None)
+                       _head(prologue, norm_weight), tma_offered(weight, x))
     return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)),
                weight, scale)
 

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from . import fused_gemv as fused_gemv_module
 from .conv import causal_conv1d_step
 from .fused_gemv import (
     CHOICES,
@@ -31,7 +30,7 @@ from .fused_gemv import (
     check_conv,
     fused_gemv,
     fused_small_m_linear_ref,
-    tma_problem,
+    tma_offered,
 )
 from .gemv import tile_text, timed_choice
 
@@ -82,7 +81,7 @@ def fused_in_proj_conv(x: torch.Tensor, weight: torch.Tensor,
         # timed on a copy of the state: each timed call rolls the windows it is given
         scratch = conv_state.clone()
         names = candidates(out_features, in_features, x.shape[0], scale is not None, 1,
-                           fused_gemv_module.TMA and tma_problem(weight, x) is None)
+                           tma_offered(weight, x))
         timed_choice(CHOICES, key, names, DEFAULT, True,
                      lambda kernel, w, s: run(kernel, w, s, scratch), (weight, scale))
     return run(CHOICES.get(key, DEFAULT), weight, scale)
