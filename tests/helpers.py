@@ -44,7 +44,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@torch.no_grad()
 def assert_replays_match_eager(call, x: torch.Tensor, gen: torch.Generator, label="") -> None:
     """``call()`` (reading x) captured in a CUDA graph after a warm-up call outside it (compiles
     and autotuning): three replays, each after new values in x, equal eager calls bit for bit
@@ -59,6 +58,7 @@ def assert_replays_match_eager(call, x: torch.Tensor, gen: torch.Generator, labe
         assert torch.equal(out, call()), label
 
 
+@torch.no_grad()
 def randomize_(module: torch.nn.Module, seed: int) -> None:
     """Every parameter random in a realistic range (reference inits leave norms at 0 or 1,
     which would hide a wrong norm offset or a missing gate)."""
