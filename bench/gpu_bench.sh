@@ -153,7 +153,7 @@ case "${1:-}" in
     # the TMA forms' GPU test first (a failure skips the timing), then the steps with and
     # without them offered to the timed choice
     UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-      tests/test_gpu_fused.py -k tma > "$OUT/tma-test.log" 2>&1
+      tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
     tail -15 "$OUT/tma-test.log" | cut -c1-160
     grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \

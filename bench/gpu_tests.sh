@@ -9,8 +9,11 @@
 # three files, 485 s wall, test_gpu_engine.py the long pole at 475 s; its verified tests then
 # moved to test_gpu_verified.py; fifteenth session: that file alone ran past 560 s, and its
 # hybrid and rewind tests moved to test_gpu_hybrid.py; sixteenth session: that file took 535 s,
-# its capture-everything test moved to test_gpu_hybrid_capture.py.) Arguments go to one pytest
-# process instead (e.g. one file, or -k to pick tests).
+# its capture-everything test moved to test_gpu_hybrid_capture.py; seventeenth session:
+# test_gpu_fused.py ran past its limit, its TMA test moved to test_gpu_tma.py.) Arguments go to one pytest
+# process instead (e.g. one file, or -k to pick tests); GPU_TEST_FILES picks files to run side
+# by side as without arguments (e.g. a file that ran out of time, alone: GPU_TEST_FILES=
+# "tests/test_gpu_fused.py tests/test_gpu_tma.py").
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -27,7 +30,7 @@ suite() {  # $1: log name; the rest: pytest arguments
     done > "$log"
 }
 if [ $# -eq 0 ]; then
-  for file in tests/test_gpu*.py; do
+  for file in ${GPU_TEST_FILES:-tests/test_gpu*.py}; do
     suite "$(basename "$file" .py)" "$file" &
   done
   wait

@@ -50,7 +50,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                                                       residual, 1e-6, 1.0)
             split = ("split", "split16") if n <= fused_gemv.SPLIT_MAX_N else ()  # (as offered)
             # a TMA form at every prologue (W through tensor descriptors, pipelined; each form
-            # and tile at the 4B linears: test_tma_gemv_on_gpu)
+            # and tile at the 4B linears: tests/test_gpu_tma.py)
             for kernel in ("rows", "rows16") + split + ("tma16",):
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=kernel)
@@ -134,45 +134,3 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     got = bf16.generate_fast(x, 48)[0].tolist()
     reference = unimax.exact_greedy_tokens(model, x, 48)[0].tolist()
     assert is_near_tie(first_divergence(model, x, got, reference))
-
-
-def test_tma_gemv_on_gpu():
-    """The TMA forms (ops.fused_gemv.TMA_FORMS: W's tiles through tensor descriptors,
-    pipelined into shared memory) at a 4B model's four draft linears, FP8 with fp32 and FP16
-    products (split-K too where offered) and BF16: the twin's outputs; in a captured graph,
-    replays with new inputs give what eager calls give (the descriptor is a launch argument,
-    kept by the graph; split-K's counters set back). (The timed choice among them and the
-    plain forms: test_fused_draft_on_gpu's steps.)"""
-    import unimax.ops.fused_gemv as fused_gemv
-    from unimax.fp8 import quantize_rows
-
-    assert fused_gemv.TMA and torch.cuda.get_device_capability()[0] >= 9
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    for prologue, n, k, residual in (("rms", 12352, 2560, False), ("gated_silu", 2560, 4096, True),
-                                     ("rms", 18432, 2560, False), ("swiglu", 2560, 9216, True)):
-        w = torch.randn(n, k, device="cuda", generator=gen) / 50
-        x = 4 * torch.randn(1, 2 * k if prologue == "swiglu" else k, device="cuda",
-                            generator=gen).to(torch.bfloat16)
-        gated = prologue.startswith("gated")
-        z = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16) if gated else None
-        norm = ((1 + 0.1 * torch.randn(128 if gated else k, device="cuda", generator=gen))
-                .to(torch.bfloat16) if prologue != "swiglu" else None)
-        r = (torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)
-             if residual else None)
-        split = ("tmasplit16@32x256x4x4", "tmasplit") if n <= fused_gemv.SPLIT_MAX_N else ()
-        for (weight, scale), kernels in ((quantize_rows(w), ("tma@32x256x4x4", "tma16") + split),
-                                         ((w.to(torch.bfloat16), None), ("tma",))):
-            ref = fused_gemv.fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
-                                                      r, 1e-6, 1.0)
-            for kernel in kernels:
-                got = fused_gemv.fused_gemv(x, weight, scale, n, k, prologue, norm, z, r, 1e-6,
-                                            1.0, kernel=kernel)
-                assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, n, kernel)
-    # captured: the descriptor's address and box stay in the graph, x changes under it
-    q, s = quantize_rows(torch.randn(2560, 4096, device="cuda", generator=gen))
-    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-
-    for kernel in ("tma16@32x256x4x4", "tmasplit16@16x256x4x4"):
-        assert_replays_match_eager(
-            lambda kernel=kernel: fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none",
-                                                        kernel=kernel), x, gen, kernel)
