@@ -13,7 +13,7 @@
 # test_gpu_fused.py ran past its limit, its TMA test moved to test_gpu_tma.py.) Arguments go to one pytest
 # process instead (e.g. one file, or -k to pick tests); GPU_TEST_FILES picks files to run side
 # by side as without arguments (e.g. a file that ran out of time, alone: GPU_TEST_FILES=
-# "tests/test_gpu_fused.py tests/test_gpu_tma.py").
+# "tests/test_gpu_fused.py tests/test_gpu_tma.py"); GPU_TEST_LIMIT sets each process's seconds.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ suite() {  # $1: log name; the rest: pytest arguments
   # each line with the second it was written at, so that a file cut by its limit (the
   # durations print only at the end) still says where its time went
   local log="$OUT/pytest-$1.log"; shift
-  UNIMAX_ALLOW_FLA=1 timeout 560 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+  UNIMAX_ALLOW_FLA=1 timeout ${GPU_TEST_LIMIT:-560} python3 -m pytest -v -s -m gpu -p no:cacheprovider \
     --continue-on-collection-errors --durations=8 "$@" 2>&1 | tr -d '\000' |
     while IFS= read -r line || [ -n "$line" ]; do
       printf '%4d s %s\n' $((SECONDS - T0)) "$line"
