@@ -21,10 +21,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$SECONDS
 suite() {  # $1: log name; the rest: pytest arguments
   # each line with the second it was written at, so that a file cut by its limit (the
-  # durations print only at the end) still says where its time went
+  # durations print only at the end) still says where its time went (tr unbuffered: into a
+  # pipe it held every line to the end, seventeenth session)
   local log="$OUT/pytest-$1.log"; shift
   UNIMAX_ALLOW_FLA=1 timeout ${GPU_TEST_LIMIT:-560} python3 -m pytest -v -s -m gpu -p no:cacheprovider \
-    --continue-on-collection-errors --durations=8 "$@" 2>&1 | tr -d '\000' |
+    --continue-on-collection-errors --durations=8 "$@" 2>&1 | stdbuf -o0 tr -d '\000' |
     while IFS= read -r line || [ -n "$line" ]; do
       printf '%4d s %s\n' $((SECONDS - T0)) "$line"
     done > "$log"

@@ -1,6 +1,6 @@
 """The fused GEMVs' TMA forms against the plain ones (GPU): each 4B draft linear (FP8, M = 1,
 with the draft's prologue and residual) at the plain form and tile the H200's timed choice
-took (sixteenth session) and at every TMA form and tile (unimax.ops.fused_gemv.TMA_FORMS),
+took (sixteenth session) and at every TMA form and nameable tile (ops.fused_gemv.TMA_TILES),
 graph-timed over weight copies as the choice times them; errors printed per candidate, not
 hidden (the choice times a failing candidate as infinitely slow). On the K-long narrow
 linears (out_proj, down: where split-K is offered) also a sweep: the split forms at SPLIT_K
@@ -22,6 +22,7 @@ from gemv import FOLDS, fold_inputs, linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.ops import fused_gemv as fused  # noqa: E402
+from unimax.ops.gemv import tiled_names  # noqa: E402
 from unimax.ops.timing import graph_us  # noqa: E402
 
 # the FP8 kernels the H200's timed choice took for gdn-4b (sixteenth session)
@@ -48,10 +49,9 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float, sweep: bool) -
         print(json.dumps(row), flush=True)
 
     timed(CHOSEN[name])
-    offered = fused.candidates(n, k, 1, True, head, tma=True)
-    for kernel in offered:
-        if kernel.startswith("tma"):
-            timed(kernel)
+    forms = fused.TMA_FORMS if fused.split_fits(n, k, 1, True) else ("tma", "tma16")
+    for kernel in tiled_names(forms, fused._tiles_by_form(head)):  # (all, not just the offered)
+        timed(kernel)
     if not sweep or not fused.split_fits(n, k, 1, True):
         return rows
     saved = fused.SPLIT_K, fused.TMA_TILES

@@ -128,7 +128,16 @@ def test_tma_forms_are_offered_where_they_fit():
     ones where split-K is offered), each tile's BLOCK_K at least one head and at most a TMA
     box; rows, rows16 and split-K as before. ``tma_problem`` names a pre-Hopper device and a
     misaligned W, and fused_gemv refuses a TMA form there."""
-    from unimax.ops.fused_gemv import TMA_FORMS, TMA_MAX_K, candidates, fused_gemv, tma_problem
+    from unimax.ops.fused_gemv import (
+        TMA_FORMS,
+        TMA_MAX_K,
+        TMA_OFFERED,
+        TMA_TILES,
+        candidates,
+        fused_gemv,
+        tma_problem,
+    )
+    from unimax.ops.gemv import tile_text
 
     def forms(names):
         return {n.split("@")[0] for n in names}
@@ -145,6 +154,16 @@ def test_tma_forms_are_offered_where_they_fit():
         if name.startswith("tma"):
             n, k, warps, stages = (int(v) for v in name.split("@")[1].split("x"))
             assert 128 <= k <= TMA_MAX_K and stages > 1, name
+    # each TMA form at the offered tile only (each tile a compile at warm-up); the others
+    # stay nameable (benches)
+    tma = [name for name in fp8 if name.startswith("tma")]
+    assert len(tma) == len(TMA_FORMS) * len(TMA_OFFERED) and len(TMA_TILES) > len(TMA_OFFERED)
+    assert {name.split("@")[1] for name in tma} == {tile_text(t) for t in TMA_OFFERED}
+    from unimax.ops.fused_gemv import _tiles_by_form
+    from unimax.ops.gemv import parse_kernel
+
+    for tile in TMA_TILES:
+        assert parse_kernel(f"tmasplit16@{tile_text(tile)}", _tiles_by_form(1), "t")[1] == tile
     x, w = torch.randn(1, 64), torch.randn(40, 64)
     assert "compute capability 9.0" in tma_problem(w, x)  # (no Triton interpreter here)
     with pytest.raises(ValueError, match="tma: TMA needs compute capability"):

@@ -117,6 +117,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     steps = 2 * 20 * CONFIG.num_hidden_layers
     assert calls.count("conv") == steps and calls.count("fused") == 3 * steps, calls[:8]
     assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
+    print("fused draft views checked; now the compiled engines")  # (the log's time marks)
     x = prompt(60, seed=6)
     graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
     assert all(block.fused for block in graphs.decode_model.layers)
@@ -128,6 +129,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     from unimax.reference import first_divergence, is_near_tie
 
     assert fused_draft.FUSE_BF16
+    print("fused draft graphs checked; now the fused BF16 step")
     bf16 = build_engine(model, decode="bf16", block_size=8, compile_step=True)
     assert all(block.fused for block in bf16.decode_model.layers)
     assert not any(getattr(block, "fused", False) for block in model.layers)

@@ -281,18 +281,31 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
 # (bench/tma_gemv.py, sixteenth session, FP8, x loaded a tile ahead): in_proj 5% faster than
 # its plain choice, gate_up 8% slower, and the K-long narrow ones (out_proj, down: 80-160
 # programs of 16-36 tiles) 1.3x slower, the case split-K serves in the plain forms: hence the
-# TMA split forms (not yet timed on a GPU).
+# TMA split forms. Those (seventeenth session, bench/tma_gemv.py): down 10.35 us against
+# split16's 11.22 (-8%), out_proj 7.93 against rows' 7.23 (+10%); gate_up's best TMA form
+# 16.82 against rows16's 15.63; in_proj 12.14 against 12.68 (-4%).
 TMA_FORMS = ("tma", "tma16", "tmasplit", "tmasplit16")
 TMA_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))  # (8 x 256 and 6 stages:
 # slower at every 4B linear on the H200, sixteenth session)
-TMA_TILE = (16, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
+# The tiles the timed choice is offered: each one a Triton compile per shape and prologue at
+# warm-up, and with all three a GPU test file's warm-ups ran past its 10 minutes (seventeenth
+# session). 32 x 256 was the best TMA tile or within 3% of it at every 4B linear and form (and
+# 3 or 5 stages were no better than 4 on the K-long ones); the others stay nameable for benches.
+TMA_OFFERED = ((32, 256, 4, 4),)
+TMA_TILE = (32, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
 TMA_MAX_K = 256             # the tile's)
 
 
+def _tma_tiles(tiles: tuple, head: int) -> tuple:
+    """``tiles`` with BLOCK_K at least one head, those past a TMA box's limit left out."""
+    return tuple((n, max(k, head), w, s) for n, k, w, s in tiles if max(k, head) <= TMA_MAX_K)
+
+
 @functools.cache
-def _tiles_by_form(head: int) -> dict[str, tuple]:
-    """Each form's tiles (what a kernel name may carry), BLOCK_K at least one head."""
-    tma = tuple((n, max(k, head), w, s) for n, k, w, s in TMA_TILES if max(k, head) <= TMA_MAX_K)
+def _tiles_by_form(head: int, offered: bool = False) -> dict[str, tuple]:
+    """Each form's tiles (what a kernel name may carry; with ``offered``, the TMA forms' only
+    at TMA_OFFERED: what the timed choice is given), BLOCK_K at least one head."""
+    tma = _tma_tiles(TMA_OFFERED if offered else TMA_TILES, head)
     return {**dict.fromkeys(KERNEL_NAMES, tiles_for(head)), **dict.fromkeys(TMA_FORMS, tma)}
 
 
@@ -373,8 +386,9 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 def candidates(out_features: int, in_features: int, m: int, scaled: bool,
                head: int, tma: bool = False) -> tuple[str, ...]:
     """The kernel names the per-shape choice times: every form at every one of its tiles
-    (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms where ``tma``
-    and K holds at least two of their tiles: see TMA_FORMS), timed as a step runs them
+    (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms at TMA_OFFERED
+    where ``tma`` and K holds at least two of their tiles: see TMA_FORMS), timed as a step
+    runs them
     (ops.gemv.timed_choice)."""
     forms = ("rows", "rows16") if scaled else ("rows",)
     if split_fits(out_features, in_features, m, scaled):
@@ -383,7 +397,7 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
         forms += ("tma", "tma16") if scaled else ("tma",)
         if split_fits(out_features, in_features, m, scaled):
             forms += ("tmasplit", "tmasplit16")
-    return tiled_names(forms, _tiles_by_form(head))
+    return tiled_names(forms, _tiles_by_form(head, offered=True))
 
 
 @fused_small_m_linear.register_fake
