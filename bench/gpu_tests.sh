@@ -10,7 +10,8 @@
 # moved to test_gpu_verified.py; fifteenth session: that file alone ran past 560 s, and its
 # hybrid and rewind tests moved to test_gpu_hybrid.py; sixteenth session: that file took 535 s,
 # its capture-everything test moved to test_gpu_hybrid_capture.py; seventeenth session:
-# test_gpu_fused.py ran past its limit, its TMA test moved to test_gpu_tma.py.) Arguments go to one pytest
+# test_gpu_fused.py ran past its limit, its TMA test moved to test_gpu_tma.py and its compiled
+# engines to test_gpu_fused_engine.py, its twins at named tiles instead of autotuned.) Arguments go to one pytest
 # process instead (e.g. one file, or -k to pick tests); GPU_TEST_FILES picks files to run side
 # by side as without arguments (e.g. a file that ran out of time, alone: GPU_TEST_FILES=
 # "tests/test_gpu_fused.py tests/test_gpu_tma.py"); GPU_TEST_LIMIT sets each process's seconds.

@@ -1,17 +1,16 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused full-FP8 draft (unimax.fused_draft) and the
 fused BF16 fast step. A file of its own so that bench/gpu_tests.sh runs it in a process beside
-the other GPU test files (together they pass one call's 10 minutes)."""
+the other GPU test files (together they pass one call's 10 minutes); its compiled engines in
+test_gpu_fused_engine.py, for the same reason."""
 
 import copy
 
 import pytest
 import torch
 
-import unimax
 from helpers import GPU_CONFIG as CONFIG
 from helpers import assert_replays_match_eager, gpu_model, rel_err
 from helpers import gpu_prompt as prompt
-from unimax import build_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -26,12 +25,13 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     model's shapes, each prologue, FP8 weights with fp32 and FP16 products (a TMA form
     too), with and without the residual; a full-FP8
     draft view's fused steps track the unfused view's logits with the fused kernel really
-    taken; the compiled fused draft in captured graphs decodes what it decodes eagerly."""
+    taken. (The compiled engines over them: tests/test_gpu_fused_engine.py.)"""
     import unimax.fused_draft as fused_draft
     import unimax.ops.fused_gemv as fused_gemv
     from helpers import spied
     from unimax.fast_step import gemv_view
     from unimax.fp8 import quantize_rows, quantize_view
+    from unimax.ops.gemv import tile_text
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     for prologue, n, k in (("rms", 12352, 2560), ("gated_silu", 2560, 4096),
@@ -49,17 +49,22 @@ def test_fused_draft_on_gpu(model, monkeypatch):
             ref = fused_gemv.fused_small_m_linear_ref(x, q, s, n, k, prologue, norm, z,
                                                       residual, 1e-6, 1.0)
             split = ("split", "split16") if n <= fused_gemv.SPLIT_MAX_N else ()  # (as offered)
-            # a TMA form at every prologue (W through tensor descriptors, pipelined; each form
-            # and tile at the 4B linears: tests/test_gpu_tma.py)
-            for kernel in ("rows", "rows16") + split + ("tma16",):
+            # each form at a named tile, the narrowest and the widest by turns (autotuning
+            # every form at every case compiled ~500 kernels: most of this file's 10 minutes,
+            # seventeenth session; every tile is checked on the interpreter,
+            # tests/test_fused_draft.py); a TMA form at every prologue (W through tensor
+            # descriptors, pipelined; each form and tile at the 4B linears: test_gpu_tma.py)
+            tiles = fused_gemv.tiles_for(fused_gemv._head(prologue, norm))
+            for j, form in enumerate(("rows", "rows16") + split + ("tma16",)):
+                tile = tile_text(tiles[-(j % 2)]) if form != "tma16" else "32x256x4x4"
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
-                                            1.0, kernel=kernel)
+                                            1.0, kernel=(kernel := f"{form}@{tile}"))
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
     # split-K in a captured graph: its counters are set back by each launch, so replays with
     # new inputs give what eager calls give (fp32 slices added in order: bit for bit)
     q, s = quantize_rows(torch.randn(2560, 9216, device="cuda", generator=gen))
     x = torch.randn(1, 2 * 9216, device="cuda", generator=gen).to(torch.bfloat16)
-    for kernel in ("split", "split16"):
+    for kernel in ("split@16x512x8", "split16@16x512x8"):
         assert_replays_match_eager(
             lambda kernel=kernel: fused_gemv.fused_gemv(x, q, s, 2560, 9216, "swiglu",
                                                         kernel=kernel), x, gen, kernel)
@@ -116,23 +121,3 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     # folded in (in_proj_conv.FOLD, on) and 3 plain ones
     steps = 2 * 20 * CONFIG.num_hidden_layers
     assert calls.count("conv") == steps and calls.count("fused") == 3 * steps, calls[:8]
-    assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
-    print("fused draft views checked; now the compiled engines")  # (the log's time marks)
-    x = prompt(60, seed=6)
-    graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
-    assert all(block.fused for block in graphs.decode_model.layers)
-    eager = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True,
-                         use_graphs=False)
-    assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
-    # FUSE_BF16 (on): the BF16 fast step fused too decodes the exact model's tokens
-    # up to BF16 near-ties, as the unfused compiled step does
-    from unimax.reference import first_divergence, is_near_tie
-
-    assert fused_draft.FUSE_BF16
-    print("fused draft graphs checked; now the fused BF16 step")
-    bf16 = build_engine(model, decode="bf16", block_size=8, compile_step=True)
-    assert all(block.fused for block in bf16.decode_model.layers)
-    assert not any(getattr(block, "fused", False) for block in model.layers)
-    got = bf16.generate_fast(x, 48)[0].tolist()
-    reference = unimax.exact_greedy_tokens(model, x, 48)[0].tolist()
-    assert is_near_tie(first_divergence(model, x, got, reference))
