@@ -57,6 +57,10 @@
 #                                           and on out_proj/down split-K at 2 and 8 slices and
 #                                           TMA at 3 and 5 stages (bench/tma_gemv.py); "tmak
 #                                           200": that time limit
+#   run: bash bench/gpu_bench.sh reads      the floor under a short GEMV: kernels that only
+#                                           read 3-96 MB (one tile a program, a K-loop chain
+#                                           plain and TMA, persistent grids, torch's sum), the
+#                                           fit t0 + bytes / bw each (bench/small_reads.py)
 #   run: bash bench/gpu_bench.sh combo      gdn-4b: the verify block, the BF16 step and the
 #                                           draft step with and without inductor's combo
 #                                           kernels (the verify block's small kernels)
@@ -159,6 +163,10 @@ case "${1:-}" in
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
+  reads)
+    # the floor under a short GEMV: kernels that only read W's bytes (bench/small_reads.py)
+    timeout ${2:-200} python3 bench/small_reads.py --json "$OUT/reads.json" > "$OUT/reads.log" 2>&1
+    grep -v '^{' "$OUT/reads.log" | quiet | tail -20 ;;
   tmak)
     timeout ${2:-240} python3 bench/tma_gemv.py --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
     quiet < "$OUT/tmak.log" | grep "^{" | cut -c1-170 ;;
