@@ -12,8 +12,9 @@ pytestmark = pytest.mark.gpu
 
 def test_tma_gemv_on_gpu():
     """The TMA forms (ops.fused_gemv.TMA_FORMS: W's tiles through tensor descriptors,
-    pipelined into shared memory) at a 4B model's four draft linears, FP8 with fp32 and FP16
-    products (split-K too where offered) and BF16: the twin's outputs; in a captured graph,
+    pipelined into shared memory) and their persistent twins (PERSIST_FORMS) at a 4B model's
+    four draft linears, FP8 with fp32 and FP16 products (split-K too where offered) and BF16:
+    the twin's outputs; in a captured graph,
     replays with new inputs give what eager calls give (the descriptor is a launch argument,
     kept by the graph; split-K's counters set back). (The timed choice among them and the
     plain forms: test_fused_draft_on_gpu's steps.)"""
@@ -33,9 +34,11 @@ def test_tma_gemv_on_gpu():
                 .to(torch.bfloat16) if prologue != "swiglu" else None)
         r = (torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)
              if residual else None)
-        split = ("tmasplit16@32x256x4x4", "tmasplit") if n <= fused_gemv.SPLIT_MAX_N else ()
-        for (weight, scale), kernels in ((quantize_rows(w), ("tma@32x256x4x4", "tma16") + split),
-                                         ((w.to(torch.bfloat16), None), ("tma",))):
+        split = (("tmasplit16@32x256x4x4", "tmasplit", "tmapsplit16", "tmapsplit@16x256x4x4")
+                 if n <= fused_gemv.SPLIT_MAX_N else ())
+        fp8 = ("tma@32x256x4x4", "tma16", "tmap@64x128x4x4", "tmap16") + split
+        for (weight, scale), kernels in ((quantize_rows(w), fp8),
+                                         ((w.to(torch.bfloat16), None), ("tma", "tmap"))):
             ref = fused_gemv.fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
                                                       r, 1e-6, 1.0)
             for kernel in kernels:
@@ -46,7 +49,27 @@ def test_tma_gemv_on_gpu():
     q, s = quantize_rows(torch.randn(2560, 4096, device="cuda", generator=gen))
     x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
 
-    for kernel in ("tma16@32x256x4x4", "tmasplit16@16x256x4x4"):
+    for kernel in ("tma16@32x256x4x4", "tmasplit16@16x256x4x4", "tmap16", "tmapsplit16"):
         assert_replays_match_eager(
             lambda kernel=kernel: fused_gemv.fused_gemv(x, q, s, 2560, 4096, "none",
                                                         kernel=kernel), x, gen, kernel)
+    # the persistent form with the convolution folded in (its epilogue after the loop, from
+    # the sums each unit kept): the twin's outputs and windows at the 4B in-projection
+    from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
+
+    w = torch.randn(12352, 2560, device="cuda", generator=gen) / 50
+    norm = (1 + 0.1 * torch.randn(2560, device="cuda", generator=gen)).to(torch.bfloat16)
+    conv_w = torch.randn(8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    x = 4 * torch.randn(1, 2560, device="cuda", generator=gen).to(torch.bfloat16)
+    start = torch.randn(1, 8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    for kernel, (weight, scale) in (("tmap16", quantize_rows(w)),
+                                    ("tmap", (w.to(torch.bfloat16), None))):
+        got_state, want_state = start.clone(), start.clone()
+        got = fused_gemv.fused_gemv(x, weight, scale, 12352, 2560, "rms", norm, eps=1e-6,
+                                    offset=1.0, kernel=kernel, conv_state=got_state,
+                                    conv_weight=conv_w)
+        want = fused_in_proj_conv_ref(x, weight, scale, 12352, 2560, norm, 1e-6, 1.0,
+                                      want_state, conv_w)
+        assert rel_err(got.float(), want.float()) < 1e-2, kernel
+        assert torch.equal(got_state[..., :3], start[..., 1:]), kernel
+        assert rel_err(got_state[..., 3].float(), want_state[..., 3].float()) < 1e-2, kernel

@@ -149,6 +149,40 @@ def w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
+def lane_sums(acc, F16: tl.constexpr):
+    """A tile's per-lane sums (acc, (BLOCK_N, BLOCK_K)) added up: (BLOCK_N,) fp32 (the FP16
+    forms' x was scaled by 1/64: scaled back)."""
+    y = tl.sum(acc.to(tl.float32), axis=1)
+    if F16:
+        y = y * 64.0
+    return y
+
+
+@triton.jit
+def finish(y, rn, row, part, tile, N, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stride_rm,
+           stride_ym, cs_ptr, cw_ptr, C, stride_csm, HAS_SCALE: tl.constexpr,
+           HAS_RES: tl.constexpr, SPLIT: tl.constexpr, CONV_W: tl.constexpr,
+           CONV_WP: tl.constexpr):
+    """A tile's epilogue from its sums y (lane_sums): split-K's slices added by the tile's last
+    program (``tile``: its counter, row-major over (M, N tiles)), the scale, rounded, the
+    convolution, the residual, stored at y[row, rn]. Only SPLIT > 1 and CONV_W > 0 have
+    barriers (and atomics)."""
+    keep = rn < N
+    if SPLIT > 1:  # (the slices added by the tile's last program: only it writes y)
+        y, keep = split_k_sum(y, ws_ptr, cnt_ptr, tile, part, row * N + rn,
+                              tl.num_programs(1) * N, keep, SPLIT)
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + rn, mask=keep, other=0.0)
+    y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
+    if CONV_W > 0:
+        y = conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, CONV_W, CONV_WP)
+    if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
+        r = tl.load(r_ptr + row * stride_rm + rn, mask=keep, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + rn, y, mask=keep)
+
+
+@triton.jit
 def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
                       stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
                       cs_ptr, cw_ptr, C, stride_csm,
@@ -240,19 +274,6 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
             acc = tile_products(acc, x, w, F16)
     if PDL and PDL_LATE:
         launch_dependents()
-    y = tl.sum(acc.to(tl.float32), axis=1)
-    if F16:
-        y = y * 64.0
-    keep = rn < N
-    if SPLIT > 1:  # (the slices added by the tile's last program: only it writes y)
-        y, keep = split_k_sum(y, ws_ptr, cnt_ptr, row * tl.num_programs(0) + tl.program_id(0),
-                              part, row * N + rn, tl.num_programs(1) * N, keep, SPLIT)
-    if HAS_SCALE:
-        y = y * tl.load(s_ptr + rn, mask=keep, other=0.0)
-    y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
-    if CONV_W > 0:
-        y = conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, CONV_W, CONV_WP)
-    if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
-        r = tl.load(r_ptr + row * stride_rm + rn, mask=keep, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_ym + rn, y, mask=keep)
+    finish(lane_sums(acc, F16), rn, row, part, row * tl.num_programs(0) + tl.program_id(0), N,
+           s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stride_rm, stride_ym, cs_ptr, cw_ptr, C,
+           stride_csm, HAS_SCALE, HAS_RES, SPLIT, CONV_W, CONV_WP)
