@@ -57,6 +57,10 @@
 #                                           and on out_proj/down split-K at 2 and 8 slices and
 #                                           TMA at 3 and 5 stages (bench/tma_gemv.py); "tmak
 #                                           200": that time limit
+#   run: bash bench/gpu_bench.sh persist    gdn-4b: the TMA forms' GPU test, each draft linear
+#                                           through every TMA and persistent form, then the
+#                                           draft and BF16 steps with the persistent forms
+#                                           offered to the timed choice and without
 #   run: bash bench/gpu_bench.sh reads      the floor under a short GEMV: kernels that only
 #                                           read 3-96 MB (one tile a program, a K-loop chain
 #                                           plain and TMA, persistent grids, torch's sum), the
@@ -163,6 +167,19 @@ case "${1:-}" in
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
+  persist)
+    # the TMA forms' GPU test (persistent ones too; a failure skips the timing), each draft
+    # linear through every form (tma_gemv.py), then the steps with the persistent forms
+    # offered to the timed choice and without
+    UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
+    tail -15 "$OUT/tma-test.log" | cut -c1-160
+    grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
+    timeout 150 python3 bench/tma_gemv.py --no-sweep --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
+    grep -v '^{' "$OUT/tmak.log" | quiet | tail -60
+    timeout ${2:-330} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
+      draft-persist fla+gemv fla+gemv-persist --json "$OUT/persist.json" > "$OUT/persist.log" 2>&1
+    grep -v Assertion "$OUT/persist.log" | grep -v '^{' | quiet | cut -c1-200 | tail -60 ;;
   reads)
     # the floor under a short GEMV: kernels that only read W's bytes (bench/small_reads.py)
     timeout ${2:-200} python3 bench/small_reads.py --json "$OUT/reads.json" > "$OUT/reads.log" 2>&1
