@@ -687,3 +687,20 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
     monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
     assert not any(getattr(m, "fused", False) for m in exact_view(model).modules())
+
+
+def test_persistent_grid_balances_its_rounds():
+    """The persistent forms' grid: never more programs than asked, as few rounds as that many
+    would take, and the fewest programs that take no more rounds (so that their last round
+    is as full as it can be: no program idle while others run a whole unit more)."""
+    from unimax.ops.fused_gemv import persist_grid
+
+    for units in range(1, 900, 7):
+        for most in (1, 3, 132, 264):
+            programs = persist_grid(units, most)
+            rounds = -(-units // programs)
+            assert programs <= min(units, most), (units, most)
+            assert rounds == -(-units // most), (units, most)
+            if programs > 1:  # (one fewer would take another round)
+                assert -(-units // (programs - 1)) > rounds, (units, most, programs)
+    assert persist_grid(386, 264) == 193

@@ -241,7 +241,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  **fixed)
     if persist:  # (no PDL: its programs outlive any overlap it could give)
         units = triton.cdiv(out_features, tile[0]) * split
-        launch[(min(units, persist_programs(x.device)), m)](
+        launch[(persist_grid(units, persist_programs(x.device)), m)](
             *pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
             **tile_args(tile))
         return y
@@ -261,6 +261,14 @@ PERSIST_FORMS = ("tmap", "tmap16", "tmapsplit", "tmapsplit16")
 PERSIST = False
 PERSIST_PER_SM = 2
 PERSIST_INTERPRETED = 3
+
+
+def persist_grid(units: int, most: int) -> int:
+    """How many programs take ``units`` at ``most`` programs: the fewest that need as many
+    rounds as ``most`` would, so that every program takes the same number of units, give or
+    take one (386 units at most 264: 193 programs of 2, where 264 would leave 142 of them
+    idle for the second round)."""
+    return -(-units // -(-units // most))
 
 
 def persist_programs(device: torch.device) -> int:
