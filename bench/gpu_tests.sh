@@ -19,12 +19,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# each process's log here, all of them in one file under $OUT at the end: the device returns
+# at most 8 files, and there are more test files than that
+LOGS=/tmp/gpu-test-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 T0=$SECONDS
 suite() {  # $1: log name; the rest: pytest arguments
   # each line with the second it was written at, so that a file cut by its limit (the
   # durations print only at the end) still says where its time went (tr unbuffered: into a
   # pipe it held every line to the end, seventeenth session)
-  local log="$OUT/pytest-$1.log"; shift
+  local log="$LOGS/pytest-$1.log"; shift
   UNIMAX_ALLOW_FLA=1 timeout ${GPU_TEST_LIMIT:-560} python3 -m pytest -v -s -m gpu -p no:cacheprovider \
     --continue-on-collection-errors --durations=8 "$@" 2>&1 | stdbuf -o0 tr -d '\000' |
     while IFS= read -r line || [ -n "$line" ]; do
@@ -39,8 +42,9 @@ if [ $# -eq 0 ]; then
 else
   suite run "$@"
 fi
-for log in "$OUT"/pytest-*.log; do
-  echo "== $(basename "$log")"
+for log in "$LOGS"/pytest-*.log; do
+  echo "== $(basename "$log")" | tee -a "$OUT/pytest-all.log"
+  cat "$log" >> "$OUT/pytest-all.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|s call|acceptance" "$log" | cut -c1-150 | tail -30
 done
 echo "gpu tests done at $((SECONDS - T0)) s"
