@@ -201,6 +201,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
     tma = kernel.startswith("tma")
+    persist = kernel.startswith("tmap")
     if tma:
         problem = tma_problem(weight, x)
         if problem:
@@ -208,9 +209,8 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
         tile = tile or (TMA_TILE[0], max(TMA_TILE[1], head), *TMA_TILE[2:])
     triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    # split-K's partial sums and counters (rows: unused, any pointer)
-    # (and a persistent form's sums, kept for the convolution's epilogue after its loop)
-    persist = kernel.startswith("tmap")
+    # split-K's partial sums and counters (rows: unused, any pointer); a persistent form's
+    # sums, kept for the convolution's epilogue after its loop
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
             if split > 1 or (persist and conv_state is not None) else y)
     counters = _counters(x.device) if split > 1 else y
@@ -427,9 +427,8 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
                head: int, tma: bool = False) -> tuple[str, ...]:
     """The kernel names the per-shape choice times: every form at every one of its tiles
     (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms at TMA_OFFERED
-    where ``tma`` and K holds at least two of their tiles: see TMA_FORMS), timed as a step
-    runs them
-    (ops.gemv.timed_choice)."""
+    where ``tma`` and K holds at least two of their tiles: see TMA_FORMS; their persistent
+    twins too with PERSIST on), timed as a step runs them (ops.gemv.timed_choice)."""
     forms = ("rows", "rows16") if scaled else ("rows",)
     if split_fits(out_features, in_features, m, scaled):
         forms += ("split", "split16")
