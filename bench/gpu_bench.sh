@@ -175,9 +175,9 @@ case "${1:-}" in
       tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
     tail -15 "$OUT/tma-test.log" | cut -c1-160
     grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
-    timeout 150 python3 bench/tma_gemv.py --no-sweep --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
+    timeout 200 python3 bench/tma_gemv.py --no-sweep --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
     grep -v '^{' "$OUT/tmak.log" | quiet | tail -60
-    timeout ${2:-330} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
+    timeout ${2:-300} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
       draft-persist fla+gemv fla+gemv-persist --json "$OUT/persist.json" > "$OUT/persist.log" 2>&1
     grep -v Assertion "$OUT/persist.log" | grep -v '^{' | quiet | cut -c1-200 | tail -60 ;;
   reads)
