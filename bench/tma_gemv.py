@@ -52,7 +52,7 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float, sweep: bool) -
     timed(CHOSEN[name])
     split = fused.split_fits(n, k, 1, True)
     forms = fused.TMA_FORMS if split else ("tma", "tma16")
-    forms += tuple(form.replace("tma", "tmap") for form in forms)  # (the persistent twins)
+    forms += fused.persistent_twins(forms)
     for kernel in tiled_names(forms, fused._tiles_by_form(head)):  # (all, not just the offered)
         timed(kernel)
     saved = fused.PERSIST_PER_SM

@@ -263,6 +263,11 @@ PERSIST_PER_SM = 2
 PERSIST_INTERPRETED = 3
 
 
+def persistent_twins(forms: tuple[str, ...]) -> tuple[str, ...]:
+    """The persistent twin of each TMA form among ``forms`` ("tma16" -> "tmap16")."""
+    return tuple(form.replace("tma", "tmap", 1) for form in forms if form.startswith("tma"))
+
+
 def persist_grid(units: int, most: int) -> int:
     """How many programs take ``units`` at ``most`` programs: the fewest that need as many
     rounds as ``most`` would, so that every program takes the same number of units, give or
@@ -436,8 +441,8 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
         forms += ("tma", "tma16") if scaled else ("tma",)
         if split_fits(out_features, in_features, m, scaled):
             forms += ("tmasplit", "tmasplit16")
-        if PERSIST:  # (each TMA form's persistent twin)
-            forms += tuple(form.replace("tma", "tmap") for form in forms if "tma" in form)
+        if PERSIST:
+            forms += persistent_twins(forms)
     return tiled_names(forms, _tiles_by_form(head, offered=True))
 
 
