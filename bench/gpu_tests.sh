@@ -11,10 +11,11 @@
 # hybrid and rewind tests moved to test_gpu_hybrid.py; sixteenth session: that file took 535 s,
 # its capture-everything test moved to test_gpu_hybrid_capture.py; seventeenth session:
 # test_gpu_fused.py ran past its limit, its TMA test moved to test_gpu_tma.py and its compiled
-# engines to test_gpu_fused_engine.py, its twins at named tiles instead of autotuned.) Arguments go to one pytest
-# process instead (e.g. one file, or -k to pick tests); GPU_TEST_FILES picks files to run side
-# by side as without arguments (e.g. a file that ran out of time, alone: GPU_TEST_FILES=
-# "tests/test_gpu_fused.py tests/test_gpu_tma.py"); GPU_TEST_LIMIT sets each process's seconds.
+# engines to test_gpu_fused_engine.py, its twins at named tiles instead of autotuned.)
+# Arguments go to one pytest process instead (e.g. one file, or -k to pick tests);
+# GPU_TEST_FILES picks files to run side by side as without arguments (e.g. a file that ran
+# out of time, alone: GPU_TEST_FILES="tests/test_gpu_fused.py tests/test_gpu_tma.py");
+# GPU_TEST_LIMIT sets each process's seconds (560).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -28,8 +29,9 @@ suite() {  # $1: log name; the rest: pytest arguments
   # durations print only at the end) still says where its time went (tr unbuffered: into a
   # pipe it held every line to the end, seventeenth session)
   local log="$LOGS/pytest-$1.log"; shift
-  UNIMAX_ALLOW_FLA=1 timeout ${GPU_TEST_LIMIT:-560} python3 -m pytest -v -s -m gpu -p no:cacheprovider \
-    --continue-on-collection-errors --durations=8 "$@" 2>&1 | stdbuf -o0 tr -d '\000' |
+  UNIMAX_ALLOW_FLA=1 timeout ${GPU_TEST_LIMIT:-560} python3 -m pytest -v -s -m gpu \
+    -p no:cacheprovider --continue-on-collection-errors --durations=8 "$@" 2>&1 |
+    stdbuf -o0 tr -d '\000' |
     while IFS= read -r line || [ -n "$line" ]; do
       printf '%4d s %s\n' $((SECONDS - T0)) "$line"
     done > "$log"
