@@ -105,6 +105,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep -v -E "Warning|originates|warn_once|^ *File |backend = |chunk, fused|^$"; }
+tma_test() {  # the TMA forms' GPU test (persistent ones too); the timings follow only if it passes
+  UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
+  tail -15 "$OUT/tma-test.log" | cut -c1-160
+  grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log"
+}
 case "${1:-}" in
   kernels)
     timeout 240 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -28
@@ -160,10 +166,7 @@ case "${1:-}" in
   tma)
     # the TMA forms' GPU test first (a failure skips the timing), then the steps with and
     # without them offered to the timed choice
-    UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-      tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
-    tail -15 "$OUT/tma-test.log" | cut -c1-160
-    grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
+    tma_test || exit 1
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
@@ -171,10 +174,7 @@ case "${1:-}" in
     # the TMA forms' GPU test (persistent ones too; a failure skips the timing), each draft
     # linear through every form (tma_gemv.py), then the steps with the persistent forms
     # offered to the timed choice and without
-    UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-      tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
-    tail -15 "$OUT/tma-test.log" | cut -c1-160
-    grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
+    tma_test || exit 1
     timeout 200 python3 bench/tma_gemv.py --no-sweep --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
     grep -v '^{' "$OUT/tmak.log" | quiet | tail -60
     timeout ${2:-300} python3 bench/profile_step.py --shapes gdn-4b --variants draft \

@@ -44,6 +44,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def assert_in_proj_conv_matches_twin(project, gen: torch.Generator, label="") -> None:
+    """The GDN in-projection with the convolution folded in, at a 4B model's shapes (GPU):
+    ``project(x, weight, scale, norm, state, conv_w)`` (the op, or fused_gemv at a named
+    form) gives the twin's outputs (ops.in_proj_conv.fused_in_proj_conv_ref) and rolls the
+    windows in place with the projection's new inputs, FP8 and BF16 weights."""
+    from unimax.fp8 import quantize_rows
+    from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
+
+    w = torch.randn(12352, 2560, device="cuda", generator=gen) / 50
+    norm = (1 + 0.1 * torch.randn(2560, device="cuda", generator=gen)).to(torch.bfloat16)
+    conv_w = torch.randn(8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    x = 4 * torch.randn(1, 2560, device="cuda", generator=gen).to(torch.bfloat16)
+    start = torch.randn(1, 8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    for weight, scale in (quantize_rows(w), (w.to(torch.bfloat16), None)):
+        got_state, want_state = start.clone(), start.clone()
+        got = project(x, weight, scale, norm, got_state, conv_w)
+        want = fused_in_proj_conv_ref(x, weight, scale, 12352, 2560, norm, 1e-6, 1.0,
+                                      want_state, conv_w)
+        what = (label, weight.dtype)
+        assert rel_err(got.float(), want.float()) < 1e-2, what
+        assert torch.equal(got_state[..., :3], start[..., 1:]), what
+        assert rel_err(got_state[..., 3].float(), want_state[..., 3].float()) < 1e-2, what
+
+
 def assert_replays_match_eager(call, x: torch.Tensor, gen: torch.Generator, label="") -> None:
     """``call()`` (reading x) captured in a CUDA graph after a warm-up call outside it (compiles
     and autotuning): three replays, each after new values in x, equal eager calls bit for bit

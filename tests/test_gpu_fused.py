@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from helpers import GPU_CONFIG as CONFIG
-from helpers import assert_replays_match_eager, gpu_model, rel_err
+from helpers import (
+    assert_in_proj_conv_matches_twin,
+    assert_replays_match_eager,
+    gpu_model,
+    rel_err,
+)
 from helpers import gpu_prompt as prompt
 
 pytestmark = pytest.mark.gpu
@@ -72,23 +77,13 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     # the in-projection with the convolution folded in (ops.in_proj_conv) at the 4B
     # in-projection, through the op (its timed choice on a copy of the state): the twin's
     # outputs, and the windows rolled in place with the projection's new inputs
-    from unimax.ops.in_proj_conv import fused_in_proj_conv, fused_in_proj_conv_ref
+    from unimax.ops.in_proj_conv import fused_in_proj_conv
 
-    w = torch.randn(12352, 2560, device="cuda", generator=gen) / 50
-    norm = (1 + 0.1 * torch.randn(2560, device="cuda", generator=gen)).to(torch.bfloat16)
-    conv_w = torch.randn(8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
-    x = 4 * torch.randn(1, 2560, device="cuda", generator=gen).to(torch.bfloat16)
-    start = torch.randn(1, 8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
-    for weight, scale in (quantize_rows(w), (w.to(torch.bfloat16), None)):
-        got_state, want_state = start.clone(), start.clone()
-        got = fused_in_proj_conv(x, weight, scale, 12352, 2560, norm, 1e-6, 1.0, got_state,
-                                 conv_w)
-        want = fused_in_proj_conv_ref(x, weight, scale, 12352, 2560, norm, 1e-6, 1.0,
-                                      want_state, conv_w)
-        assert rel_err(got.float(), want.float()) < 1e-2, weight.dtype
-        assert torch.equal(got_state[..., :3], start[..., 1:]), weight.dtype
-        assert rel_err(got_state[..., 3].float(), want_state[..., 3].float()) < 1e-2
+    assert_in_proj_conv_matches_twin(
+        lambda x, weight, scale, norm, state, conv_w: fused_in_proj_conv(
+            x, weight, scale, 12352, 2560, norm, 1e-6, 1.0, state, conv_w), gen, "op")
 
+    print("twins checked; now the draft views")  # (the log's time marks: gpu_tests.sh)
     # In fp32 the fused view computes the unfused view's logits (up to the FP16 products' order,
     # bench/fused_accuracy.py: 0.0000 with fp32 products everywhere, 7e-4 with FP16). In BF16
     # the two round in different places (sums in other orders, sigmoid(b) unrounded) and on

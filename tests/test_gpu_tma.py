@@ -5,7 +5,7 @@ process of its own (seventeenth session: the two tests in one file ran past its 
 import pytest
 import torch
 
-from helpers import assert_replays_match_eager, rel_err
+from helpers import assert_in_proj_conv_matches_twin, assert_replays_match_eager, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -55,21 +55,9 @@ def test_tma_gemv_on_gpu():
                                                         kernel=kernel), x, gen, kernel)
     # the persistent form with the convolution folded in (its epilogue after the loop, from
     # the sums each unit kept): the twin's outputs and windows at the 4B in-projection
-    from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
-
-    w = torch.randn(12352, 2560, device="cuda", generator=gen) / 50
-    norm = (1 + 0.1 * torch.randn(2560, device="cuda", generator=gen)).to(torch.bfloat16)
-    conv_w = torch.randn(8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
-    x = 4 * torch.randn(1, 2560, device="cuda", generator=gen).to(torch.bfloat16)
-    start = torch.randn(1, 8192, 4, device="cuda", generator=gen).to(torch.bfloat16)
-    for kernel, (weight, scale) in (("tmap16", quantize_rows(w)),
-                                    ("tmap", (w.to(torch.bfloat16), None))):
-        got_state, want_state = start.clone(), start.clone()
-        got = fused_gemv.fused_gemv(x, weight, scale, 12352, 2560, "rms", norm, eps=1e-6,
-                                    offset=1.0, kernel=kernel, conv_state=got_state,
-                                    conv_weight=conv_w)
-        want = fused_in_proj_conv_ref(x, weight, scale, 12352, 2560, norm, 1e-6, 1.0,
-                                      want_state, conv_w)
-        assert rel_err(got.float(), want.float()) < 1e-2, kernel
-        assert torch.equal(got_state[..., :3], start[..., 1:]), kernel
-        assert rel_err(got_state[..., 3].float(), want_state[..., 3].float()) < 1e-2, kernel
+    # (tmap16 for the FP8 weights, tmap for the BF16 ones)
+    assert_in_proj_conv_matches_twin(
+        lambda x, weight, scale, norm, state, conv_w: fused_gemv.fused_gemv(
+            x, weight, scale, 12352, 2560, "rms", norm, eps=1e-6, offset=1.0,
+            kernel="tmap" if scale is None else "tmap16", conv_state=state,
+            conv_weight=conv_w), gen, "persistent")
