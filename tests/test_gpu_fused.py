@@ -61,7 +61,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
             # descriptors, pipelined; each form and tile at the 4B linears: test_gpu_tma.py)
             tiles = fused_gemv.tiles_for(fused_gemv._head(prologue, norm))
             for j, form in enumerate(("rows", "rows16") + split + ("tma16",)):
-                tile = tile_text(tiles[-(j % 2)]) if form != "tma16" else "32x256x4x4"
+                tile = tile_text(tiles[-(j % 2)] if form != "tma16" else fused_gemv.TMA_TILE)
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=(kernel := f"{form}@{tile}"))
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)

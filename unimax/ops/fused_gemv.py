@@ -336,8 +336,9 @@ TMA_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))  # (8 x 256 and 
 # session). 32 x 256 was the best TMA tile or within 3% of it at every 4B linear and form (and
 # 3 or 5 stages were no better than 4 on the K-long ones); the others stay nameable for benches.
 TMA_OFFERED = ((32, 256, 4, 4),)
-TMA_TILE = (32, 256, 4, 4)  # where none is named (no autotuning: the descriptor's block is
-TMA_MAX_K = 256             # the tile's)
+# where none is named (never autotuned: the descriptor's block is the tile's)
+TMA_TILE = TMA_OFFERED[0]
+TMA_MAX_K = 256  # a TMA box's limit on BLOCK_K
 
 
 def _tma_tiles(tiles: tuple, head: int) -> tuple:
