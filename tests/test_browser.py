@@ -62,14 +62,23 @@ def bot_text(page) -> str:
     return bots.last.inner_text() if bots.count() else ""
 
 
-def wait_for(predicate, timeout=30.0, step=0.05):
+def wait_for(predicate, timeout=30.0, step=0.05, show=None):
+    """``predicate``'s first true value within ``timeout`` seconds; ``show``: what to report
+    of the page if none comes (a flaky wait is diagnosable only from what it last saw)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(step)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"condition not met in {timeout} s"
+                         + (f"; the page showed: {show()!r}" if show else ""))
+
+
+def status_of(page):
+    """For wait_for's report: the status line and the chat's message count."""
+    return lambda: (page.inner_text("#status"),
+                    page.locator("#chatbot [data-testid='user']").count())
 
 
 def cancelled_count(url) -> float:
@@ -156,10 +165,10 @@ def test_refused_message_goes_back_to_the_box(page):
     page.get_by_role("tab", name="Chat").click()
     page.click("#clear")
     wait_for(lambda: page.locator("#chatbot [data-testid='user']").count() == 0 and
-             "Cleared" in page.inner_text("#status"))
+             "Cleared" in page.inner_text("#status"), show=status_of(page))
     huge = "x " * 3000  # over the tiny preset's 2048-token context
     send(page, huge)
-    wait_for(lambda: "context" in page.inner_text("#status"), timeout=60)
+    wait_for(lambda: "context" in page.inner_text("#status"), timeout=60, show=status_of(page))
     assert page.locator("#chatbot [data-testid='user']").count() == 0
     assert page.input_value("#message textarea") == huge
     send(page, "Short")
