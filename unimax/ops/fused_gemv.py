@@ -191,8 +191,10 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
     if conv_state is not None:
         check_conv(x, out_features, conv_state, conv_weight)
-        if tile is None and not _interpreted():  # (the autotuner would rerun the kernel on
-            tile = CONV_TILE                     # the live state: a tile given instead)
+        # (the autotuner would rerun the kernel on the live state: a tile given instead; a TMA
+        # form's own default below, never autotuned)
+        if tile is None and not _interpreted() and not kernel.startswith("tma"):
+            tile = CONV_TILE
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel.endswith("16") and scale is None:
