@@ -61,6 +61,9 @@
 #                                           through every TMA and persistent form, then the
 #                                           draft and BF16 steps with the persistent forms
 #                                           offered to the timed choice and without
+#   run: bash bench/gpu_bench.sh parts      gdn-4b: each draft GEMV with and without its prologue
+#                                           and residual, against a read of its bytes
+#                                           (bench/gemv_parts.py)
 #   run: bash bench/gpu_bench.sh reads      the floor under a short GEMV: kernels that only
 #                                           read 3-96 MB (one tile a program, a K-loop chain
 #                                           plain and TMA, persistent grids, torch's sum), the
@@ -91,7 +94,9 @@
 #                                           the demo model; "service qwen3.5-0.8b": random
 #                                           weights of that shape
 #   run: bash bench/gpu_bench.sh profile    gdn-4b: kernels of the app's BF16 step, draft step and
-#                                           verify block (where the fixed part goes)
+#                                           verify block (where the fixed part goes), and
+#                                           the idle time between their kernels by the
+#                                           kernel after it; variants as arguments instead
 #   run: bash bench/gpu_bench.sh prefill    qwen3.5-0.8b: the kernels of a 4k and a 16k
 #                                           prefill_exact, torch and fla norms (issue 15: where
 #                                           the 16k's time goes)
@@ -180,6 +185,10 @@ case "${1:-}" in
     timeout ${2:-300} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
       draft-persist fla+gemv fla+gemv-persist --json "$OUT/persist.json" > "$OUT/persist.log" 2>&1
     grep -v Assertion "$OUT/persist.log" | grep -v '^{' | quiet | cut -c1-200 | tail -60 ;;
+  parts)
+    # where a draft GEMV's time goes past a plain read of its weight (bench/gemv_parts.py)
+    timeout ${2:-300} python3 bench/gemv_parts.py --json "$OUT/parts.json" > "$OUT/parts.log" 2>&1
+    grep -v '^{' "$OUT/parts.log" | quiet | tail -24 ;;
   reads)
     # the floor under a short GEMV: kernels that only read W's bytes (bench/small_reads.py)
     timeout ${2:-200} python3 bench/small_reads.py --json "$OUT/reads.json" > "$OUT/reads.log" 2>&1
@@ -209,8 +218,9 @@ case "${1:-}" in
       --json "$OUT/ttft-all.json" > "$OUT/ttft-all.log" 2>&1
     grep -v Assertion "$OUT/ttft-all.log" | grep -v '^{' | quiet | cut -c1-400 | tail -40 ;;
   profile)
+    set -- "$@" $([ $# -gt 1 ] || echo engine-bf16 engine-draft engine-verify)
     timeout 560 python3 bench/profile_step.py --shapes gdn-4b \
-      --variants engine-bf16 engine-draft engine-verify --json "$OUT/profile.json" \
+      --variants ${@:2} --json "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     grep -v Assertion "$OUT/profile.log" | quiet | cut -c1-160 | tail -70 ;;
   prefill)

@@ -89,6 +89,28 @@ def kernel_table(replay, per: int = BLOCK) -> tuple[list[dict], float, int]:
     return rows, busy, count
 
 
+def kernel_gaps(replay, per: int = BLOCK) -> tuple[list[dict], float]:
+    """The idle time between one replay's kernels (and copies), grouped by the kernel after
+    the gap: [{name, calls, us}] per ``per`` replayed steps, largest first, and their total.
+    (Traced under the profiler, which can stretch them: set against replay time - busy.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    groups: dict[str, list[float]] = defaultdict(list)
+    end = spans[0][0] if spans else 0.0
+    for start, stop, name in spans:
+        groups[name].append(max(0.0, start - end))
+        end = max(end, stop)
+    rows = [{"name": name, "calls": len(t) / per, "us": sum(t) / per}
+            for name, t in groups.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return rows, sum(r["us"] for r in rows)
+
+
 def engine_graph(model, variant: str):
     """(the captured graph, steps it replays) of the engine the app builds."""
     import unimax
@@ -180,9 +202,11 @@ def measure_variant(model, variant: str, bandwidth: float) -> dict:
         graph, per = decoder.runner.graphs[(BLOCK, False)], BLOCK
     seconds = median_device_seconds(graph.replay, 30, warmup=3) / per
     rows, busy, count = kernel_table(graph.replay, per)
+    gaps, idle = kernel_gaps(graph.replay, per)
     floor = decode_weight_bytes(model) / bandwidth
     return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
-            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:64]}
+            "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:64],
+            "traced_gap_us": idle, "gaps_top": gaps[:32]}
 
 
 def main() -> None:
@@ -215,6 +239,9 @@ def main() -> None:
               f"({100 * row['of_floor']:.1f}% of floor), busy {row['busy_us']:.0f} us, "
               f"{row['kernels']:.0f} kernels/token")
         for k in row["kernels_top"][:18]:
+            print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:100]}")
+        print(f"  gaps between kernels (traced): {row['traced_gap_us']:.0f} us; before:")
+        for k in row["gaps_top"][:10]:
             print(f"  {k['us']:7.1f} us {k['calls']:5.1f}x  {k['name'][:100]}")
         if row.get("gemv_choices"):
             print("  GEMV choices: " + "; ".join(row["gemv_choices"]))
