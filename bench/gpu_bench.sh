@@ -57,10 +57,6 @@
 #                                           and on out_proj/down split-K at 2 and 8 slices and
 #                                           TMA at 3 and 5 stages (bench/tma_gemv.py); "tmak
 #                                           200": that time limit
-#   run: bash bench/gpu_bench.sh persist    gdn-4b: the TMA forms' GPU test, each draft linear
-#                                           through every TMA and persistent form, then the
-#                                           draft and BF16 steps with the persistent forms
-#                                           offered to the timed choice and without
 #   run: bash bench/gpu_bench.sh parts      gdn-4b: each draft GEMV with and without its prologue
 #                                           and residual, against a read of its bytes
 #                                           (bench/gemv_parts.py)
@@ -110,7 +106,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep -v -E "Warning|originates|warn_once|^ *File |backend = |chunk, fused|^$"; }
-tma_test() {  # the TMA forms' GPU test (persistent ones too); the timings follow only if it passes
+tma_test() {  # the TMA forms' GPU test; the timings follow only if it passes
   UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
     tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
   tail -15 "$OUT/tma-test.log" | cut -c1-160
@@ -175,16 +171,6 @@ case "${1:-}" in
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
-  persist)
-    # the TMA forms' GPU test (persistent ones too; a failure skips the timing), each draft
-    # linear through every form (tma_gemv.py), then the steps with the persistent forms
-    # offered to the timed choice and without
-    tma_test || exit 1
-    timeout 200 python3 bench/tma_gemv.py --no-sweep --json "$OUT/tmak.json" > "$OUT/tmak.log" 2>&1
-    grep -v '^{' "$OUT/tmak.log" | quiet | tail -60
-    timeout ${2:-300} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
-      draft-persist fla+gemv fla+gemv-persist --json "$OUT/persist.json" > "$OUT/persist.log" 2>&1
-    grep -v Assertion "$OUT/persist.log" | grep -v '^{' | quiet | cut -c1-200 | tail -60 ;;
   parts)
     # where a draft GEMV's time goes past a plain read of its weight (bench/gemv_parts.py)
     timeout ${2:-300} python3 bench/gemv_parts.py --json "$OUT/parts.json" > "$OUT/parts.log" 2>&1

@@ -1,7 +1,7 @@
 """How fast one kernel can read a decode linear's bytes (GPU): the floor under a short GEMV.
 
 The draft's FP8 GEMVs take t0 + bytes / 4.2 TB/s with t0 ~4-5.5 us (bench/RESULTS.md, fifteenth
-session: in_proj's 12.4 MB in 12.1-12.7 us, 3 us of it bandwidth), and every form tried to
+session: in_proj's 31.6 MB in 12.1-12.7 us, 7.5 us of it bandwidth), and every form tried to
 shorten t0 inside the GEMV lost or gained a few percent (PDL, L2 prefetches, whole-K tiles,
 two tiles in registers, TMA pipelining). This bench asks what t0 is left with no GEMV at all:
 kernels that only read W's bytes (and sum them, so that the reads stay) in the ways the GEMV
@@ -38,7 +38,9 @@ import triton.language as tl
 
 COLS = 64  # int32 per row: 256 bytes, a GEMV tile's BLOCK_K of FP8
 ROWS = 32  # rows per tile: 8 KB, the TMA forms' 32 x 256 FP8 tile
-SIZES_MB = (3, 6, 10.5, 12.4, 23.6, 47.2, 96)  # (out_proj, in_proj, down, gate_up at 4B, FP8)
+# MiB, round sizes around the 4B draft linears' FP8 weights (out_proj 10.5 MB, down 23.6,
+# in_proj 31.6, gate_up 47.2); the fit takes the bytes read
+SIZES_MB = (3, 6, 10.5, 12.4, 23.6, 47.2, 96)
 
 
 @triton.jit

@@ -1,7 +1,6 @@
 """The fused GEMVs' TMA forms against the plain ones (GPU): each 4B draft linear (FP8, M = 1,
 with the draft's prologue and residual) at the plain form and tile the H200's timed choice
 took (sixteenth session) and at every TMA form and nameable tile (ops.fused_gemv.TMA_TILES),
-their persistent twins too (PERSIST_FORMS; and at 1, 4 and 8 programs per SM),
 graph-timed over weight copies as the choice times them; errors printed per candidate, not
 hidden (the choice times a failing candidate as infinitely slow). On the K-long narrow
 linears (out_proj, down: where split-K is offered) also a sweep: the split forms at SPLIT_K
@@ -52,17 +51,8 @@ def linear_rows(cfg, name: str, n: int, k: int, bandwidth: float, sweep: bool) -
     timed(CHOSEN[name])
     split = fused.split_fits(n, k, 1, True)
     forms = fused.TMA_FORMS if split else ("tma", "tma16")
-    forms += fused.persistent_twins(forms)
     for kernel in tiled_names(forms, fused._tiles_by_form(head)):  # (all, not just the offered)
         timed(kernel)
-    saved = fused.PERSIST_PER_SM
-    try:  # the persistent forms' grid: programs per SM (2 above)
-        for per_sm in (1, 4, 8):
-            fused.PERSIST_PER_SM = per_sm
-            for form in ("tmap16", "tmapsplit16") if split else ("tmap16",):
-                timed(f"{form}@32x256x4x4", per_sm=per_sm)
-    finally:
-        fused.PERSIST_PER_SM = saved
     if not sweep or not fused.split_fits(n, k, 1, True):
         return rows
     saved = fused.SPLIT_K, fused.TMA_TILES
@@ -105,8 +95,7 @@ def main() -> None:
         text = (f"{row['us']:7.2f} {row['of_copy']:8.2f}" if "us" in row
                 else row["error"][:60])
         setting = (f"split {row['split']}" if "split" in row else
-                   f"stages {row['stages']}" if "stages" in row else
-                   f"{row['per_sm']} per SM" if "per_sm" in row else "")
+                   f"stages {row['stages']}" if "stages" in row else "")
         print(f"{row['linear']:9} {row['kernel']:24} {setting:10} {text}")
 
 

@@ -76,23 +76,6 @@ for m, n, k in ((1, 70, 256), (2, 33, 192)):
                 y = fused_gemv(*args, kernel=f"{form}@{tile_text(tile)}")
                 assert rel(y, ref) < 2e-2, (m, n, k, prologue, form, tile, rel(y, ref))
 print("tma fine")
-# their persistent twins (ops/fused_gemv_persistent.py: 3 programs here, each taking several
-# units in turn, its next slice of x loaded across a unit's end), every prologue, FP8 and
-# BF16 weights, with and without the residual; split-K where K = 576 leaves the third slice
-# short and the fourth empty; in fp32 with fp32 products the rows form's sums at the same tile,
-# bit for bit
-from unimax.ops.fused_gemv import PERSIST_FORMS
-for m, n, k in ((1, 70, 256), (2, 33, 576)):
-    for dtype in (torch.float32, torch.bfloat16):
-        for prologue, args, ref in cases(dtype, m, n, k, 64):
-            forms = PERSIST_FORMS if args[2] is not None else ("tmap",)
-            for form in forms if dtype == torch.bfloat16 else forms[:1]:
-                y = fused_gemv(*args, kernel=f"{form}@16x256x4x4")
-                if dtype == torch.float32:
-                    rows = fused_gemv(*args, kernel="rows@16x256x4")
-                    assert torch.equal(y, rows), (m, n, k, prologue, rel(y, rows))
-                assert rel(y, ref) < 2e-2, (m, n, k, prologue, form, rel(y, ref))
-print("persistent fine")
 # the in-projection with the convolution folded in (ops.in_proj_conv): its first C outputs
 # through the causal conv and SiLU, the window rolled in the state, against the twin
 from unimax.ops.in_proj_conv import fused_in_proj_conv_ref
@@ -104,8 +87,7 @@ for dtype in (torch.float32, torch.bfloat16):
     conv_w = torch.randn(64, 4)
     state = torch.randn(1, 64, 4).to(dtype)
     for kernel, weight, scale in (("rows", q, s), ("rows16@16x256x4", q, s), ("split", q, s),
-                                  ("tma@16x256x4x4", w.to(dtype), None), ("tma16", q, s),
-                                  ("tmap@16x256x4x4", w.to(dtype), None), ("tmap16", q, s)):
+                                  ("tma@16x256x4x4", w.to(dtype), None), ("tma16", q, s)):
         got_state, want_state = state.clone(), state.clone()
         got = fused_gemv(x, weight, scale, 100, 256, "rms", norm, eps=1e-6, offset=1.0,
                          kernel=kernel, conv_state=got_state, conv_weight=conv_w)
@@ -138,10 +120,9 @@ def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
     assert "tiles fine" in out and "tma fine" in out and "conv fine" in out, out
-    assert "persistent fine" in out, out
 
 
-def test_tma_forms_are_offered_where_they_fit(monkeypatch):
+def test_tma_forms_are_offered_where_they_fit():
     """The per-shape choice's candidates: the TMA forms only where asked (the device and W's
     layout allow: ``tma_problem``), "tma16" and the split ones for FP8 weights only (the split
     ones where split-K is offered), each tile's BLOCK_K at least one head and at most a TMA
@@ -187,16 +168,7 @@ def test_tma_forms_are_offered_where_they_fit(monkeypatch):
     assert "compute capability 9.0" in tma_problem(w, x)  # (no Triton interpreter here)
     with pytest.raises(ValueError, match="tma: TMA needs compute capability"):
         fused_gemv(x, w, None, 40, 64, "none", kernel="tma")
-    with pytest.raises(ValueError, match="tmap: TMA needs compute capability"):
-        fused_gemv(x, w, None, 40, 64, "none", kernel="tmap")
-    # the persistent forms: nameable, offered only with PERSIST on, beside each TMA form
-    import unimax.ops.fused_gemv as fused
-
-    assert not fused.PERSIST and not any(name.startswith("tmap") for name in fp8)
-    monkeypatch.setattr(fused, "PERSIST", True)
-    with_persist = candidates(2560, 4096, 1, True, 128, tma=True)
-    assert forms(with_persist) == forms(fp8) | set(fused.PERSIST_FORMS)
-    assert forms(candidates(12352, 2560, 1, False, 1, tma=True)) == {"rows", "tma", "tmap"}
+    assert forms(candidates(12352, 2560, 1, False, 1, tma=True)) == {"rows", "tma"}
 
 
 TMA_ALIGN_CHILD = """
@@ -411,20 +383,6 @@ for stages, split in ((1, 1), (4, 1), (4, 4)):
                     "PDL_LATE": False, "TMA": True, "STAGES": stages}, 90, tma_sig)
     print("tma", stages * split, asm["ttgir"].count("async_tma_copy"),
           asm["ptx"].count("cp.async.bulk.tensor"), asm["ptx"].count("atom.global"))
-# the persistent form (ops/fused_gemv_persistent.py): its one loop over units and K tiles
-# pipelined STAGES - 1 tiles ahead with the barrier-holding epilogues too (split-K's atomics,
-# the folded convolution: run after the loop), one TMA copy in flight at 1 stage
-from unimax.ops.fused_gemv_persistent import fused_gemv_persistent_kernel as persistent
-persist_sig = {k: v for k, v in tma_sig.items() if k not in ("PDL", "PDL_LATE", "TMA")}
-for stages, split, conv, pro in ((1, 1, 0, 1), (4, 1, 0, 1), (4, 4, 0, 4), (4, 1, 4, 1),
-                                 (4, 1, 0, 2)):
-    consts = {"PRO": pro, "HEAD": 128 if pro == 2 else 1, "KP": 4096, "HAS_SCALE": True,
-              "HAS_RES": pro != 1, "BLOCK_N": 32, "BLOCK_K": 256, "F16": True, "SPLIT": split,
-              "CONV_W": conv, "CONV_WP": max(conv, 1), "STAGES": stages}
-    asm = triton.compile(ASTSource(fn=persistent, signature=persist_sig, constexprs=consts),
-                         target=GPUTarget("cuda", 90, 32)).asm
-    print("persist", stages, split, conv, pro, asm["ttgir"].count("async_tma_copy"),
-          asm["ptx"].count("atom.global"))
 """
 
 
@@ -432,18 +390,12 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
     in the rows16 form, and the split-K form (atomics) where asked; and the form with the
-    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined, the
-    persistent form's too with every epilogue."""
+    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     conv = [row for row in rows if row[0] == "conv"]
     tma = {int(row[1]): tuple(int(v) for v in row[2:]) for row in rows if row[0] == "tma"}
-    persist = {tuple(int(v) for v in row[1:5]): tuple(int(v) for v in row[5:])
-               for row in rows if row[0] == "persist"}
-    rows = [row for row in rows if row[0] not in ("conv", "tma", "persist")]
-    # (stages, split, conv, prologue) -> (TMA copies, atomics): 1 + 3 in flight at 4 stages
-    assert persist == {(1, 1, 0, 1): (1, 0), (4, 1, 0, 1): (4, 0), (4, 4, 0, 4): (4, 2),
-                       (4, 1, 4, 1): (4, 0), (4, 1, 0, 2): (4, 0)}, out
+    rows = [row for row in rows if row[0] not in ("conv", "tma")]
     # one TMA load before the loop and one in it unpipelined; 3 more in flight at 4 stages
     assert tma[1][0] >= 1 and tma[4][0] >= tma[1][0] + 2 and tma[4][1] > tma[1][1], out
     assert tma[16][0] == tma[4][0] and tma[16][2] > 0 == tma[4][2], out  # (split-K: atomics)
@@ -687,20 +639,3 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
     monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
     assert not any(getattr(m, "fused", False) for m in exact_view(model).modules())
-
-
-def test_persistent_grid_balances_its_rounds():
-    """The persistent forms' grid: never more programs than asked, as few rounds as that many
-    would take, and the fewest programs that take no more rounds (so that their last round
-    is as full as it can be: no program idle while others run a whole unit more)."""
-    from unimax.ops.fused_gemv import persist_grid
-
-    for units in range(1, 900, 7):
-        for most in (1, 3, 132, 264):
-            programs = persist_grid(units, most)
-            rounds = -(-units // programs)
-            assert programs <= min(units, most), (units, most)
-            assert rounds == -(-units // most), (units, most)
-            if programs > 1:  # (one fewer would take another round)
-                assert -(-units // (programs - 1)) > rounds, (units, most, programs)
-    assert persist_grid(386, 264) == 193

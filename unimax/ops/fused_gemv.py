@@ -180,8 +180,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
     SPLIT_K: the same sums in slices, added in slice order), each autotuned, or the TMA forms
     "tma", "tma16", "tmasplit", "tmasplit16" (see TMA_FORMS; at TMA_TILE unless named: never
-    autotuned, the descriptor's block is the tile's), their persistent twins "tmap", "tmap16",
-    "tmapsplit", "tmapsplit16" (see PERSIST_FORMS), or any with "@tile" (one of the form's
+    autotuned, the descriptor's block is the tile's), or any with "@tile" (one of the form's
     tiles for the prologue's head, ``_tiles_by_form``, as ops.gemv.tiled_names writes it).
     ``conv_state``, ``conv_weight``: the first conv_weight.shape[0] outputs go through the
     causal convolution, its state rolled in place (``fused_in_proj_conv``)."""
@@ -203,7 +202,6 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     if split > 1 and not split_tiles_fit(out_features, m):
         raise ValueError(f"fused_gemv: {kernel} takes at most {MAX_TILES} output tiles")
     tma = kernel.startswith("tma")
-    persist = kernel.startswith("tmap")
     if tma:
         problem = tma_problem(weight, x)
         if problem:
@@ -211,22 +209,19 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
         tile = tile or (TMA_TILE[0], max(TMA_TILE[1], head), *TMA_TILE[2:])
     triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    # split-K's partial sums and counters (rows: unused, any pointer); a persistent form's
-    # sums, kept for the convolution's epilogue after its loop
+    # split-K's partial sums and counters (rows: unused, any pointer)
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
-            if split > 1 or (persist and conv_state is not None) else y)
+            if split > 1 else y)
     counters = _counters(x.device) if split > 1 else y
     if tma:  # (tile: BLOCK_N, BLOCK_K, warps, stages; the stages are the kernel's STAGES)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w = TensorDescriptor(weight, [out_features, in_features], [weight.stride(0), 1],
                              list(tile[:2]))
-        fixed = {**fixed, "STAGES": tile[3], **({} if persist else {"TMA": True})}
+        fixed = {**fixed, "STAGES": tile[3], "TMA": True}
         tile = tile[:3]
     else:
         w = weight
-    if persist:
-        from .fused_gemv_persistent import fused_gemv_persistent_kernel as launch
     pointers = (x, x if z is None else z, x if norm_weight is None else norm_weight, w,
                 x if scale is None else scale, x if residual is None else residual, y, work,
                 counters)
@@ -241,49 +236,10 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
                  SPLIT=split, CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
                  **fixed)
-    if persist:  # (no PDL: its programs outlive any overlap it could give)
-        units = triton.cdiv(out_features, tile[0]) * split
-        launch[(persist_grid(units, persist_programs(x.device)), m)](
-            *pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
-            **tile_args(tile))
-        return y
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
                  **pdl_launch(x, weight), **tile_args(tile))
     return y
-
-
-# Persistent TMA forms ("tmap", "tmap16", "tmapsplit", "tmapsplit16": the TMA forms' sums, by
-# PERSIST_PER_SM programs per SM streaming every tile between them in one pipelined loop; see
-# ops/fused_gemv_persistent.py). Nameable at the TMA forms' tiles; offered to the timed choice
-# only with PERSIST on (off: not yet timed on a GPU, and each offered form is a compile per
-# shape and prologue at warm-up). The interpreter runs PERSIST_INTERPRETED programs, so that
-# each takes several units there.
-PERSIST_FORMS = ("tmap", "tmap16", "tmapsplit", "tmapsplit16")
-PERSIST = False
-PERSIST_PER_SM = 2
-PERSIST_INTERPRETED = 3
-
-
-def persistent_twins(forms: tuple[str, ...]) -> tuple[str, ...]:
-    """The persistent twin of each TMA form among ``forms`` ("tma16" -> "tmap16")."""
-    return tuple(form.replace("tma", "tmap", 1) for form in forms if form.startswith("tma"))
-
-
-def persist_grid(units: int, most: int) -> int:
-    """How many programs take ``units`` at ``most`` programs: the fewest that need as many
-    rounds as ``most`` would, so that every program takes the same number of units, give or
-    take one (386 units at most 264: 193 programs of 2, where 264 would leave 142 of them
-    idle for the second round)."""
-    return -(-units // -(-units // most))
-
-
-def persist_programs(device: torch.device) -> int:
-    """How many programs a persistent form launches at most (fewer where there are fewer
-    units)."""
-    if _interpreted() or device.type != "cuda":
-        return PERSIST_INTERPRETED
-    return PERSIST_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 CONV_TILE = (16, 256, 4)  # the conv form's tile where none is named (one of GEMV_TILES)
@@ -354,7 +310,7 @@ def _tiles_by_form(head: int, offered: bool = False) -> dict[str, tuple]:
     at TMA_OFFERED: what the timed choice is given), BLOCK_K at least one head."""
     tma = _tma_tiles(TMA_OFFERED if offered else TMA_TILES, head)
     return {**dict.fromkeys(KERNEL_NAMES, tiles_for(head)),
-            **dict.fromkeys(TMA_FORMS + PERSIST_FORMS, tma)}
+            **dict.fromkeys(TMA_FORMS, tma)}
 
 
 def tma_problem(weight: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -435,8 +391,8 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
                head: int, tma: bool = False) -> tuple[str, ...]:
     """The kernel names the per-shape choice times: every form at every one of its tiles
     (rows16 for FP8 weights only, split-K where ``split_fits``, the TMA forms at TMA_OFFERED
-    where ``tma`` and K holds at least two of their tiles: see TMA_FORMS; their persistent
-    twins too with PERSIST on), timed as a step runs them (ops.gemv.timed_choice)."""
+    where ``tma`` and K holds at least two of their tiles: see TMA_FORMS), timed as a step
+    runs them (ops.gemv.timed_choice)."""
     forms = ("rows", "rows16") if scaled else ("rows",)
     if split_fits(out_features, in_features, m, scaled):
         forms += ("split", "split16")
@@ -444,8 +400,6 @@ def candidates(out_features: int, in_features: int, m: int, scaled: bool,
         forms += ("tma", "tma16") if scaled else ("tma",)
         if split_fits(out_features, in_features, m, scaled):
             forms += ("tmasplit", "tmasplit16")
-        if PERSIST:
-            forms += persistent_twins(forms)
     return tiled_names(forms, _tiles_by_form(head, offered=True))
 
 
