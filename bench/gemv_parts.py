@@ -17,8 +17,11 @@ step (DRAFT_KERNELS), each graph-timed over weight copies as the choice times th
 If ``bare`` sits near ``read``, the excess is the prologue and epilogue (computing the norm
 once, before, or overlapping it with W's first tiles is the next step); if ``bare`` keeps the
 excess, it is the GEMV's own structure (its products and per-tile reduction, or its store).
+``--bf16``: the BF16 step's GEMVs instead (BF16 weights at that step's chosen kernels,
+BF16_KERNELS): whether their excess over a read is the FP8 ones' (shared fixed cost) or
+smaller (the FP8 forms' own: conversions, products).
 
-usage: python bench/gemv_parts.py [--shape gdn-4b] [--json FILE]
+usage: python bench/gemv_parts.py [--shape gdn-4b] [--bf16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth  # noqa: E402
-from gemv import FOLDS, fold_inputs, linear_shapes  # noqa: E402
+from gemv import FOLDS, bench_copies, fold_inputs, linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 from small_reads import COLS, ROWS, launcher  # noqa: E402
 
@@ -43,6 +46,9 @@ from unimax.ops.timing import graph_us, weight_copies  # noqa: E402
 # bench/RESULTS.md; in_proj's there with the convolution folded in)
 DRAFT_KERNELS = {"in_proj": "tma@32x256x4x4", "out_proj": "rows@4x1024x4",
                  "gate_up": "rows16@32x256x4", "down": "tmasplit16@32x256x4x4"}
+# the BF16 weights' (the BF16 step's; the same run)
+BF16_KERNELS = {"in_proj": "rows@16x256x4", "out_proj": "rows@16x512x8",
+                "gate_up": "rows@8x512x4", "down": "rows@4x1024x4"}
 
 
 def rows_twin(kernel: str) -> str | None:
@@ -54,17 +60,21 @@ def rows_twin(kernel: str) -> str | None:
     return f"{plain}@{'x'.join(tile.split('x')[:3])}"
 
 
-def linear_parts(cfg, name: str, n: int, k: int, bandwidth: float) -> list[dict]:
+def linear_parts(cfg, name: str, n: int, k: int, bandwidth: float,
+                 bf16: bool = False) -> list[dict]:
     prologue, _, weights, q, x, z, norm, res = fold_inputs(cfg, name, n, k)
+    if bf16:
+        weights = bench_copies(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50, None)
+        q = weights[0][0]
     bare_x = x[:, :k].contiguous()
-    kernel = DRAFT_KERNELS[name]
+    kernel = (BF16_KERNELS if bf16 else DRAFT_KERNELS)[name]
     rows = []
 
     def timed(variant: str, fn, copies: int) -> None:
-        row = {"linear": name, "N": n, "K": k, "variant": variant, "MB": q.numel() / 1e6}
+        row = {"linear": name, "N": n, "K": k, "variant": variant, "MB": q.nbytes / 1e6}
         try:
             us = graph_us(fn, copies)
-            row.update(us=us, of_copy=q.numel() / (us * 1e-6) / bandwidth)
+            row.update(us=us, of_copy=q.nbytes / (us * 1e-6) / bandwidth)
         except Exception as err:  # noqa: BLE001 (a bench row: the error is the result)
             row["error"] = repr(err)[:300]
         rows.append(row)
@@ -99,6 +109,7 @@ def launch_row(bandwidth: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gdn-4b")
+    parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -106,10 +117,11 @@ def main() -> None:
     rows = [launch_row(bandwidth)]
     for name, (n, k, _) in linear_shapes(cfg).items():
         if name in FOLDS:
-            rows += linear_parts(cfg, name, n, k, bandwidth)
+            rows += linear_parts(cfg, name, n, k, bandwidth, args.bf16)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.shape} FP8 draft GEMVs, M = 1")
+    kind = "BF16 step" if args.bf16 else "FP8 draft"
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.shape} {kind} GEMVs, M = 1")
     print(f"{'linear':9} {'variant':34} {'MB':>6} {'us':>7} {'of copy':>8}")
     for row in rows:
         text = (f"{row['us']:7.2f} {row['of_copy']:8.2f}" if "us" in row

@@ -59,7 +59,7 @@
 #                                           200": that time limit
 #   run: bash bench/gpu_bench.sh parts      gdn-4b: each draft GEMV with and without its prologue
 #                                           and residual, against a read of its bytes
-#                                           (bench/gemv_parts.py)
+#                                           (bench/gemv_parts.py); then the BF16 step's
 #   run: bash bench/gpu_bench.sh reads      the floor under a short GEMV: kernels that only
 #                                           read 3-96 MB (one tile a program, a K-loop chain
 #                                           plain and TMA, persistent grids, torch's sum), the
@@ -173,8 +173,11 @@ case "${1:-}" in
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
   parts)
     # where a draft GEMV's time goes past a plain read of its weight (bench/gemv_parts.py)
-    timeout ${2:-300} python3 bench/gemv_parts.py --json "$OUT/parts.json" > "$OUT/parts.log" 2>&1
-    grep -v '^{' "$OUT/parts.log" | quiet | tail -24 ;;
+    for kind in "" --bf16; do
+      timeout 200 python3 bench/gemv_parts.py $kind --json "$OUT/parts$kind.json" \
+        > "$OUT/parts$kind.log" 2>&1
+      grep -v '^{' "$OUT/parts$kind.log" | quiet | tail -21
+    done ;;
   reads)
     # the floor under a short GEMV: kernels that only read W's bytes (bench/small_reads.py)
     timeout ${2:-200} python3 bench/small_reads.py --json "$OUT/reads.json" > "$OUT/reads.log" 2>&1
