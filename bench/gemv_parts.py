@@ -12,7 +12,10 @@ step (DRAFT_KERNELS), each graph-timed over weight copies as the choice times th
 - ``bare-rows``: the bare GEMV at the rows form and the draft's tile where the draft's is a
   TMA form (rows16 for the FP16 ones), to tell the form from the prologue;
 - ``read``: bench/small_reads.py's ``one`` kernel over the same bytes (no x, no output);
-- ``launch``: that kernel over one 8 KB tile (a launch and nothing else, in a graph).
+- ``launch``: that kernel over one 8 KB tile (a launch and nothing else, in a graph);
+- ``rms pre-pass`` / ``rms in loop`` (the RMS linears): the draft's call at the form with
+  fp32 products (rows16 -> rows), its norm's pre-pass first or its squares summed in the K
+  loop (ops.fused_gemv.RMS_IN_LOOP).
 
 If ``bare`` sits near ``read``, the excess is the prologue and epilogue (computing the norm
 once, before, or overlapping it with W's first tiles is the next step); if ``bare`` keeps the
@@ -86,6 +89,17 @@ def linear_parts(cfg, name: str, n: int, k: int, bandwidth: float,
     timed(f"draft {kernel}", gemv(kernel, prologue, x, z, norm, res), len(weights))
     timed("no-res", gemv(kernel, prologue, x, z, norm, None), len(weights))
     timed("bare", gemv(kernel, "none", bare_x, None, None, None), len(weights))
+    if prologue == "rms":
+        form, tile = kernel.split("@")
+        fp32 = f"{form.removesuffix('16')}@{tile}"
+        saved = fused.RMS_IN_LOOP
+        try:
+            for loop in (False, True):
+                fused.RMS_IN_LOOP = loop
+                timed(f"rms {'in loop' if loop else 'pre-pass'} {fp32}",
+                      gemv(fp32, prologue, x, z, norm, res), len(weights))
+        finally:
+            fused.RMS_IN_LOOP = saved
     twin = rows_twin(kernel)
     if twin:
         timed(f"bare-rows {twin}", gemv(twin, "none", bare_x, None, None, None), len(weights))

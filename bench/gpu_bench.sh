@@ -57,6 +57,9 @@
 #                                           and on out_proj/down split-K at 2 and 8 slices and
 #                                           TMA at 3 and 5 stages (bench/tma_gemv.py); "tmak
 #                                           200": that time limit
+#   run: bash bench/gpu_bench.sh rmsloop    gdn-4b: the draft and BF16 steps with the RMS
+#                                           prologues' squares summed in the K loop and
+#                                           without (ops.fused_gemv.RMS_IN_LOOP)
 #   run: bash bench/gpu_bench.sh parts      gdn-4b: each draft GEMV with and without its prologue
 #                                           and residual, against a read of its bytes
 #                                           (bench/gemv_parts.py); then the BF16 step's
@@ -171,6 +174,12 @@ case "${1:-}" in
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;
+  rmsloop)
+    # the RMS prologues without their pre-pass (ops.fused_gemv.RMS_IN_LOOP): the draft and
+    # BF16 steps with and without, every fused choice timed again with
+    timeout ${2:-420} python3 bench/profile_step.py --shapes gdn-4b --variants draft \
+      draft-rmsloop fla+gemv fla+gemv-rmsloop --json "$OUT/rmsloop.json" > "$OUT/rmsloop.log" 2>&1
+    grep -v Assertion "$OUT/rmsloop.log" | grep -v '^{' | quiet | cut -c1-200 | tail -60 ;;
   parts)
     # where a draft GEMV's time goes past a plain read of its weight (bench/gemv_parts.py)
     for kind in "" --bf16; do

@@ -24,7 +24,10 @@ program's K loop (PDL_TRIGGER "end"); "-noconv" before those (draft-noconv): the
 in-projection without the convolution folded in (unimax.ops.in_proj_conv.FOLD, on by
 default: fla's conv kernel then runs as a launch of its own); "-notma" before "-noconv"
 (draft-notma, fla+gemv-notma): the fused GEMVs without their TMA forms offered
-(unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them).
+(unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them);
+"-rmsloop" in the same place (draft-rmsloop): the RMS prologues without their pre-pass
+where a form takes it (unimax.ops.fused_gemv.RMS_IN_LOOP, off by default; every fused
+choice timed again).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -161,23 +164,29 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     base = base.removesuffix("-noconv")
     tma = not base.endswith("-notma")
     base = base.removesuffix("-notma")
+    rms_loop = base.endswith("-rmsloop")
+    base = base.removesuffix("-rmsloop")
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
-    saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA
-    fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA = (
-        pdl, trigger, fold, tma)
+    saved = (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
+             fused_gemv.RMS_IN_LOOP)
+    (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
+     fused_gemv.RMS_IN_LOOP) = (pdl, trigger, fold, tma, rms_loop)
     choices = dict(fused_gemv.CHOICES)  # (the TMA variants' choices, timed again without)
     if not tma:
         for key in [key for key, name in choices.items() if name.startswith("tma")]:
             del fused_gemv.CHOICES[key]
+    if rms_loop:  # (every choice timed again, the forms without the pre-pass among them)
+        fused_gemv.CHOICES.clear()
     try:
         with combo, torch.inference_mode():
             row = measure_variant(model, base.removesuffix("-pdlend").removesuffix("-pdl"),
                                   bandwidth)
         chosen = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     finally:
-        fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA = saved
-        if not tma:
+        (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
+         fused_gemv.RMS_IN_LOOP) = saved
+        if not tma or rms_loop:
             fused_gemv.CHOICES.clear()
             fused_gemv.CHOICES.update(choices)
     return {**row, "variant": variant, "gemv_choices": chosen}

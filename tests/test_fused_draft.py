@@ -98,6 +98,43 @@ for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(got_state[..., :3], state[..., 1:]), kernel  # (the window rolled)
         assert rel(got_state[..., 3], want_state[..., 3]) < (1e-5 if exact else 2e-2)
 print("conv fine")
+# the RMS prologue without its pre-pass (RMS_IN_LOOP) in the forms that take it (rows, tma:
+# all of K a program, fp32 products): the twin's outputs (fp32: 1e-5); in BF16 not what the
+# pre-pass form gives bit for bit (the norm's factor applied after the sums rounds elsewhere:
+# the path was taken), and the FP16 and split-K forms bit for bit as before (not taken)
+import unimax.ops.fused_gemv as fg
+for dtype in (torch.float32, torch.bfloat16):
+    for m, n, k in ((1, 100, 128), (2, 70, 320)):
+        for prologue, args, ref in cases(dtype, m, n, k, 64):
+            if prologue != "rms":
+                continue
+            fp8 = args[2] is not None
+            for kernel in ("rows", "tma@16x256x4x4") + (("rows16", "split") if fp8 else ()):
+                fg.RMS_IN_LOOP = False
+                before = fused_gemv(*args, kernel=kernel)
+                fg.RMS_IN_LOOP = True
+                y = fused_gemv(*args, kernel=kernel)
+                taken = fg.rms_in_loop("rms", 4 if "split" in kernel else 1, kernel)
+                fg.RMS_IN_LOOP = False
+                exact = dtype == torch.float32 and "16" not in kernel
+                assert rel(y, ref) < (1e-5 if exact else 2e-2), (dtype, m, kernel, rel(y, ref))
+                if dtype == torch.bfloat16:
+                    assert torch.equal(y, before) != taken, (m, kernel, taken)
+# and with the convolution folded in (the norm's factor applied before the epilogue's conv)
+fg.RMS_IN_LOOP = True
+w = torch.randn(105, 272)
+q, s = quantize_rows(w)
+x, norm, conv_w = 3 * torch.randn(1, 256), 1 + 0.1 * torch.randn(256), torch.randn(64, 4)
+for kernel, weight, scale in (("rows", q, s), ("tma@16x256x4x4", w, None)):
+    state = torch.randn(1, 64, 4)
+    got_state, want_state = state.clone(), state.clone()
+    got = fused_gemv(x, weight, scale, 100, 256, "rms", norm, eps=1e-6, offset=1.0,
+                     kernel=kernel, conv_state=got_state, conv_weight=conv_w)
+    want = fused_in_proj_conv_ref(x, weight, scale, 100, 256, norm, 1e-6, 1.0, want_state,
+                                  conv_w)
+    assert rel(got, want) < 1e-5 and rel(got_state, want_state) < 1e-5, (kernel, rel(got, want))
+fg.RMS_IN_LOOP = False
+print("rms loop fine")
 from unimax.ops.fused_gemv import _counters
 print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
@@ -120,6 +157,7 @@ def test_fused_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 9 and "compiled 0.0" in out and "counters left 0" in out, out
     assert "tiles fine" in out and "tma fine" in out and "conv fine" in out, out
+    assert "rms loop fine" in out, out
 
 
 def test_tma_forms_are_offered_where_they_fit():
@@ -345,10 +383,12 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
        "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
-       "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr"}
+       "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr",
+       "RMS_LOOP": "constexpr"}
 
 def compiled(consts, arch=90, signature=sig):
-    consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, **consts}
+    consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, "RMS_LOOP": False,
+              **consts}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32)).asm
 
@@ -383,6 +423,17 @@ for stages, split in ((1, 1), (4, 1), (4, 4)):
                     "PDL_LATE": False, "TMA": True, "STAGES": stages}, 90, tma_sig)
     print("tma", stages * split, asm["ttgir"].count("async_tma_copy"),
           asm["ptx"].count("cp.async.bulk.tensor"), asm["ptx"].count("atom.global"))
+# the RMS prologue without its pre-pass (RMS_LOOP), fp32 products: the rows form on both
+# archs, the TMA form at 4 stages on sm_90; x's global loads and the TMA copies counted
+for arch, tma in ((90, False), (89, False), (90, True)):
+    counts = []
+    for loop in (False, True):
+        asm = compiled({"PRO": 1, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
+                        "BLOCK_N": 32, "BLOCK_K": 256, "F16": False, "PDL": False, "SPLIT": 1,
+                        "PDL_LATE": False, "TMA": tma, "STAGES": 4 if tma else 1,
+                        "RMS_LOOP": loop}, arch, tma_sig if tma else sig)
+        counts += [asm["ptx"].count("ld.global"), asm["ttgir"].count("async_tma_copy")]
+    print("rmsloop", arch, int(tma), *counts)
 """
 
 
@@ -390,12 +441,20 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
     in the rows16 form, and the split-K form (atomics) where asked; and the form with the
-    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined."""
+    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined;
+    the RMS prologue without its pre-pass (RMS_LOOP) with fewer loads of x, as pipelined."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     conv = [row for row in rows if row[0] == "conv"]
     tma = {int(row[1]): tuple(int(v) for v in row[2:]) for row in rows if row[0] == "tma"}
-    rows = [row for row in rows if row[0] not in ("conv", "tma")]
+    loop = [[int(v) for v in row[1:]] for row in rows if row[0] == "rmsloop"]
+    rows = [row for row in rows if row[0] not in ("conv", "tma", "rmsloop")]
+    # (arch, tma, pre-pass: loads, TMA copies, in-loop: loads, TMA copies): the pre-pass's
+    # loads of x gone, the TMA copies as many (the pipelining kept)
+    assert [row[:2] for row in loop] == [[90, 0], [89, 0], [90, 1]], out
+    for arch, is_tma, loads, copies, loop_loads, loop_copies in loop:
+        assert loop_loads < loads and loop_copies == copies, (arch, is_tma, out)
+    assert loop[2][3] > 0, out  # (the TMA form: its copies there)
     # one TMA load before the loop and one in it unpipelined; 3 more in flight at 4 stages
     assert tma[1][0] >= 1 and tma[4][0] >= tma[1][0] + 2 and tma[4][1] > tma[1][1], out
     assert tma[16][0] == tma[4][0] and tma[16][2] > 0 == tma[4][2], out  # (split-K: atomics)

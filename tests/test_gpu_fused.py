@@ -28,9 +28,9 @@ def model():
 def test_fused_draft_on_gpu(model, monkeypatch):
     """The draft's fused GEMVs (unimax.ops.fused_gemv) equal their twin on the GPU at a 4B
     model's shapes, each prologue, FP8 weights with fp32 and FP16 products (a TMA form
-    too), with and without the residual; a full-FP8
-    draft view's fused steps track the unfused view's logits with the fused kernel really
-    taken. (The compiled engines over them: tests/test_gpu_fused_engine.py.)"""
+    too; the RMS prologue also without its pre-pass), with and without the residual; a
+    full-FP8 draft view's fused steps track the unfused view's logits with the fused kernel
+    really taken. (The compiled engines over them: tests/test_gpu_fused_engine.py.)"""
     import unimax.fused_draft as fused_draft
     import unimax.ops.fused_gemv as fused_gemv
     from helpers import spied
@@ -65,6 +65,14 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                 got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual, 1e-6,
                                             1.0, kernel=(kernel := f"{form}@{tile}"))
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, kernel)
+            if prologue == "rms":  # without the norm's pre-pass (RMS_IN_LOOP), where taken
+                monkeypatch.setattr(fused_gemv, "RMS_IN_LOOP", True)
+                for kernel in (f"rows@{tile_text(tiles[0])}",
+                               f"tma@{tile_text(fused_gemv.TMA_TILE)}"):
+                    got = fused_gemv.fused_gemv(x, q, s, n, k, prologue, norm, z, residual,
+                                                1e-6, 1.0, kernel=kernel)
+                    assert rel_err(got.float(), ref.float()) < 1e-2, ("rms loop", kernel)
+                monkeypatch.setattr(fused_gemv, "RMS_IN_LOOP", False)
     # split-K in a captured graph: its counters are set back by each launch, so replays with
     # new inputs give what eager calls give (fp32 slices added in order: bit for bit)
     q, s = quantize_rows(torch.randn(2560, 9216, device="cuda", generator=gen))

@@ -62,6 +62,10 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 PDL: bool | str = False  # or True (every fused GEMV), or "fp8" (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
 PDL_TRIGGER = "start"  # or "end"
+# The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K
+# loop, the sums scaled by the row's 1 / rms after it) where a program runs all of K with fp32
+# products (rows, tma; not split-K, not the FP16 forms). Off: the pre-pass first, as before.
+RMS_IN_LOOP = False
 
 
 def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
@@ -235,7 +239,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
                  SPLIT=split, CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
-                 **fixed)
+                 RMS_LOOP=rms_in_loop(prologue, split, kernel), **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
                  **pdl_launch(x, weight), **tile_args(tile))
@@ -243,6 +247,11 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
 
 
 CONV_TILE = (16, 256, 4)  # the conv form's tile where none is named (one of GEMV_TILES)
+
+
+def rms_in_loop(prologue: str, split: int, kernel: str) -> bool:
+    """Whether the kernel sums the RMS norm's squares in its K loop (see RMS_IN_LOOP)."""
+    return RMS_IN_LOOP and prologue == "rms" and split == 1 and not kernel.endswith("16")
 
 
 def check_conv(x, out_features: int, conv_state, conv_weight) -> None:
