@@ -64,7 +64,7 @@ def x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO: tl.cons
     """The loads x_math needs for x[row]'s slice rk: x, and per prologue the norm's weight,
     z, or the up half (the third: the gated norm's weight; x where a prologue needs less).
     Apart from the math so that the TMA forms can issue the next slice's loads a tile ahead
-    (and RMS_LOOP sum the squares of the raw x)."""
+    (and RMS_LOOP sum the raw x's squares)."""
     mask = rk < K
     x = tl.load(x_ptr + row * stride_xm + rk, mask=mask, other=0.0)
     a = x
@@ -106,6 +106,26 @@ def x_math(x, a, b, rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
         gate = sigmoid(a.to(tl.float32)).to(x.dtype)
         x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
     return x
+
+
+@triton.jit
+def with_squares(squares, x, RMS_LOOP: tl.constexpr):
+    """``squares`` plus x's squares in fp32 (per lane) with RMS_LOOP; as it is without."""
+    if RMS_LOOP:
+        squares += x.to(tl.float32) * x.to(tl.float32)
+    return squares
+
+
+@triton.jit
+def slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm,
+                   rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
+                   BLOCK_K: tl.constexpr, F16: tl.constexpr, RMS_LOOP: tl.constexpr):
+    """x[row]'s slice rk loaded, through the prologue, times W's tile w, added to acc; and
+    the raw slice's squares added to squares with RMS_LOOP: (acc, squares)."""
+    x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
+    squares = with_squares(squares, x, RMS_LOOP)
+    acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w, F16)
+    return acc, squares
 
 
 @triton.jit
@@ -251,11 +271,9 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
             wait_for_the_kernel_before()
         if PRO == 1 and not RMS_LOOP:  # (the norm's pre-pass over x now overlaps that load)
             rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
-        x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
-        if RMS_LOOP:
-            squares += x.to(tl.float32) * x.to(tl.float32)
-        acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w,
-                            F16)
+        acc, squares = slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K,
+                                      stride_xm, stride_zm, rstd, eps, offset, PRO, HEAD,
+                                      BLOCK_K, F16, RMS_LOOP)
         start += BLOCK_K
     if TMA:  # W's tiles pipelined by Triton, x's loads issued here a tile ahead of their use
         rk = start + tl.arange(0, BLOCK_K)
@@ -265,8 +283,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
             rk = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
             x_next, a_next, b_next = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm,
                                              stride_zm, PRO, HEAD)
-            if RMS_LOOP:
-                squares += x.to(tl.float32) * x.to(tl.float32)
+            squares = with_squares(squares, x, RMS_LOOP)
             acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w,
                                 F16)
             x, a, b = x_next, a_next, b_next
@@ -274,11 +291,9 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         for k0 in range(start, end, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
-            x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
-            if RMS_LOOP:
-                squares += x.to(tl.float32) * x.to(tl.float32)
-            acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w,
-                                F16)
+            acc, squares = slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K,
+                                          stride_xm, stride_zm, rstd, eps, offset, PRO, HEAD,
+                                          BLOCK_K, F16, RMS_LOOP)
     if PDL and PDL_LATE:
         launch_dependents()
     y = lane_sums(acc, F16)
