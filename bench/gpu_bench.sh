@@ -109,12 +109,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep -v -E "Warning|originates|warn_once|^ *File |backend = |chunk, fused|^$"; }
-tma_test() {  # the TMA forms' GPU test; the timings follow only if it passes
-  UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
-  tail -15 "$OUT/tma-test.log" | cut -c1-160
-  grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log"
-}
 case "${1:-}" in
   kernels)
     timeout 240 python3 bench/gemv.py --rows 1 9 --json "$OUT/gemv.json" 2>&1 | quiet | tail -28
@@ -170,7 +164,10 @@ case "${1:-}" in
   tma)
     # the TMA forms' GPU test first (a failure skips the timing), then the steps with and
     # without them offered to the timed choice
-    tma_test || exit 1
+    UNIMAX_ALLOW_FLA=1 timeout 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests/test_gpu_tma.py > "$OUT/tma-test.log" 2>&1
+    tail -15 "$OUT/tma-test.log" | cut -c1-160
+    grep -q " passed" "$OUT/tma-test.log" && ! grep -q "failed" "$OUT/tma-test.log" || exit 1
     timeout ${2:-380} python3 bench/profile_step.py --shapes gdn-4b --variants draft draft-notma \
       fla+gemv fla+gemv-notma --json "$OUT/tma.json" > "$OUT/tma.log" 2>&1
     grep -v Assertion "$OUT/tma.log" | grep -v '^{' | quiet | cut -c1-200 | tail -80 ;;

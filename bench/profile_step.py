@@ -70,45 +70,45 @@ def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     return MaxTurboGraphDecoder(view, block_size=BLOCK, compile=True)
 
 
-def kernel_table(replay, per: int = BLOCK) -> tuple[list[dict], float, int]:
-    """Kernels of one replay, grouped by name: [{name, calls, us}] per token (per ``per``
-    replayed steps), busy us, count."""
+def cuda_events(replay) -> list:
+    """The device events (kernels, copies) of one ``replay()`` under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         replay()
         torch.cuda.synchronize()
-    groups: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            groups[event.name].append(getattr(event, "device_time", None) or event.cuda_time)
+    return [event for event in prof.events() if event.device_type.name == "CUDA"]
+
+
+def per_name(groups: dict[str, list[float]], per: int) -> list[dict]:
+    """[{name, calls, us}] per ``per`` replayed steps, largest us first."""
     rows = [{"name": name, "calls": len(t) / per, "us": sum(t) / per}
             for name, t in groups.items()]
-    rows.sort(key=lambda r: -r["us"])
-    busy = sum(r["us"] for r in rows)
-    count = sum(len(t) for t in groups.values()) / per
-    return rows, busy, count
+    return sorted(rows, key=lambda r: -r["us"])
 
 
-def kernel_gaps(replay, per: int = BLOCK) -> tuple[list[dict], float]:
-    """The idle time between one replay's kernels (and copies), grouped by the kernel after
-    the gap: [{name, calls, us}] per ``per`` replayed steps, largest first, and their total.
-    (Traced under the profiler, which can stretch them: set against replay time - busy.)"""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_table(replay, per: int = BLOCK, events=None) -> tuple[list[dict], float, int]:
+    """Kernels of one replay (or of its ``events``, cuda_events), grouped by name: [{name,
+    calls, us}] per token (per ``per`` replayed steps), busy us, count."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for event in cuda_events(replay) if events is None else events:
+        groups[event.name].append(getattr(event, "device_time", None) or event.cuda_time)
+    rows = per_name(groups, per)
+    return rows, sum(r["us"] for r in rows), sum(len(t) for t in groups.values()) / per
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA")
+
+def kernel_gaps(events, per: int = BLOCK) -> tuple[list[dict], float]:
+    """The idle time between a replay's kernels and copies (its ``events``, cuda_events),
+    grouped by the kernel after the gap: [{name, calls, us}] per ``per`` replayed steps,
+    largest first, and their total. (Traced under the profiler, which can stretch them: set
+    against replay time - busy.)"""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
     groups: dict[str, list[float]] = defaultdict(list)
     end = spans[0][0] if spans else 0.0
     for start, stop, name in spans:
         groups[name].append(max(0.0, start - end))
         end = max(end, stop)
-    rows = [{"name": name, "calls": len(t) / per, "us": sum(t) / per}
-            for name, t in groups.items()]
-    rows.sort(key=lambda r: -r["us"])
+    rows = per_name(groups, per)
     return rows, sum(r["us"] for r in rows)
 
 
@@ -202,8 +202,9 @@ def measure_variant(model, variant: str, bandwidth: float) -> dict:
         decoder.capture_blocks()
         graph, per = decoder.runner.graphs[(BLOCK, False)], BLOCK
     seconds = median_device_seconds(graph.replay, 30, warmup=3) / per
-    rows, busy, count = kernel_table(graph.replay, per)
-    gaps, idle = kernel_gaps(graph.replay, per)
+    events = cuda_events(graph.replay)  # (one traced replay for both tables)
+    rows, busy, count = kernel_table(graph.replay, per, events)
+    gaps, idle = kernel_gaps(events, per)
     floor = decode_weight_bytes(model) / bandwidth
     return {"variant": variant, "us_per_token": seconds * 1e6, "busy_us": busy,
             "kernels": count, "of_floor": floor / seconds, "kernels_top": rows[:64],

@@ -194,10 +194,6 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
     if conv_state is not None:
         check_conv(x, out_features, conv_state, conv_weight)
-        # (the autotuner would rerun the kernel on the live state: a tile given instead; a TMA
-        # form's own default below, never autotuned)
-        if tile is None and not _interpreted() and not kernel.startswith("tma"):
-            tile = CONV_TILE
     if m > PROGRAM_ROWS:
         raise ValueError(f"fused_gemv: takes at most {PROGRAM_ROWS} rows, got {m}")
     if kernel.endswith("16") and scale is None:
@@ -211,6 +207,8 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
         if problem:
             raise ValueError(f"fused_gemv: {kernel}: {problem}; take a rows form")
         tile = tile or (TMA_TILE[0], max(TMA_TILE[1], head), *TMA_TILE[2:])
+    elif conv_state is not None and tile is None and not _interpreted():
+        tile = CONV_TILE  # (the autotuner would rerun the kernel on the live state)
     triton, launch, fixed = _kernel(kernel.endswith("16"), head, tile is not None)
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     # split-K's partial sums and counters (rows: unused, any pointer)
@@ -222,7 +220,7 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
 
         w = TensorDescriptor(weight, [out_features, in_features], [weight.stride(0), 1],
                              list(tile[:2]))
-        fixed = {**fixed, "STAGES": tile[3], "TMA": True}
+        fixed = {**fixed, "TMA": True, "STAGES": tile[3]}
         tile = tile[:3]
     else:
         w = weight
