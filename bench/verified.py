@@ -4,7 +4,7 @@ where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
-       [--json FILE]
+       [--ahead] [--fixed-only] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -42,6 +42,8 @@ import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
+
+STARTED = time.perf_counter()
 
 
 @torch.no_grad()
@@ -162,7 +164,8 @@ def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict
     if result.verify is not None:
         v = result.verify
         row.update(acceptance=v.acceptance_rate, blocks=v.verifier_blocks,
-                   rejected=v.rejected_blocks,
+                   rejected=v.rejected_blocks, ahead_kept=v.ahead_kept,
+                   ahead_dropped=v.ahead_dropped,
                    ms_per_block=result.decode_seconds / max(v.verifier_blocks, 1) * 1e3)
     if row["exact"] is False:
         row["divergence"] = first_divergence(model, ids, result.tokens, reference)
@@ -190,6 +193,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     rows, parts = [], {}
 
     def emit(row):
+        row["at_s"] = round(time.perf_counter() - STARTED, 1)  # (a cut run: where time went)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -243,6 +247,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
         for rate in args.acceptance:
             engine.draft_length.forget()
             forced_row(engine, rate, label, draft_block)
+        if draft_block and args.ahead:  # the next block drafted while one is checked
+            engine.draft_ahead = True
+            for rate in args.acceptance:
+                forced_row(engine, rate, " ahead", draft_block)
+            engine.draft_ahead = False
         if draft_block and args.acceptance and not args.fixed_only:  # the first rate again,
             # with the plain loop
             engine.pipelined = False
@@ -393,6 +402,10 @@ def main() -> None:
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
+    parser.add_argument("--ahead", action="store_true",
+                        help="also the forced rows at the fixed k with the next block drafted "
+                             "on a second stream while one is checked (unimax.draft_ahead; "
+                             "pure GDN shapes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
@@ -425,7 +438,9 @@ def main() -> None:
                   f"{100 * r['of_floor']:>7.1f}{r.get('acceptance', float('nan')):>7.2f}"
                   f"{r.get('mean_k', float('nan')):>7.2f}"
                   f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}"
-                  + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else ""))
+                  + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else "")
+                  + (f"  ahead kept {r['ahead_kept']} dropped {r['ahead_dropped']}"
+                     if r.get("ahead_kept") or r.get("ahead_dropped") else ""))
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))
