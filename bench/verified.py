@@ -278,6 +278,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verifier.cache, verifier.snapshot, verifier.tape, length),
                             writes=[verifier.cache, verifier.snapshot])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
+    if args.ahead:
+        parts.update(overlap_ms(engine, k))
     if args.kernels:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
         kernels[f"verify {k} (per block)"] = kernels_of(
@@ -305,6 +307,33 @@ def bench_shape(shape, args, bandwidth) -> dict:
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
             "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
 
+
+
+def overlap_ms(engine, k: int) -> dict:
+    """A draft-ahead block's graphs replayed as its loop runs them, the check on the main
+    stream and the k + 1 draft steps on the side one, against the same graphs one after the
+    other: what the overlap hides (device time between two events on the main stream, which
+    waits for the side one). Before the rows' replies nothing is captured: {}."""
+    verifier, decoded = engine.verifier, engine.decode_graph.runner.graphs
+    check = verifier.runner.graphs.get(("verify", k, verifier.span(k, 0), None, "ahead"))
+    drafts = [decoded.get((k, False)), decoded.get((1, False))]
+    if check is None or None in drafts:
+        return {}
+    main, side = torch.cuda.current_stream(), engine.side_stream()
+
+    def together():
+        with side():
+            for graph in drafts:
+                graph.replay()
+        check.replay()
+        main.wait_stream(side.stream)
+
+    def in_turn():
+        for graph in drafts + [check]:
+            graph.replay()
+
+    return {"ahead_overlapped_ms": median_device_seconds(together, 20, warmup=3) * 1e3,
+            "ahead_in_turn_ms": median_device_seconds(in_turn, 20, warmup=3) * 1e3}
 
 
 def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
