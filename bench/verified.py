@@ -315,7 +315,7 @@ def overlap_ms(engine, k: int) -> dict:
     other: what the overlap hides (device time between two events on the main stream, which
     waits for the side one). Before the rows' replies nothing is captured: {}."""
     verifier, decoded = engine.verifier, engine.decode_graph.runner.graphs
-    check = verifier.runner.graphs.get(("verify", k, verifier.span(k, 0), None, "ahead"))
+    check = verifier.runner.graphs.get(verifier.ahead_key(k, verifier.span(k, 0)))
     drafts = [decoded.get((k, False)), decoded.get((1, False))]
     if check is None or None in drafts:
         return {}

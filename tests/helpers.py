@@ -213,3 +213,26 @@ def verifier_launches(engine, monkeypatch, record=lambda key: key) -> list:
 
     monkeypatch.setattr(engine.verifier.runner, "run", spy)
     return launched
+
+
+def two_turns(engine, x, y, n: int, stop: int, **run) -> tuple:
+    """A verified reply to ``x`` of up to n tokens cut by the ``stop`` id, then a second turn of
+    12 on ``y`` over the kept state: (first, second, the exact cache's states, its tokens
+    seen). ``run``: more generate arguments for both (e.g. draft_block)."""
+    first = engine.generate(x, n, mode="verified", stop_ids=[stop], **run)
+    second = engine.generate(y, 12, mode="verified", keep_state=True, **run)
+    return (first, second, [s.clone() for s in cache_states(engine.exact_cache)],
+            engine.exact_cache.seen_tokens)
+
+
+def assert_same_turns(a: tuple, b: tuple, stop: int, free: list[int]) -> None:
+    """Two engines' ``two_turns``: both replies stop at the stop id with the free-running exact
+    tokens, the second turns agree, and so do the kept states (to rounding: blocks cut
+    elsewhere round elsewhere) and their lengths."""
+    (a1, a2, a_state, a_seen), (b1, b2, b_state, b_seen) = a, b
+    assert a1.stopped == b1.stopped == "stop" and a1.tokens[-1] == stop
+    assert a1.tokens == b1.tokens == free[:len(a1.tokens)]
+    assert a2.tokens == b2.tokens
+    assert a_seen == b_seen
+    for p, q in zip(a_state, b_state, strict=True):
+        assert rel_err(p, q) < 1e-5

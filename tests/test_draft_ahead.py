@@ -8,7 +8,7 @@ import torch
 from test_engine import CONFIG, erring_engine, prompt
 
 import unimax
-from helpers import cache_states, rel_err, spied
+from helpers import assert_same_turns, spied, two_turns
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +73,11 @@ def test_draft_ahead_keeps_what_the_plain_loop_keeps(model):
     for ahead in (False, True):
         engine = erring_engine(model, block_size=4, period=5)
         engine.draft_ahead = ahead
-        first = engine.generate(x, 40, mode="verified", stop_ids=[stop], draft_block=3)
-        second = engine.generate(y, 12, mode="verified", keep_state=True, draft_block=3)
-        runs.append((first, second, [s.clone() for s in cache_states(engine.exact_cache)],
-                     engine.exact_cache.seen_tokens))
-    (a1, a2, a_state, a_seen), (b1, b2, b_state, b_seen) = runs
-    assert b1.verify.ahead_kept + b1.verify.ahead_dropped > 0
-    assert a1.verify.ahead_kept + a1.verify.ahead_dropped == 0
-    assert a1.stopped == b1.stopped == "stop" and a1.tokens == b1.tokens == free[:len(a1.tokens)]
-    assert a2.tokens == b2.tokens and a_seen == b_seen
-    for p, q in zip(a_state, b_state, strict=True):  # (blocks cut elsewhere round elsewhere)
-        assert rel_err(p, q) < 1e-5
+        runs.append(two_turns(engine, x, y, 40, stop, draft_block=3))
+    plain, ahead = runs
+    assert ahead[0].verify.ahead_kept + ahead[0].verify.ahead_dropped > 0
+    assert plain[0].verify.ahead_kept + plain[0].verify.ahead_dropped == 0
+    assert_same_turns(plain, ahead, stop, free)
 
 
 @torch.inference_mode()

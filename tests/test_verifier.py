@@ -7,7 +7,7 @@ import torch
 from test_engine import CONFIG, erring_engine
 
 import unimax
-from helpers import cache_states, rel_err, spied
+from helpers import assert_same_turns, cache_states, spied, two_turns
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState
 
@@ -108,7 +108,7 @@ def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
                       generator=torch.Generator().manual_seed(4))
     free = unimax.exact_greedy_tokens(model, x, 30)[0].tolist()
     stop = next(t for t in free[10:] if t not in free[:10])
-    runs = []
+    runs, orders = [], []
     for pipelined in (False, True):
         engine = erring_engine(model, block_size=4, period=3)
         engine.pipelined = pipelined
@@ -117,18 +117,12 @@ def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
         order = []
         engine.verifier.launch = spied(engine.verifier.launch, "check", order)
         engine.decode_graph.run_block = spied(engine.decode_graph.run_block, "draft", order)
-        first = engine.generate(x, 30, mode="verified", stop_ids=[stop])
-        second = engine.generate(y, 12, mode="verified", keep_state=True)
-        runs.append((first, second, [s.clone() for s in cache_states(engine.exact_cache)],
-                     engine.exact_cache.seen_tokens, order))
-    (a1, a2, a_state, a_seen, a_order), (b1, b2, b_state, b_seen, b_order) = runs
-    assert a1.stopped == b1.stopped == "stop" and a1.tokens[-1] == stop
-    assert a1.tokens == b1.tokens == free[:len(a1.tokens)]
-    assert a2.tokens == b2.tokens  # (where blocks are cut may differ: the block ahead is
-    # chosen for the fewest tokens that can be left, before the policy saw the block before)
-    assert a_seen == b_seen
-    for p, q in zip(a_state, b_state, strict=True):  # (blocks cut elsewhere round elsewhere)
-        assert rel_err(p, q) < 1e-5
+        runs.append(two_turns(engine, x, y, 30, stop))
+        orders.append(order)
+    # (the second turns' blocks may be cut elsewhere: the block ahead is chosen for the fewest
+    # tokens that can be left, before the policy saw the block before)
+    assert_same_turns(*runs, stop, free)
+    a_order, b_order = orders
     # the plain loop drafts only after a check is read; the pipelined one between a check's
     # launch and its read (a draft right after a check, then that check's read)
     assert ",".join(b_order).count("check,draft") > ",".join(a_order).count("check,draft")

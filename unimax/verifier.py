@@ -234,19 +234,24 @@ class Verifier:
                                             writes=writes, buffers=self._buffers())
         if ahead and not self.cache.has_attention:
             for k in range(1, self.block_size + 1):
-                self._prepare_ahead(k, self.span(k, 0))
+                self.runner.prepare(**self._ahead_graph(k, self.span(k, 0)))
 
-    def _prepare_ahead(self, k: int, span: int) -> tuple:
-        """A draft-ahead block's graph (captured if new; its key). Its capture's trial runs
-        save and restore the exact caches only: the draft's cache is the other stream's."""
-        key = self.graph_key(k, span, None, False) + ("ahead",)
-        self.runner.prepare(key, lambda: self._verify(k, False, span, ahead=True),
-                            writes=[self.cache, self.snapshot], buffers=self._buffers())
-        return key
+    def _ahead_graph(self, k: int, span: int) -> dict:
+        """A draft-ahead block's graph, as the runner's ``prepare`` or ``run`` takes it. Its
+        capture's trial runs save and restore the exact caches only: the draft's cache is the
+        other stream's."""
+        return dict(key=self.ahead_key(k, span),
+                    fn=lambda: self._verify(k, False, span, ahead=True),
+                    writes=[self.cache, self.snapshot], buffers=self._buffers())
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
         return ("verify", k, span, window) + (("sampled",) if sampled else ())
+
+    @staticmethod
+    def ahead_key(k: int, span: int):
+        """A draft-ahead block's graph (pure GDN: no KV bucket; greedy)."""
+        return ("verify", k, span, None, "ahead")
 
     @staticmethod
     def run_key(steps: int, window, sampled: bool):
@@ -295,9 +300,7 @@ class Verifier:
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.predictions[0, :steps]]
         elif ahead is not None:
-            key = self._prepare_ahead(k, self.span(k, seen))
-            self.runner.run(key, lambda: self._verify(k, False, key[2], ahead=True),
-                            writes=[self.cache, self.snapshot], buffers=self._buffers())
+            self.runner.run(**self._ahead_graph(k, self.span(k, seen)))
             stream, guess = ahead
             if stream is not None:  # the guess is the other stream's
                 torch.cuda.current_stream(self.cache.device).wait_stream(stream)
