@@ -100,3 +100,28 @@ def test_hybrids_and_sampling_keep_the_plain_loop(pure_or_hybrid):
     if hybrid:
         with pytest.raises(ValueError, match="without attention layers"):
             engine.verifier.launch(2, ahead=(None, torch.zeros(1, dtype=torch.long)))
+
+
+@torch.inference_mode()
+def test_the_draft_and_the_check_count_split_launches_apart(model):
+    """The draft's blocks and the checks run at once on two streams here: their split-K GEMVs
+    (ops.gemv) must count in buffers of their own (a shared one gave wrong tokens on the H200),
+    each graph always in the same one, neither the shared buffer of eager forwards."""
+    from unimax.ops.gemv import _counters
+
+    engine = ahead_engine(model, period=5)
+    seen = {"draft": set(), "check": set()}
+
+    def counted(fn, name):
+        def wrapper(*args, **kwargs):
+            seen[name].add(_counters(torch.device("cpu")).data_ptr())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    engine.decode_graph._block = counted(engine.decode_graph._block, "draft")
+    engine.verifier._verify = counted(engine.verifier._verify, "check")
+    got = engine.generate(prompt(20, seed=6), 30, mode="verified", draft_block=3)
+    assert got.verify.ahead_kept + got.verify.ahead_dropped > 0
+    assert len(seen["draft"]) == len(seen["check"]) == 1
+    assert seen["draft"] != seen["check"]
+    assert _counters(torch.device("cpu")).data_ptr() not in seen["draft"] | seen["check"]
