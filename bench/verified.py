@@ -4,7 +4,7 @@ where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
-       [--ahead] [--fixed-only] [--json FILE]
+       [--fixed-only] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -164,8 +164,7 @@ def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict
     if result.verify is not None:
         v = result.verify
         row.update(acceptance=v.acceptance_rate, blocks=v.verifier_blocks,
-                   rejected=v.rejected_blocks, ahead_kept=v.ahead_kept,
-                   ahead_dropped=v.ahead_dropped,
+                   rejected=v.rejected_blocks,
                    ms_per_block=result.decode_seconds / max(v.verifier_blocks, 1) * 1e3)
     if row["exact"] is False:
         row["divergence"] = first_divergence(model, ids, result.tokens, reference)
@@ -247,11 +246,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
         for rate in args.acceptance:
             engine.draft_length.forget()
             forced_row(engine, rate, label, draft_block)
-        if draft_block and args.ahead:  # the next block drafted while one is checked
-            engine.draft_ahead = True
-            for rate in args.acceptance:
-                forced_row(engine, rate, " ahead", draft_block)
-            engine.draft_ahead = False
         if draft_block and args.acceptance and not args.fixed_only:  # the first rate again,
             # with the plain loop
             engine.pipelined = False
@@ -278,8 +272,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verifier.cache, verifier.snapshot, verifier.tape, length),
                             writes=[verifier.cache, verifier.snapshot])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
-    if args.ahead:
-        parts.update(overlap_ms(engine, k))
     if args.kernels:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
         kernels[f"verify {k} (per block)"] = kernels_of(
@@ -307,33 +299,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
             "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
 
-
-
-def overlap_ms(engine, k: int) -> dict:
-    """A draft-ahead block's graphs replayed as its loop runs them, the check on the main
-    stream and the k + 1 draft steps on the side one, against the same graphs one after the
-    other: what the overlap hides (device time between two events on the main stream, which
-    waits for the side one). Before the rows' replies nothing is captured: {}."""
-    verifier, decoded = engine.verifier, engine.decode_graph.runner.graphs
-    check = verifier.runner.graphs.get(verifier.ahead_key(k, verifier.span(k, 0)))
-    drafts = [decoded.get((k, False)), decoded.get((1, False))]
-    if check is None or None in drafts:
-        return {}
-    main, side = torch.cuda.current_stream(), engine.side_stream()
-
-    def together():
-        with side():
-            for graph in drafts:
-                graph.replay()
-        check.replay()
-        main.wait_stream(side.stream)
-
-    def in_turn():
-        for graph in drafts + [check]:
-            graph.replay()
-
-    return {"ahead_overlapped_ms": median_device_seconds(together, 20, warmup=3) * 1e3,
-            "ahead_in_turn_ms": median_device_seconds(in_turn, 20, warmup=3) * 1e3}
 
 
 def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
@@ -431,10 +396,6 @@ def main() -> None:
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
-    parser.add_argument("--ahead", action="store_true",
-                        help="also the forced rows at the fixed k with the next block drafted "
-                             "on a second stream while one is checked (unimax.draft_ahead; "
-                             "pure GDN shapes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
@@ -467,9 +428,7 @@ def main() -> None:
                   f"{100 * r['of_floor']:>7.1f}{r.get('acceptance', float('nan')):>7.2f}"
                   f"{r.get('mean_k', float('nan')):>7.2f}"
                   f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}"
-                  + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else "")
-                  + (f"  ahead kept {r['ahead_kept']} dropped {r['ahead_dropped']}"
-                     if r.get("ahead_kept") or r.get("ahead_dropped") else ""))
+                  + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else ""))
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))

@@ -10,7 +10,6 @@ Modes:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CacheCopier, cache_payload_bytes
-from .draft_ahead import SideStream, ahead_blocks, usable
 from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
 from .sampling import SamplingParams, sample_from_logits
@@ -40,9 +38,6 @@ class VerifyReport:
     accepted_draft_tokens: int
     rejected_blocks: int
     verifier_blocks: int
-    # draft-ahead blocks (unimax.draft_ahead) whose drafts made ahead were kept / dropped
-    ahead_kept: int = 0
-    ahead_dropped: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -111,11 +106,6 @@ class UniMaxEngine:
         # Queue each verified block's drafts before the host has read the block before (the
         # GPU drafts while the host streams); False: draft after reading, as the plain loop.
         self.pipelined = True
-        # Greedy verified replies at a fixed draft length on pure GDN models: draft the next
-        # block while this one is checked, on a second stream (unimax.draft_ahead). Off until
-        # measured against the plain loop on a GPU (bench/verified.py --ahead).
-        self.draft_ahead = False
-        self._side_stream: SideStream | None = None
         # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
         self.draft_length = DraftLength(self.block_size)
         self.prefill_chunk = PREFILL_CHUNK
@@ -240,7 +230,9 @@ class UniMaxEngine:
             return first, VerifyReport(1, 0, 0, 0, 0)
         tail, report = self.decode_verified(first, n - 1, draft_block=draft_block)
         full = torch.cat([first, tail], dim=1)
-        return full, dataclasses.replace(report, generated_tokens=int(full.shape[1]))
+        return full, VerifyReport(int(full.shape[1]), report.drafted_tokens,
+                                  report.accepted_draft_tokens, report.rejected_blocks,
+                                  report.verifier_blocks)
 
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
@@ -256,7 +248,7 @@ class UniMaxEngine:
         if verified:
             if sampled:
                 self.decode_graph.capture_blocks(record=True)
-            self.verifier.capture(sampled=sampled, ahead=self.draft_ahead)
+            self.verifier.capture(sampled=sampled)
             if self.decode_graph.use_graphs:
                 self._calibrate_draft_length()
 
@@ -270,24 +262,10 @@ class UniMaxEngine:
             draft_ms={k: decoded[(k, False)] for k in range(1, self.block_size + 1)},
             verify_ms=self.verifier.block_costs_ms(), rewind_ms=0.0)
 
-    def side_stream(self) -> SideStream:
-        """The stream draft-ahead blocks draft on (made at first use)."""
-        if self._side_stream is None:
-            self._side_stream = SideStream(self.device)
-        return self._side_stream
-
     def _verified_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
         """Yields the tokens each block emits (list of ints). One host sync per block. Each
         block drafts k_max tokens, or (k_max None) what the draft-length policy chooses. With
-        the decoder's sampling on (set_sampling), blocks are checked by speculative sampling;
-        with ``draft_ahead`` where it applies, the next block drafts while one is checked."""
-        if usable(self, k_max, not self.decode_graph.sampling.is_greedy):
-            return ahead_blocks(self, n, k_max, counts, self._plain_blocks)
-        return self._plain_blocks(n, k_max, counts)
-
-    def _plain_blocks(self, n: int, k_max: int | None, counts: VerifyCounts):
-        """The verified loop: drafts, then their check (the next block's drafts queued behind
-        it, ``pipelined``)."""
+        the decoder's sampling on (set_sampling), blocks are checked by speculative sampling."""
         graph = self.decode_graph
         sampled = not graph.sampling.is_greedy
         if sampled and graph.sampling.seed is not None and k_max is None:
@@ -485,7 +463,7 @@ class UniMaxEngine:
 
 def _report(generated: int, counts: VerifyCounts) -> VerifyReport:
     return VerifyReport(generated, counts.drafted, counts.accepted, counts.rejected_blocks,
-                        counts.verifier_blocks, counts.ahead_kept, counts.ahead_dropped)
+                        counts.verifier_blocks)
 
 
 def _count(n) -> int:

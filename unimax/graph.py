@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
-from .ops.gemv import lane, new_counters
 from .ops.timing import gc_paused, median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
@@ -28,8 +27,6 @@ class GraphRunner:
     trace in the state. All graphs of one runner share one memory pool. With ``timed``, each new
     graph is timed (``replay_ms``, the median of a few replays, before the restore): verified
     mode chooses its draft lengths from the decoder's and the verifier's (unimax.draft_length).
-    Each runner's graphs count their split-K GEMVs in counters of their own (ops.gemv.lane):
-    the decoder's and the verifier's run at once in draft-ahead blocks.
     """
 
     def __init__(self, device: torch.device, use_graphs: bool, timed: bool = False):
@@ -39,13 +36,11 @@ class GraphRunner:
         self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
         self.replay_ms: dict[object, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self.counters = new_counters(device)
 
     def run(self, key, fn: Callable[[], None], writes: list[RecurrentCache],
             buffers: list[torch.Tensor] = ()) -> None:
         if not self.use_graphs:
-            with lane(self.counters):
-                fn()
+            fn()
             return
         self.prepare(key, fn, writes, buffers)
         self.graphs[key].replay()
@@ -54,8 +49,7 @@ class GraphRunner:
                 buffers: list[torch.Tensor] = ()) -> None:
         """Capture now (if graphs are on and this key has none yet), leaving no trace."""
         if self.use_graphs and key not in self.graphs:
-            with lane(self.counters):
-                self.graphs[key], replay_ms = self.capture(fn, writes, buffers)
+            self.graphs[key], replay_ms = self.capture(fn, writes, buffers)
             if replay_ms is not None:
                 self.replay_ms[key] = replay_ms
 

@@ -45,10 +45,6 @@ class VerifyCounts:
     accepted: int = 0
     rejected_blocks: int = 0
     verifier_blocks: int = 0
-    # draft-ahead blocks (unimax.draft_ahead): the drafts made while a block was checked were
-    # kept (the block accepted all and its bonus token was the draft's), or dropped
-    ahead_kept: int = 0
-    ahead_dropped: int = 0
 
 
 def allow_recompiles(limit: int = 512) -> None:
@@ -97,10 +93,6 @@ class Verifier:
         self.current = torch.zeros(1, 1, **long)  # the last emitted token, not yet fed
         self.inputs = torch.zeros(1, self.block_size + 1, **long)
         self.predictions = torch.zeros(1, self.block_size + 1, **long)
-        # a draft-ahead block's drafts (unimax.draft_ahead): the decoder's out_tokens are being
-        # overwritten by the next block's drafts while this block is checked
-        self.drafts = torch.zeros(1, self.block_size, **long)
-        self.guess: int | None = None  # the last draft-ahead block's (see launch)
         self.num_accepted = torch.zeros((), **long)
         # verified sampling (unimax.speculative): its uniforms, drawn per block on the host
         self.u_accept = torch.zeros(self.block_size, device=exact_cache.device)
@@ -110,7 +102,7 @@ class Verifier:
         # its graph: the next block's drafts may already be queued behind it (engine.py), and
         # they overwrite the decoder's out_tokens. On CUDA the host copy is pinned and its
         # arrival an event, so the host waits for this block only, not for the drafts after it.
-        size = 2 * self.block_size + 3  # (+1: a draft-ahead block's guess)
+        size = 2 * self.block_size + 2
         self.result = torch.zeros(size, **long)
         cuda = exact_cache.device.type == "cuda"
         self.result_host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
@@ -141,18 +133,15 @@ class Verifier:
         room = not self.cache.has_attention or seen + full <= self.cache.max_kv_length
         return full if 0 < k < self.block_size and room else k + 1
 
-    def _verify(self, k: int, sampled: bool = False, span: int | None = None,
-                ahead: bool = False) -> None:
+    def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
         the agreeing prefix; sampled: the speculative rule, its token in every prediction
         slot. Reads the draft (and its distributions) from the decoder's static buffers.
         ``span``: the forward's inputs (k + 1, or padded: see ``span``); inputs past k + 1
-        are whatever the buffers hold (earlier tokens: valid ids). ``ahead`` (greedy, a
-        draft-ahead block: unimax.draft_ahead): the drafts from ``self.drafts``, and the
-        draft's cache left alone (the next block's drafts are being made in it meanwhile)."""
+        are whatever the buffers hold (earlier tokens: valid ids)."""
         span = k + 1 if span is None else span
         self.take_snapshot()
-        draft = self.drafts[:, :k] if ahead else self.decoder.out_tokens[:, :k]
+        draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
         compiled = self.compiled and span in (1, self.block_size + 1)
@@ -176,8 +165,7 @@ class Verifier:
             # at most k + 1 steps count, however many the (padded) forward recorded
             self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
                                         self.num_accepted + 1, k + 1)
-        if not ahead:
-            self.resync_draft()
+        self.resync_draft()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
@@ -203,17 +191,16 @@ class Verifier:
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
-                self.u_run, self.current, self.drafts]
+                self.u_run, self.current]
 
     # --- start-up and per block ----------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self, sampled: bool = False, ahead: bool = False) -> None:
+    def capture(self, sampled: bool = False) -> None:
         """Every verifier graph a reply can meet: each block length in each KV bucket, padded
         (``span``), and on hybrids unpadded in the last bucket, where the buffers' end can
         leave no room for the padding; exact runs of 2..block_size steps (``sampled``: the
-        verified-sampling graphs too; ``ahead``, pure GDN models: the draft-ahead blocks').
-        The caches are left as they were."""
+        verified-sampling graphs too). The caches are left as they were."""
         windows = self.cache.windows()
         writes = [self.cache, self.snapshot, self.decoder.cache]
         for window in windows:  # hybrid models: one set per KV bucket
@@ -232,26 +219,10 @@ class Verifier:
                         self.runner.prepare(self.graph_key(k, span, window, s),
                                             lambda k=k, s=s, span=span: self._verify(k, s, span),
                                             writes=writes, buffers=self._buffers())
-        if ahead and not self.cache.has_attention:
-            for k in range(1, self.block_size + 1):
-                self.runner.prepare(**self._ahead_graph(k, self.span(k, 0)))
-
-    def _ahead_graph(self, k: int, span: int) -> dict:
-        """A draft-ahead block's graph, as the runner's ``prepare`` or ``run`` takes it. Its
-        capture's trial runs save and restore the exact caches only: the draft's cache is the
-        other stream's."""
-        return dict(key=self.ahead_key(k, span),
-                    fn=lambda: self._verify(k, False, span, ahead=True),
-                    writes=[self.cache, self.snapshot], buffers=self._buffers())
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
         return ("verify", k, span, window) + (("sampled",) if sampled else ())
-
-    @staticmethod
-    def ahead_key(k: int, span: int):
-        """A draft-ahead block's graph (pure GDN: no KV bucket; greedy)."""
-        return ("verify", k, span, None, "ahead")
 
     @staticmethod
     def run_key(steps: int, window, sampled: bool):
@@ -267,25 +238,16 @@ class Verifier:
                 costs.setdefault(key[1], []).append(ms)
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
-    def launch(self, k: int, sampled: bool = False, steps: int = 1,
-               ahead: tuple | None = None) -> tuple[int, int, int, bool]:
+    def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
         """Queue the graph that checks the k drafts the decoder just wrote (k = 0: none;
         ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
-        distributions; its sampling settings and seeded generator are the reply's).
-        ``ahead`` = (stream, guess), a greedy draft-ahead block (unimax.draft_ahead, pure GDN
-        models): the drafts are read from ``self.drafts``, the draft's cache is not resynced,
-        and the result waits for ``stream`` (None off CUDA) and carries ``guess``, the first
-        token drafted there (read back as ``self.guess`` by ``collect``). Returns what
-        ``collect`` needs."""
+        distributions; its sampling settings and seeded generator are the reply's). Returns
+        what ``collect`` needs."""
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
                              f"k={k}, steps={steps}")
-        if ahead is not None and (sampled or not k or self.cache.has_attention):
-            raise ValueError("a draft-ahead block is greedy, drafts k >= 1 tokens and needs a "
-                             "model without attention layers (the draft's KV would race the "
-                             "check's)")
         if sampled and steps > 1:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_run[:steps].uniform_(generator=self.decoder.generator)
         elif sampled:
@@ -299,13 +261,6 @@ class Verifier:
                                 lambda: self._exact_steps(steps, sampled),
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.predictions[0, :steps]]
-        elif ahead is not None:
-            self.runner.run(**self._ahead_graph(k, self.span(k, seen)))
-            stream, guess = ahead
-            if stream is not None:  # the guess is the other stream's
-                torch.cuda.current_stream(self.cache.device).wait_stream(stream)
-            parts = [self.num_accepted[None], self.drafts[0, :k], self.predictions[0, :k + 1],
-                     guess.reshape(1)]
         else:
             # The verifier's forward ends at seen + span: it reads the KV bucket holding that
             # many entries (its graphs are keyed by it; None: pure GDN).
@@ -323,14 +278,13 @@ class Verifier:
         self.result_host[:size].copy_(self.result[:size], non_blocking=True)
         if self.result_ready is not None:
             self.result_ready.record()
-        return seen, k, steps, ahead is not None
+        return seen, k, steps
 
-    def collect(self, launched: tuple[int, int, int, bool], counts: VerifyCounts) -> list[int]:
+    def collect(self, launched: tuple[int, int, int], counts: VerifyCounts) -> list[int]:
         """Wait for a launched block's result (not for work queued after it), account for it
         (an exact run as that many k = 0 blocks) and return the tokens it emits: the kept
-        drafts and the exact model's token after them, or the run's tokens. One host sync.
-        A draft-ahead block's guess lands in ``self.guess``."""
-        seen, k, steps, ahead = launched
+        drafts and the exact model's token after them, or the run's tokens. One host sync."""
+        seen, k, steps = launched
         if self.result_ready is not None:
             self.result_ready.synchronize()
         if steps > 1:
@@ -338,9 +292,8 @@ class Verifier:
             counts.verifier_blocks += steps
             self.cache.seen_tokens = self.decoder.cache.seen_tokens = seen + steps
             return exact
-        host = self.result_host[:2 * k + 2 + ahead].tolist()
-        m, draft, exact = host[0], host[1:k + 1], host[k + 1:2 * k + 2]
-        self.guess = host[-1] if ahead else None
+        host = self.result_host[:2 * k + 2].tolist()
+        m, draft, exact = host[0], host[1:k + 1], host[k + 1:]
         counts.drafted += k
         counts.verifier_blocks += 1
         counts.accepted += m

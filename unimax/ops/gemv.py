@@ -19,11 +19,9 @@ captured graph, over copies of the weight that L2 cannot hold (ops.timing). ``ge
 plain-torch twin.
 """
 
-import contextlib
 import functools
 import math
 import os
-import threading
 import time
 from typing import Optional
 
@@ -88,46 +86,14 @@ def _gemv_kernel(scaled: bool, f16: bool = False, tiled: bool = False):
 MAX_TILES = 1 << 15
 
 
+@functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     """Split-K's per-tile arrival counters, zero between launches (each tile's last program
-    sets its counter back). Two split launches must not run at once with the same counters
-    (one's counts would end the other's tiles early: wrong sums), so each graph runner gives
-    its graphs counters of their own (``lane``): the draft's and the check's graphs run at
-    once on two streams in draft-ahead blocks (unimax.draft_ahead), and a split GEMV in each
-    (the 4B shape's out- and down-projections) made the check emit wrong tokens on the H200
-    while they shared one buffer. Elsewhere (eager forwards, one stream): one per device,
-    allocated at first use (a warm-up, never inside a graph capture: the timed choices offer
-    split-K only to keys they have timed)."""
-    own = getattr(_LANE, "counters", None)
-    if own is not None and own.device == device:
-        return own
-    return _shared_counters(device)
-
-
-@functools.cache
-def _shared_counters(device: torch.device) -> torch.Tensor:
-    return new_counters(device)
-
-
-def new_counters(device: torch.device) -> torch.Tensor:
-    """A lane's split-K counters (all zero)."""
+    sets its counter back): one buffer per device, allocated at first use (a warm-up, never
+    inside a graph capture: the timed choices offer split-K only to keys they have timed).
+    Shared, so split launches must not run concurrently on two streams: UNI MAX runs one engine
+    thread, its forwards on one stream."""
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-
-
-_LANE = threading.local()
-
-
-@contextlib.contextmanager
-def lane(counters: torch.Tensor | None):
-    """Split-K launches made inside the with-block (this thread) count in ``counters`` (from
-    ``new_counters``; None: the shared ones): a graph's launches keep the buffer they were
-    captured with, so graphs that may run at once on two streams need lanes of their own."""
-    previous = getattr(_LANE, "counters", None)
-    _LANE.counters = counters
-    try:
-        yield
-    finally:
-        _LANE.counters = previous
 
 
 # The tensor-core kernel's autotuned tiles (BLOCK_N, BLOCK_K, warps, stages).
