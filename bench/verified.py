@@ -4,7 +4,7 @@ where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
-       [--fixed-only] [--json FILE]
+       [--fixed-only] [--draft-vocab 32768] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -47,12 +47,21 @@ STARTED = time.perf_counter()
 
 
 @torch.no_grad()
-def peak_head(model, num_tokens: int = 64, factor: float = 4.0, seed: int = 1) -> None:
+def peak_head(model, num_tokens: int = 64, factor: float = 4.0, seed: int = 1) -> list[int]:
     """Scale a few LM-head rows (tied: their embeddings too) so greedy picks among them with
-    clear margins."""
+    clear margins; returns their ids."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randperm(model.config.vocab_size, generator=gen)[:num_tokens].cuda()
     model.lm_head.weight[rows] *= factor
+    return rows.tolist()
+
+
+def draft_vocab(size: int | None, peaked: list[int]) -> list[int] | None:
+    """--draft-vocab's ids, at most ``size`` of them: the peaked rows (greedy replies are made
+    of them, so the natural row's drafts can match), then the first ids."""
+    if size is None:
+        return None
+    return sorted(set(peaked) | set(range(max(size - len(set(peaked)), 0))))[:size]
 
 
 class ForcedDrafts:
@@ -180,8 +189,7 @@ def replay_ms(runner, key) -> float | None:
 def bench_shape(shape, args, bandwidth) -> dict:
     config = SHAPES[shape]
     model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
-    if args.peak:
-        peak_head(model)
+    peaked = peak_head(model) if args.peak else []
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, 512), device="cuda", generator=gen)
     start = time.perf_counter()
@@ -215,7 +223,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
 
     start = time.perf_counter()
     engine = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                          compile_step=True)
+                          compile_step=True, draft_vocab=draft_vocab(args.draft_vocab, peaked))
     natural = timed_generate(engine, ids, args.new, "verified", draft_block=k)
     emit({**row_of(f"verified-{args.draft}", natural, weight_bytes, bandwidth, reference, model,
                    ids), "warmup_s": time.perf_counter() - start})
@@ -396,6 +404,9 @@ def main() -> None:
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="the full draft's LM head over this many tokens (the first ids and "
+                             "the peaked rows: unimax.draft_vocab)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16

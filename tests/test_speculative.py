@@ -130,12 +130,17 @@ def chi_square_limit(dof: int, z: float = 3.719) -> float:
     return dof * (1 - a + z * math.sqrt(a)) ** 3
 
 
-@pytest.mark.parametrize("blocks", ["drafts", "exact runs"])
+@pytest.mark.parametrize("blocks", ["drafts", "exact runs", "draft vocabulary"])
 def test_verified_samples_follow_the_exact_distribution(model, blocks):
     """Every emitted token is distributed as sampling from the exact model: through drafts
     kept or refused by the speculative rule, or ("exact runs") through the exact steps the
-    draft-length policy falls back to when drafting does not pay, several to a block."""
+    draft-length policy falls back to when drafting does not pay, several to a block, or
+    ("draft vocabulary") from a full FP8 draft whose head scores tokens 0-2 only
+    (unimax.draft_vocab: its distribution is zero on the others, which still come out)."""
     engine = distorted_engine(model)
+    if blocks == "draft vocabulary":
+        engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=3,
+                                     draft_vocab=[0, 1, 2])
     if blocks == "exact runs":  # every block after the first token: a run of the other two
         priced_out(engine)
     runs, counts, drafted, accepted, exact_steps = 3000, {}, 0, 0, 0
@@ -149,8 +154,11 @@ def test_verified_samples_follow_the_exact_distribution(model, blocks):
         exact_steps += result.verify.verifier_blocks if not result.verify.drafted_tokens else 0
     if blocks == "drafts":
         assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
-    else:
+    elif blocks == "exact runs":
         assert drafted == 0 and exact_steps == runs * (NEW - 1)
+    else:  # drafts rejected, and tokens the draft cannot propose out of the residual
+        assert drafted > 1000 and accepted < drafted
+        assert any(t > 2 for key in counts for t in key[1:])
     exact = joint(model, PARAMS)
     stat, dof = chi_square(counts, exact, runs)
     assert stat < chi_square_limit(dof), (stat, dof)

@@ -155,17 +155,27 @@ def tail_linear_names(model) -> list[str]:
     return [f"{last}.gate_up_proj", f"{last}.down_proj", "lm_head"]
 
 
-def quantize_view(model, kind: str = "tail", mode: str | None = None):
+def quantize_view(model, kind: str = "tail", mode: str | None = None, vocab=None):
     """The model with FP8 linears: ``tail`` (state-safe) or ``full`` (every linear: a draft for
-    verified mode only, since it changes the states)."""
+    verified mode only, since it changes the states). ``vocab`` (``full`` only): its LM head
+    scores those tokens only (unimax.draft_vocab: a number N for ids 0..N-1, or the ids)."""
     if kind == "tail":
         names = tail_linear_names(model)
     elif kind == "full":
         names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     else:
         raise ValueError(f"unknown quantization kind {kind!r}; use 'tail' or 'full'")
+    if vocab is not None and kind != "full":
+        raise ValueError("a draft vocabulary (draft_vocab) is for the full draft only: it "
+                         "limits what the decoder can emit, and only verified mode checks that")
     view = shallow_view(model)
     for name in names:
+        if name == "lm_head" and vocab is not None:
+            from .draft_vocab import SubsetHead, subset_ids  # (it builds on FP8Linear)
+
+            view.lm_head = SubsetHead(model.lm_head,
+                                      subset_ids(model.config.vocab_size, vocab), mode)
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
         setattr(parent, child, FP8Linear(getattr(parent, child), mode=mode))

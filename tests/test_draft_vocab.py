@@ -1,0 +1,76 @@
+"""A full draft whose LM head scores part of the vocabulary (unimax.draft_vocab): its logits
+are the full FP8 head's on those tokens and -inf elsewhere; verified decoding with it is exact
+greedy decoding on pure and hybrid models, including where the exact model picks tokens the
+draft cannot propose; bad choices are refused by name. (Verified sampling with it: the chi-square
+test in test_speculative.)"""
+
+import pytest
+import torch
+
+import unimax
+from unimax import build_engine
+from unimax.draft_vocab import SubsetHead
+from unimax.fp8 import quantize_view
+
+
+@torch.inference_mode()
+def test_subset_head_is_the_full_fp8_heads_rows(pure_or_hybrid):
+    model = pure_or_hybrid
+    vocab = model.config.vocab_size
+    ids = [1, 5, 7, vocab - 1]
+    full = quantize_view(model, "full").lm_head
+    view = quantize_view(model, "full", vocab=ids)
+    assert isinstance(view.lm_head, SubsetHead) and view.lm_head.rows.out_features == len(ids)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    got, expected = view.lm_head(x), full(x)
+    assert got.shape == expected.shape == (3, vocab)
+    assert torch.equal(got[:, ids], expected[:, ids])  # rows quantized per row, as the full's
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(got[:, outside]).all()
+    assert quantize_view(model, "full", vocab=2).lm_head.ids.tolist() == [0, 1]
+
+
+def test_verified_with_a_draft_vocabulary_is_exact_greedy(pure_or_hybrid):
+    """The draft scores half the vocabulary: the exact model's reply uses tokens from both
+    halves, so blocks are rejected at tokens the draft could not propose, and what the
+    engine emits is still the exact greedy reply (default grad mode, as users call it)."""
+    model = pure_or_hybrid
+    vocab = model.config.vocab_size
+    x = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(4))
+    expected = unimax.exact_greedy_tokens(model, x, 40)[0].tolist()
+    half = vocab // 2
+    assert any(t < half for t in expected) and any(t >= half for t in expected)
+    engine = build_engine(model, decode="fp8", draft="full", block_size=4,
+                          draft_vocab=half)
+    drafted = []
+    run_block = engine.decode_graph.run_block
+
+    def spy(n, record=False):
+        out = run_block(n, record)
+        drafted.extend(out[0].tolist())
+        return out
+
+    engine.decode_graph.run_block = spy
+    got = engine.generate(x, 40, mode="verified", draft_block=4)
+    assert got.tokens == expected
+    assert drafted and max(drafted) < half  # the draft proposed its subset only
+    assert got.verify.rejected_blocks > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(decode="bf16", draft_vocab=8), "full FP8 draft"),
+    (dict(decode="fp8", draft="tail", draft_vocab=8), "full draft only"),
+    (dict(decode="fp8", draft="full", draft_vocab=0), "must be 1..89"),
+    (dict(decode="fp8", draft="full", draft_vocab=[3, 3]), "distinct"),
+    (dict(decode="fp8", draft="full", draft_vocab=[0, 89]), "must lie in 0..88"),
+    (dict(decode="fp8", draft="full", draft_vocab=[]), "non-empty"),
+])
+def test_bad_draft_vocabularies_are_refused_by_name(kwargs, match):
+    from test_engine import CONFIG
+
+    model = unimax.GDNForCausalLM(CONFIG).eval()
+    with pytest.raises(ValueError, match=match):
+        build_engine(model, **kwargs)
+    with pytest.raises(TypeError, match="number of tokens or a list"):
+        build_engine(model, decode="fp8", draft="full", draft_vocab=True)
