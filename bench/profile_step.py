@@ -27,7 +27,8 @@ default: fla's conv kernel then runs as a launch of its own); "-notma" before "-
 (unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them);
 "-rmsloop" in the same place (draft-rmsloop): the RMS prologues without their pre-pass
 where a form takes it (unimax.ops.fused_gemv.RMS_IN_LOOP, off by default; every fused
-choice timed again).
+choice timed again); "draft-vocabN" (draft-vocab32768): the draft with its LM head over the
+first N ids only (unimax.draft_vocab).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -57,10 +58,13 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    vocab = None
+    if variant.startswith("draft-vocab"):  # the draft's head over the first N ids only
+        variant, vocab = "draft", int(variant.removeprefix("draft-vocab"))
     variant, nofuse = variant.removesuffix("-nofuse"), variant.endswith("-nofuse")
     variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
-        variant, model = "fla+gemv", quantize_view(model, "full")
+        variant, model = "fla+gemv", quantize_view(model, "full", vocab=vocab)
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model, fuse=not nofuse) if gemv == "gemv" else shallow_view(model)
     view.set_backend(backend)
