@@ -74,3 +74,15 @@ def test_bad_draft_vocabularies_are_refused_by_name(kwargs, match):
         build_engine(model, **kwargs)
     with pytest.raises(TypeError, match="number of tokens or a list"):
         build_engine(model, decode="fp8", draft="full", draft_vocab=True)
+
+
+def test_ranked_ids_take_stops_then_the_most_frequent():
+    from unimax.draft_vocab import ranked_ids
+
+    text = [[7, 7, 7, 3, 3, 9, 9, 5], [3, 9, 1]]  # counts: 3 and 9 three times, 7 three, 5, 1
+    assert ranked_ids(text, 3) == [3, 7, 9]  # (a three-way tie: all kept)
+    assert ranked_ids(text, 2) == [3, 7]  # ties broken by the lower id
+    assert ranked_ids(text, 3, always=[2]) == [2, 3, 7]  # a stop id first, whatever its count
+    assert ranked_ids(text, 7) == [0, 1, 2, 3, 5, 7, 9]  # then the lowest unused ids
+    with pytest.raises(ValueError, match="more than its size 1"):
+        ranked_ids(text, 1, always=[2, 4])

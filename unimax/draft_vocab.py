@@ -6,11 +6,11 @@ model then checks, so its head need not score every token: scoring N of them rea
 Tokens outside the subset are never drafted: where the exact model picks one, that block is
 rejected at it and the exact model emits it as the block's bonus token, so the output is exact
 greedy decoding either way; only acceptance can drop, by how often replies use tokens outside
-the subset. Which ids: the caller's (a frequency ranking from text like the app's), or an int
-N for ids 0..N-1, a heuristic only (a BPE vocabulary lists its earlier merges, often its more
-common tokens, first; special tokens often come last and then need naming). FR-Spec (Zhao et
-al., ACL 2025) does this for an EAGLE draft's head, with a frequency-ranked quarter of a 128k
-vocabulary. For verified sampling the draft's distribution is zero outside the subset, which
+the subset. Which ids: the caller's (``ranked_ids``: the most frequent in text like the app's),
+or an int N for ids 0..N-1, a heuristic only (a BPE vocabulary lists its earlier merges, often
+its more common tokens, first; special tokens often come last and then need naming). FR-Spec
+(Zhao et al., ACL 2025) does this for an EAGLE draft's head, with a frequency-ranked quarter of
+a 128k vocabulary. For verified sampling the draft's distribution is zero outside the subset, which
 the speculative rule handles like any other draft distribution.
 
 The head keeps the full vocabulary's logit layout (-inf outside the subset), so the decoder,
@@ -48,6 +48,31 @@ def subset_ids(vocab_size: int, choice: int | Sequence[int]) -> torch.Tensor:
     if ids.unique().numel() != ids.numel():
         raise ValueError("draft_vocab's ids must be distinct")
     return ids.sort().values
+
+
+def ranked_ids(sequences, size: int, always: Sequence[int] = ()) -> list[int]:
+    """The ``size`` ids a draft head should score, from token-id ``sequences`` (text like the
+    replies it will draft, tokenized): ``always`` first (stop ids: a reply's last block would
+    otherwise be rejected at its stop token), then the most frequent ids (ties: the lower id),
+    then, if the text has fewer distinct ids, the lowest unused ids. Sorted."""
+    always = list(dict.fromkeys(int(i) for i in always))
+    if len(always) > size:
+        raise ValueError(f"draft_vocab: {len(always)} ids must always be in it, more than its "
+                         f"size {size}")
+    counts: dict[int, int] = {}
+    for sequence in sequences:
+        for token in sequence:
+            counts[int(token)] = counts.get(int(token), 0) + 1
+    chosen = dict.fromkeys(always)
+    for token in sorted(counts, key=lambda t: (-counts[t], t)):
+        if len(chosen) >= size:
+            break
+        chosen.setdefault(token)
+    token = 0
+    while len(chosen) < size:
+        chosen.setdefault(token)
+        token += 1
+    return sorted(chosen)
 
 
 class SubsetHead(nn.Module):
