@@ -36,8 +36,9 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
 
     prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact).
 
-    draft_vocab (decode='fp8', draft='full'): the draft's LM head scores only these tokens (a
-    number N: ids 0..N-1; or the ids), reading N of its rows (unimax.draft_vocab). Off: None."""
+    draft_vocab (decode='fp8', draft='full'): the draft's LM head scores only these tokens (the
+    ids, e.g. draft_vocab.ranked_ids; a number N: ids 0..N-1, for speed benches), reading N of
+    its rows (unimax.draft_vocab). Off: None."""
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):

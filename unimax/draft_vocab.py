@@ -7,8 +7,9 @@ Tokens outside the subset are never drafted: where the exact model picks one, th
 rejected at it and the exact model emits it as the block's bonus token, so the output is exact
 greedy decoding either way; only acceptance can drop, by how often replies use tokens outside
 the subset. Which ids: the caller's (``ranked_ids``: the most frequent in text like the app's),
-or an int N for ids 0..N-1, a heuristic only (a BPE vocabulary lists its earlier merges, often
-its more common tokens, first; special tokens often come last and then need naming). FR-Spec
+or an int N for ids 0..N-1, for speed benches (random weights) only: on the trained demo
+model the first ids covered far fewer reply tokens than the most frequent (bench/RESULTS.md,
+twenty-first session). FR-Spec
 (Zhao et al., ACL 2025) does this for an EAGLE draft's head, with a frequency-ranked quarter of
 a 128k vocabulary. For verified sampling the draft's distribution is zero outside the subset, which
 the speculative rule handles like any other draft distribution.
