@@ -9,10 +9,10 @@ greedy decoding either way; only acceptance can drop, by how often replies use t
 the subset. Which ids: the caller's (``ranked_ids``: the most frequent in text like the app's),
 or an int N for ids 0..N-1, for speed benches (random weights) only: on the trained demo
 model the first ids covered far fewer reply tokens than the most frequent (bench/RESULTS.md,
-twenty-first session). FR-Spec
-(Zhao et al., ACL 2025) does this for an EAGLE draft's head, with a frequency-ranked quarter of
-a 128k vocabulary. For verified sampling the draft's distribution is zero outside the subset, which
-the speculative rule handles like any other draft distribution.
+twenty-first session). FR-Spec (Zhao et al., ACL 2025) does this for an EAGLE draft's head,
+with a frequency-ranked quarter of a 128k vocabulary. For verified sampling the draft's
+distribution is zero outside the subset, which the speculative rule handles like any other
+draft distribution.
 
 The head keeps the full vocabulary's logit layout (-inf outside the subset), so the decoder,
 its sampling and the verifier are unchanged; the subset's rows are quantized as the full head's
