@@ -27,6 +27,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from acceptance import heldout_questions  # noqa: E402  (the acceptance bench's prompts)
+
 import unimax  # noqa: E402
 from train.corpus import read_corpus  # noqa: E402
 from train.tokenizer import render  # noqa: E402
@@ -35,14 +38,14 @@ from unimax.demo import DEMO_NAME  # noqa: E402
 from unimax.draft_vocab import ranked_ids  # noqa: E402
 
 
-def corpus() -> list[dict]:
+def corpus(questions: int) -> tuple[list[dict], list[str]]:
     """The demo's training corpus, rebuilt (deterministic per Python version) in a fresh
-    process, as train/corpus.py asks."""
+    process, as train/corpus.py asks, and its first ``questions`` held-out questions."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "corpus.jsonl"
         subprocess.run([sys.executable, "-m", "train.corpus", str(path)], cwd=ROOT, check=True,
                        capture_output=True)
-        return read_corpus(path)
+        return read_corpus(path), heldout_questions(str(path), questions)
 
 
 def main() -> None:
@@ -58,12 +61,11 @@ def main() -> None:
     tokenizer = unimax.load_tokenizer(DEMO_NAME)
     vocab = model.config.vocab_size
     stops = stop_ids(tokenizer, model.config.eos_token_id, vocab)
-    examples = corpus()
-    train = [e for e in examples if e["split"] == "train"]
-    heldout = [e for e in examples if e["split"] == "heldout"][:args.prompts]
-    text = [tokenizer.encode(render(e["messages"]), add_special_tokens=False) for e in train]
-    prompts = [torch.tensor([encode_chat(tokenizer, e["messages"][:1])], device=device)
-               for e in heldout]
+    examples, questions = corpus(args.prompts)
+    text = [tokenizer.encode(render(e["messages"]), add_special_tokens=False)
+            for e in examples if e["split"] == "train"]
+    prompts = [torch.tensor([encode_chat(tokenizer, [{"role": "user", "content": q}])],
+                            device=device) for q in questions]
     heads = [("all", None)]
     for size in args.sizes:
         heads += [(f"top {size}", ranked_ids(text, size, always=stops)),
