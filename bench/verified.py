@@ -4,7 +4,7 @@ where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
-       [--fixed-only] [--draft-vocab 32768] [--json FILE]
+       [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -290,6 +290,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
     if args.ab_pdl_fp8:
         with_pdl_fp8(model, args, k, parts, forced_row)
+    if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True,
+                             draft_vocab=draft_vocab(args.ab_draft_vocab, peaked))
+        second_engine_rows(other, f"vocab{args.ab_draft_vocab}", args, k, parts, forced_row)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -342,12 +347,18 @@ def with_pdl_fp8(model, args, k: int, parts: dict, forced_row) -> None:
     try:
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True)
-        for rate in args.acceptance:
-            forced_row(other, rate, " pdl-fp8")
-        parts["draft_step_ms_pdl_fp8"] = replay_ms(other.decode_graph.runner, (k, False)) / k
-        parts["draft_over_bf16_pdl_fp8"] = parts["draft_step_ms_pdl_fp8"] / parts["bf16_step_ms"]
+        second_engine_rows(other, "pdl_fp8", args, k, parts, forced_row)
     finally:
         unimax.ops.fused_gemv.PDL = was
+
+
+def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row) -> None:
+    """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
+    the first engine's in the same process (the A/B options)."""
+    for rate in args.acceptance:
+        forced_row(other, rate, f" {name.replace('_', '-')}")
+    parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
+    parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / parts["bf16_step_ms"]
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
@@ -407,6 +418,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the full draft's LM head over this many tokens (the first ids and "
                              "the peaked rows: unimax.draft_vocab)")
+    parser.add_argument("--ab-draft-vocab", type=int, default=None, metavar="N",
+                        help="also a second verified engine whose draft's LM head scores N "
+                             "tokens (as --draft-vocab), its forced rows and draft step beside "
+                             "the first's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
