@@ -76,6 +76,9 @@ def test_bad_draft_vocab_for_the_model_is_refused_by_name(tmp_path, capsys):
     assert app_main(["--preset", str(preset), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "'draft_vocab' is 100000, more than this model's 259 tokens" in err
+    with pytest.raises(PresetError, match="'draft_vocab' is 1, fewer than this model's 2 stop"):
+        EngineService(Preset(model="tiny-random", draft="full", draft_vocab=1,
+                             draft_vocab_text=str(text)))
     text.write_text("   \n")
     with pytest.raises(PresetError, match="'draft_vocab_text': .* has no text"):
         EngineService(Preset(model="tiny-random", draft="full", draft_vocab=8,

@@ -132,6 +132,10 @@ class EngineService:
         if p.draft_vocab > vocab_size:
             raise PresetError(f"preset key 'draft_vocab' is {p.draft_vocab}, more than this "
                               f"model's {vocab_size} tokens; pick fewer, or null for all")
+        if p.draft_vocab < len(self.stop_ids):
+            raise PresetError(f"preset key 'draft_vocab' is {p.draft_vocab}, fewer than this "
+                              f"model's {len(self.stop_ids)} stop ids, which it always holds; "
+                              "pick more")
         try:
             text = Path(p.draft_vocab_text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
