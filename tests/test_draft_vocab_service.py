@@ -1,14 +1,16 @@
 """A preset's draft vocabulary (draft_vocab, draft_vocab_text): its keys are validated by name;
 the service ranks the text's most frequent tokens (the stop ids always in) and gives verified
 mode's full draft a head over them only, whose replies are still the exact greedy replies, also
-where they use tokens the draft cannot propose; the other modes keep the full head; app.py
-refuses, by name, a draft_vocab that the loaded model cannot have."""
+where they use tokens the draft cannot propose; the other modes keep the full head; the page's
+header says how many tokens the head scores; app.py refuses, by name, a draft_vocab that the
+loaded model cannot have."""
 
 import pytest
 from app_server import free_port
 from test_service import reference_reply, reply_tokens, run, user
 
 from app import main as app_main
+from ui.page import header
 from unimax.draft_vocab import SubsetHead
 from unimax.presets import Preset, PresetError, load_preset, preset_from_dict
 from unimax.service import EngineService, GenerationSettings
@@ -56,6 +58,12 @@ def test_verified_drafts_from_the_texts_most_frequent_tokens_and_stays_exact(tmp
             assert got == reference_reply(service, [user(message)], 24)
             # the exact model picks tokens the draft cannot propose: rejected there, emitted
             assert any(t not in service.draft_vocab for t in got)
+        # the page says so (its header), and what the draft is without one
+        assert header(service, preset).endswith(
+            "verified draft `full` (its head over 5 of 259 tokens)")
+        plain = EngineService(Preset(model="tiny-random", draft="full"),
+                              model=service.model, tokenizer=service.tokenizer)
+        assert header(plain, plain.preset).endswith("verified draft `full`")
         head = service.engines["verified"].decode_model.lm_head  # the full draft's
         assert isinstance(head, SubsetHead) and head.ids.tolist() == service.draft_vocab
         assert run(service, "three", [user("Hi")], mode="fp8", max_new_tokens=4)[-1].kind == "done"
