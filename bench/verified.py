@@ -4,7 +4,8 @@ where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
-       [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--json FILE]
+       [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
+       [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -40,6 +41,7 @@ import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
+import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
@@ -275,10 +277,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
     length = k // 2
-    # (the rollback runs inside each verify graph; timed alone here, as its own graph)
+    # (the rollback runs inside each verify graph; timed alone here, as its own graph, in the
+    # form the verify block runs: one pass writing the draft's cache too, or the plain form)
+    copy_to = verifier.draft_cache if verifier.one_pass else None
     verifier.runner.prepare(("rewind", length), lambda: model.rewind_unchecked(
-        verifier.cache, verifier.snapshot, verifier.tape, length),
-                            writes=[verifier.cache, verifier.snapshot])
+        verifier.cache, verifier.snapshot, verifier.tape, length, copy_to=copy_to),
+                            writes=[verifier.cache, verifier.snapshot, verifier.draft_cache])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
     if args.kernels:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
@@ -290,6 +294,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
     if args.ab_pdl_fp8:
         with_pdl_fp8(model, args, k, parts, forced_row)
+    if args.ab_rewind:  # the verify block with the rewind as a snapshot and copies
+        with_rewind_in_steps(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True,
@@ -352,13 +358,36 @@ def with_pdl_fp8(model, args, k: int, parts: dict, forced_row) -> None:
         unimax.ops.fused_gemv.PDL = was
 
 
-def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row) -> None:
+def with_rewind_in_steps(model, args, k: int, window, parts: dict, forced_row) -> None:
+    """A second verified engine with unimax.verifier.ONE_PASS_REWIND off (each block's full
+    snapshot, its rewind into a new state, the copy of it into the exact cache and the full
+    resync: the states read and written three more times): its forced rows and verify block
+    beside the first engine's one-pass rewind, in the same process."""
+    was = unimax.verifier.ONE_PASS_REWIND
+    unimax.verifier.ONE_PASS_REWIND = False
+    try:
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True)
+        second_engine_rows(other, "rewind_in_steps", args, k, parts, forced_row, window)
+    finally:
+        unimax.verifier.ONE_PASS_REWIND = was
+
+
+def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
+                       window=None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
-    the first engine's in the same process (the A/B options)."""
+    the first engine's in the same process (the A/B options); with ``window`` (the KV bucket
+    the first engine's verify time was read at) its verify block of k drafts too."""
     for rate in args.acceptance:
         forced_row(other, rate, f" {name.replace('_', '-')}")
+    base = parts["bf16_step_ms"]
     parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
-    parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / parts["bf16_step_ms"]
+    parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / base
+    if window is not None:
+        verify = replay_ms(other.verifier.runner,
+                           other.verifier.graph_key(k, k + 1, window, sampled=False))
+        parts[f"verify_{k}_ms_{name}"] = verify
+        parts[f"verify_{k}_over_bf16_{name}"] = (verify or 0) / base
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
@@ -418,6 +447,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the full draft's LM head over this many tokens (the first ids and "
                              "the peaked rows: unimax.draft_vocab)")
+    parser.add_argument("--ab-rewind", action="store_true",
+                        help="also a verified engine whose rewind runs as a snapshot, a "
+                             "recurrence and copies (unimax.verifier.ONE_PASS_REWIND off): its "
+                             "forced rows and verify block beside the one-pass rewind's")
     parser.add_argument("--ab-draft-vocab", type=int, default=None, metavar="N",
                         help="also a second verified engine whose draft's LM head scores N "
                              "tokens (as --draft-vocab), its forced rows and draft step beside "

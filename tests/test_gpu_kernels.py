@@ -1,6 +1,7 @@
 """GPU (run on the lent H200 with fla installed: UNIMAX_ALLOW_FLA=1 pytest -m gpu): the verify
 block's own kernels at a 4B layer's heads: the few-token recurrence (unimax.ops.short_recurrence)
-against fla's fused recurrent kernel, and bit for bit across block cuts; the recording mixer's
+against fla's fused recurrent kernel, and bit for bit across block cuts; the one-pass rewind
+against the plain one; the recording mixer's
 tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor-core kernel
 for its narrow linears (unimax.ops.gemv's "dotsplit"). A file of its own: Triton
 compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel."""
@@ -103,6 +104,70 @@ def test_short_recurrence_states_do_not_depend_on_block_cuts_on_gpu():
                                             True)
         after = block(n, rewound[layer:layer + 1].contiguous())
         assert torch.equal(after[:, :span - n], whole[:, n:]), n
+
+
+@torch.inference_mode()
+def test_one_pass_rewind_matches_the_plain_rewind_on_gpu(monkeypatch):
+    """The verifier's one-pass rewind (ops.short_recurrence.rewind_states_) at a 4B model's
+    heads (32 layers as the batch, a 9-step span of the tape with the steps past n masked, as
+    GDNForCausalLM.rewind_unchecked runs it): the state it started from kept, and the state
+    after it written in place and to the draft's copy, bit for bit what the plain op gives (the
+    snapshot's state in, a new state out), at two of our launch settings, eagerly and replayed
+    in a CUDA graph; where fla's kernel is the heads' choice it does nothing and says so."""
+    from unimax.ops import short_recurrence as short
+    from unimax.ops.gated_delta import first_steps_only
+
+    require_fla()
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    layers, heads, value_heads, dk, dv, span = 32, 16, 32, 128, 128, 9
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = (randn(layers, 18, heads, dk).bfloat16()[:, :span] for _ in range(2))
+    v = randn(layers, 18, value_heads, dv).bfloat16()[:, :span]
+    g = -torch.rand(layers, span, value_heads, device="cuda", generator=gen)
+    beta = torch.rand(layers, span, value_heads, device="cuda", generator=gen).bfloat16()
+    h0 = randn(layers, value_heads, dk, dv)
+    key = (heads, dk, value_heads, dv, torch.bfloat16, False)
+    length = torch.zeros((), dtype=torch.long, device="cuda")
+    for name in (short.DEFAULT, "short@4x1x8"):
+        monkeypatch.setitem(short.CHOICES, key, name)
+        state, saved, copy = h0.clone(), torch.zeros_like(h0), torch.zeros_like(h0)
+
+        def rewind(state=state, saved=saved, copy=copy):
+            gm, bm = first_steps_only(g, beta, length)
+            return short.rewind_states_(q, k, v, gm, bm, state, saved, copy)
+
+        for n in (1, 4, 9):
+            length.fill_(n)
+            gm, bm = first_steps_only(g, beta, length)
+            _, want = short.short_gated_delta_rule(q, k, v, gm, bm, h0, True)
+            state.copy_(h0)
+            saved.zero_()
+            copy.zero_()
+            assert rewind()
+            assert torch.equal(saved, h0), (name, n)
+            assert torch.equal(state, want) and torch.equal(copy, want), (name, n)
+        graph = torch.cuda.CUDAGraph()
+        state.copy_(h0)
+        with torch.cuda.graph(graph):
+            rewind()
+        for n in (2, 7):
+            length.fill_(n)
+            state.copy_(h0)
+            saved.zero_()
+            copy.zero_()
+            graph.replay()
+            gm, bm = first_steps_only(g, beta, length)
+            _, want = short.short_gated_delta_rule(q, k, v, gm, bm, h0, True)
+            assert torch.equal(saved, h0) and torch.equal(state, want), (name, n)
+            assert torch.equal(copy, want), (name, n)
+    monkeypatch.setitem(short.CHOICES, key, "fla")
+    state = h0.clone()
+    assert not short.rewind_states_(q, k, v, g, beta, state, torch.zeros_like(h0),
+                                    torch.zeros_like(h0))
+    assert torch.equal(state, h0)
 
 
 @torch.inference_mode()

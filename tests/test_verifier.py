@@ -9,7 +9,7 @@ from test_engine import CONFIG, erring_engine
 import unimax
 from helpers import assert_same_turns, cache_states, spied, two_turns
 from unimax import GDNForCausalLM
-from unimax.cache import AttentionLayerState
+from unimax.cache import AttentionLayerState, CacheCopier
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,63 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
              "full_attention" in model.config.layer_types)
     finally:
         model.set_backend("auto")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("length", [1, 3, 6])
+def test_one_pass_rewind_keeps_the_state_before_and_fills_both_caches(model, length):
+    """The verifier's rewind with ``copy_to`` (unimax.verifier.ONE_PASS_REWIND): from a snapshot
+    of the conv states and position alone, taken before the recording forward, it leaves the
+    snapshot holding the whole state before the block (recurrent states too: Engine._finish
+    restores it after a stop), and the cache and the draft's cache both holding what the plain
+    rewind from a full snapshot gives (bit for bit: the same recurrence, the same inputs)."""
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 13), generator=gen)
+    block = torch.randint(0, model.config.vocab_size, (1, 7), generator=gen)
+    cache = model.make_recurrent_cache()
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    full = unimax.snapshot_cache(cache, cache.empty_like(share_kv=True))
+    partial = cache.empty_like(share_kv=True)
+    copier = CacheCopier(partial, cache, recurrent=False)  # (its validating copy is a full
+    partial.reset()                                        # one: undone here)
+    copier()
+    assert not partial.recurrent_buffer.any() and torch.equal(partial.conv_buffer,
+                                                              cache.conv_buffer)
+    draft = cache.empty_like(share_kv=True)
+    tape = model.make_tape(8)
+    with cache.recording(tape):
+        model.forward_unchecked(block, cache)
+    plain = unimax.snapshot_cache(cache)
+    accepted = torch.tensor(length)
+    model.rewind_unchecked(plain, full, tape, accepted, 7)
+    model.rewind_unchecked(cache, partial, tape, accepted, 7, copy_to=draft)
+    assert torch.equal(partial.recurrent_buffer, full.recurrent_buffer)
+    assert torch.equal(partial.conv_buffer, full.conv_buffer)
+    for got in (cache, draft):
+        assert torch.equal(got.recurrent_buffer, plain.recurrent_buffer)
+    assert torch.equal(cache.conv_buffer, plain.conv_buffer)
+    assert int(cache.position) == int(plain.position) == 13 + length
+
+
+@torch.inference_mode()
+def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypatch):
+    """Verified replies with ONE_PASS_REWIND on and off: the same tokens through rejections, a
+    stop id inside a block (Engine._finish restores the block's snapshot, which the one-pass
+    rewind filled) and a second turn on the kept state; pure and hybrid."""
+    model = pure_or_hybrid
+    x = torch.randint(0, model.config.vocab_size, (1, 18),
+                      generator=torch.Generator().manual_seed(7))
+    y = torch.randint(0, model.config.vocab_size, (1, 6),
+                      generator=torch.Generator().manual_seed(8))
+    free = unimax.exact_greedy_tokens(model, x, 30)[0].tolist()
+    stop = next(t for t in free[11:] if t not in free[:11])
+    runs = []
+    for one_pass in (False, True):
+        monkeypatch.setattr(unimax.verifier, "ONE_PASS_REWIND", one_pass)
+        engine = erring_engine(model, block_size=5, period=3)
+        assert engine.verifier.one_pass is one_pass
+        runs.append(two_turns(engine, x, y, 30, stop, draft_block=5))
+    assert_same_turns(*runs, stop, free)
 
 
 def test_rejections_cost_no_forward(model, monkeypatch):

@@ -300,17 +300,20 @@ def kv_tensors(cache: RecurrentCache) -> list[torch.Tensor]:
 class CacheCopier:
     """A validated ``copy_cache_(dst, src)`` for a fixed pair of caches: the shapes are checked
     once, then every call is one fused ``_foreach_copy_`` over all state tensors (a handful of
-    kernels instead of two per layer, and no per-tensor Python work): the bridge's hot path."""
+    kernels instead of two per layer, and no per-tensor Python work): the bridge's hot path.
+    ``recurrent=False`` leaves the recurrent states out (the conv states and the position only):
+    the verifier's blocks, whose rewind moves the recurrent states itself."""
 
-    def __init__(self, dst: RecurrentCache, src: RecurrentCache):
+    def __init__(self, dst: RecurrentCache, src: RecurrentCache, recurrent: bool = True):
         copy_cache_(dst, src)  # validates topology, shapes and dtypes once
         for d, s in zip(kv_tensors(dst), kv_tensors(src), strict=True):
             if d.data_ptr() != s.data_ptr():
                 raise ValueError("CacheCopier needs the two caches to share their attention KV "
                                  "buffers (cache.empty_like(share_kv=True)); use copy_cache_")
         self.dst, self.src = dst, src
-        self.dst_tensors = state_tensors(dst)
-        self.src_tensors = state_tensors(src)
+        self.dst_tensors, self.src_tensors = (
+            [t for t in state_tensors(c) if recurrent or t is not c.recurrent_buffer]
+            for c in (dst, src))
 
     @torch.inference_mode()
     def __call__(self) -> None:

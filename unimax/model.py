@@ -13,6 +13,7 @@ from .layers import GDNBlock
 from .norms import RMSNorm
 from .ops.conv import conv_window_after
 from .ops.gated_delta import first_steps_only, gated_delta_rule
+from .ops.short_recurrence import rewind_states_
 from .tape import Tape
 
 
@@ -111,7 +112,8 @@ class GDNForCausalLM(nn.Module):
                     cfg.num_v_heads, cfg.head_v_dim, self.dtype, self.device)
 
     def rewind_unchecked(self, cache: RecurrentCache, before: RecurrentCache, tape: Tape,
-                         length: int | torch.Tensor, span: int | None = None) -> None:
+                         length: int | torch.Tensor, span: int | None = None,
+                         copy_to: RecurrentCache | None = None) -> None:
         """Set ``cache`` to the state after the first ``length`` tokens of the forward that
         recorded ``tape`` starting from the state ``before``: every GDN layer at once (layers
         as the batch: the conv window over the taped inputs, the recurrence over the taped
@@ -121,7 +123,15 @@ class GDNForCausalLM(nn.Module):
         ``length`` may be a device scalar (a graph per ``span``, not per length: the short
         prefill's padded buckets): the recurrence then runs over the first ``span`` taped
         steps with those at or past ``length`` masked out (g = 0 and beta = 0 leave a GDN state
-        exactly as it was), and the conv window is gathered at ``length``."""
+        exactly as it was), and the conv window is gathered at ``length``.
+
+        ``copy_to`` (the verifier's blocks): the recurrence starts from ``cache``'s own GDN
+        states, which the recording forward left as they were before the block (it writes the
+        tape only), and keeps them in ``before``'s, whose conv states and position the caller
+        copied; the new states go to ``cache`` and to ``copy_to`` (the draft's cache, whose conv
+        states and position the caller copies after). On CUDA that is one kernel over the
+        states (ops.short_recurrence.rewind_states_) instead of a snapshot and two copies of
+        them; elsewhere the same steps one by one."""
         cfg = self.config
         n = tape.conv_input.shape[0]  # GDN layers, in the cache's flat-buffer order
         on_device = isinstance(length, torch.Tensor)
@@ -142,10 +152,19 @@ class GDNForCausalLM(nn.Module):
                 cache.conv_buffer.view(conv_shape).copy_(window)
                 backend = next(b.mixer.backend for b in self.layers
                                if hasattr(b.mixer, "backend"))
-                _, recurrent = gated_delta_rule(q, k, v, g, beta,
-                                                before.recurrent_buffer.view(rec_shape),
-                                                backend=backend)
-                cache.recurrent_buffer.view(rec_shape).copy_(recurrent)
+                state, saved = (c.recurrent_buffer.view(rec_shape) for c in (cache, before))
+                if copy_to is None:
+                    _, recurrent = gated_delta_rule(q, k, v, g, beta, saved, backend=backend)
+                    state.copy_(recurrent)
+                else:
+                    copy = copy_to.recurrent_buffer.view(rec_shape)
+                    if backend not in ("auto", "fla") or not rewind_states_(
+                            q, k, v, g, beta, state, saved, copy):
+                        saved.copy_(state)  # the same, step by step
+                        _, recurrent = gated_delta_rule(q, k, v, g, beta, saved,
+                                                        backend=backend)
+                        state.copy_(recurrent)
+                        copy.copy_(recurrent)
             cache.position.copy_(before.position + length)
 
     @torch.inference_mode()

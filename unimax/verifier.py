@@ -12,7 +12,9 @@ the device (no host round trip between the check and the rollback), it is rewoun
 its forward recorded (unimax.tape: the convolution window and the recurrence over the first
 m + 1 recorded steps, later ones masked out; no weight read; a full block rewinds to where it
 is), the draft's cache is resynced from it (the draft never fed its last token, and a full-FP8
-draft's states drift) and the next block's first token is set. One CUDA graph per k (and per KV
+draft's states drift) and the next block's first token is set. The rewind moves the recurrent
+states in one pass (``ONE_PASS_REWIND``): it keeps the state before the block in the snapshot
+and writes the state after it to both caches. One CUDA graph per k (and per KV
 bucket on hybrid models); with ``compile=True`` the forwards of the full-length block and of
 k = 0 run the small-M linears and are compiled by inductor first, like the decode step. A block
 of 0 < k < block_size drafts runs that same full-length forward, padded (``span``): its rows
@@ -37,6 +39,15 @@ from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder
 from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
+
+# A greedy or sampled block's rewind moves the exact model's GDN states in one pass: it reads
+# them from the exact cache (the recording forward left them as they were) and writes the
+# snapshot, the cache and the draft's cache (GDNForCausalLM.rewind_unchecked's ``copy_to``), so
+# the block's snapshot and resync copy only the conv states and the position: the states are
+# read once and written three times. False: the full snapshot, the rewind into a new tensor,
+# its copy into the cache and the full resync: read four times and written four (4B: 67 MB
+# each time). Read when a Verifier is built (the A/B in bench/verified.py builds one of each).
+ONE_PASS_REWIND = True
 
 
 @dataclass
@@ -87,6 +98,11 @@ class Verifier:
         self.block_size = decoder.block_size
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
+        # a block of k > 0 drafts: the rewind moves the recurrent states (ONE_PASS_REWIND)
+        self.one_pass = ONE_PASS_REWIND
+        self.draft_cache = resync_draft.dst
+        self.take_snapshot_conv = CacheCopier(self.snapshot, exact_cache, recurrent=False)
+        self.resync_draft_conv = CacheCopier(self.draft_cache, exact_cache, recurrent=False)
         self.restore_snapshot = CacheCopier(exact_cache, self.snapshot)
         self.tape = exact_model.make_tape(self.block_size + 1)
         long = dict(dtype=torch.long, device=exact_cache.device)
@@ -140,7 +156,8 @@ class Verifier:
         ``span``: the forward's inputs (k + 1, or padded: see ``span``); inputs past k + 1
         are whatever the buffers hold (earlier tokens: valid ids)."""
         span = k + 1 if span is None else span
-        self.take_snapshot()
+        one_pass = self.one_pass and k > 0
+        (self.take_snapshot_conv if one_pass else self.take_snapshot)()
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
@@ -164,8 +181,9 @@ class Verifier:
         if k:  # the state after the accepted prefix, from the tape (the forward left it);
             # at most k + 1 steps count, however many the (padded) forward recorded
             self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
-                                        self.num_accepted + 1, k + 1)
-        self.resync_draft()
+                                        self.num_accepted + 1, k + 1,
+                                        copy_to=self.draft_cache if one_pass else None)
+        (self.resync_draft_conv if one_pass else self.resync_draft)()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:

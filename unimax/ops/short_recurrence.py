@@ -107,8 +107,13 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: int,
-                 num_warps: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our kernel at one launch setting (CUDA, or Triton's interpreter)."""
+                 num_warps: int, chunk: int, *, out: torch.Tensor | None = None,
+                 save: torch.Tensor | None = None, copy: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernel at one launch setting (CUDA, or Triton's interpreter). ``out``: the final
+    state's storage (may be ``initial_state`` itself: in place), ``save``: where the initial
+    state is kept, ``copy``: a second store of the final state (all contiguous fp32, the
+    state's shape; rewind_states_ checks them)."""
     from .short_recurrence_kernel import short_recurrence_kernel
 
     batch, tokens, num_k_heads, head_k_dim = q.shape
@@ -119,14 +124,19 @@ def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: in
         initial_state = v.new_zeros(batch, value_heads, head_k_dim, head_v_dim,
                                     dtype=torch.float32)
     o = v.new_empty(batch, tokens, value_heads, head_v_dim)
-    state = torch.empty_like(initial_state) if final_state else initial_state.new_empty(0)
+    if not final_state:
+        state = initial_state.new_empty(0)
+    else:
+        state = torch.empty_like(initial_state) if out is None else out
     consts = constants((block_v, num_warps, chunk), tokens, head_k_dim, head_v_dim)
     grid = (-(-head_v_dim // consts["BV"]), batch * value_heads)
     short_recurrence_kernel[grid](
         q, k, v, g, beta, o, initial_state, state if final_state else initial_state,
+        initial_state if save is None else save, initial_state if copy is None else copy,
         head_k_dim ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim, STORE_FINAL=final_state,
+        SAVE_INITIAL=save is not None, STORE_COPY=copy is not None,
         num_warps=num_warps, **consts)
     return o, state
 
@@ -168,6 +178,32 @@ def choose(q, k, v, g, beta, initial_state, final_state: bool) -> str:
     return timed_choice(CHOICES, key, names(), DEFAULT, q.is_cuda,
                         lambda name, *tensors: run(name, *tensors, final_state),
                         (q, k, v, g, beta, initial_state), keep_default=True)
+
+
+def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
+                   copy: torch.Tensor) -> bool:
+    """The verifier's rewind as one pass over the GDN states: ``saved`` <- ``state`` (the state
+    before the block, which Engine._finish restores when a stop cuts the block), then
+    ``state`` and ``copy`` (the draft's) <- the state after the run from it. In steps that is a
+    67 MB snapshot before the block, the recurrence into a new tensor, a copy of it into the
+    cache and one into the draft's cache (at 4B); here the states are read once and written
+    three times. Where our kernel does not run these heads (off CUDA, or fla's kernel chosen
+    for them, whose rounding the block's forward then has), nothing is done and False comes
+    back: the caller runs those steps (GDNForCausalLM.rewind_unchecked)."""
+    if not (q.is_cuda and not _interpreted() and available() and q.shape[1] <= SHORT_MAX):
+        return False
+    check(q, k, v, g, beta, state)
+    for name, other in (("saved", saved), ("copy", copy)):
+        if (other.shape != state.shape or other.dtype != state.dtype
+                or not other.is_contiguous() or other.data_ptr() == state.data_ptr()):
+            raise ValueError(f"rewind_states_: {name} must be a contiguous fp32 tensor of the "
+                             f"state's shape {tuple(state.shape)} in storage of its own")
+    g = g.float()
+    tile = parse(choose(q, k, v, g, beta, state, True))
+    if tile is None:
+        return False
+    launch_short(q, k, v, g, beta, state, True, *tile, out=state, save=saved, copy=copy)
+    return True
 
 
 @functools.cache

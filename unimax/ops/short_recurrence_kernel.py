@@ -40,12 +40,14 @@ def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.con
 
 
 @triton.jit
-def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
+def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
                             stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
                             stride_gb, stride_gt, stride_bb, stride_bt,
                             T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr, TC: tl.constexpr, STORE_FINAL: tl.constexpr):
+                            BV: tl.constexpr, TC: tl.constexpr, STORE_FINAL: tl.constexpr,
+                            SAVE_INITIAL: tl.constexpr = False,
+                            STORE_COPY: tl.constexpr = False):
     """The gated delta rule over T tokens for one (sequence, value head, BV columns of V):
     fla's fused recurrent kernel's arithmetic (q and k L2-normalized in fp32 with 1e-6 inside
     the sqrt, q scaled; per token h *= exp(g); v' = beta (v - h^T k); h += k v'^T;
@@ -55,7 +57,13 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
     memory round trip (its output store sits between one token's loads and the next, and the
     compiler may not move loads above a store to memory it cannot tell apart): at 4B heads on
     the H200 its 9-token launch took 22 us where this one took 8.3 (ops.short_recurrence).
-    Grid: (cdiv(V, BV), B * HV)."""
+    Grid: (cdiv(V, BV), B * HV).
+
+    The verifier's rewind (ops.short_recurrence.rewind_states_) also keeps the state it started
+    from (SAVE_INITIAL: h0 stored to h_save) and writes the final state twice (STORE_COPY: to
+    ht_copy too), so that one pass over the states replaces a snapshot and two copies. ht may
+    be h0 itself: each program loads its own tile of h0 before it stores anything there, and
+    no other program touches that tile."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -68,6 +76,8 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
     mask_h = mask_k[:, None] & mask_v[None, :]
     p_h = i_nh * K * V + rk[:, None] * V + rv[None, :]
     h = tl.load(h0 + p_h, mask=mask_h, other=0.0).to(tl.float32)
+    if SAVE_INITIAL:
+        tl.store(h_save + p_h, h, mask=mask_h)
     rt = tl.arange(0, TC)
     for c in tl.static_range(0, T, TC):
         t = c + rt
@@ -89,6 +99,8 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, scale,
                       mask_v, c, T, TC, HV * V)
     if STORE_FINAL:
         tl.store(ht + p_h, h, mask=mask_h)
+    if STORE_COPY:
+        tl.store(ht_copy + p_h, h, mask=mask_h)
 
 
 @triton.jit
