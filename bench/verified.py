@@ -368,26 +368,27 @@ def with_rewind_in_steps(model, args, k: int, window, parts: dict, forced_row) -
     try:
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True)
-        second_engine_rows(other, "rewind_in_steps", args, k, parts, forced_row, window)
+        second_engine_rows(other, "rewind_in_steps", args, k, parts, forced_row, verify=True,
+                           window=window)
     finally:
         unimax.verifier.ONE_PASS_REWIND = was
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
-                       window=None) -> None:
+                       verify: bool = False, window=None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
-    the first engine's in the same process (the A/B options); with ``window`` (the KV bucket
-    the first engine's verify time was read at) its verify block of k drafts too."""
+    the first engine's in the same process (the A/B options); ``verify``: its verify block of
+    k drafts too, in the KV bucket ``window`` (the first engine's; None on pure GDN models)."""
     for rate in args.acceptance:
         forced_row(other, rate, f" {name.replace('_', '-')}")
     base = parts["bf16_step_ms"]
     parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
     parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / base
-    if window is not None:
-        verify = replay_ms(other.verifier.runner,
-                           other.verifier.graph_key(k, k + 1, window, sampled=False))
-        parts[f"verify_{k}_ms_{name}"] = verify
-        parts[f"verify_{k}_over_bf16_{name}"] = (verify or 0) / base
+    if verify:
+        ms = replay_ms(other.verifier.runner,
+                       other.verifier.graph_key(k, k + 1, window, sampled=False))
+        parts[f"verify_{k}_ms_{name}"] = ms
+        parts[f"verify_{k}_over_bf16_{name}"] = (ms or 0) / base
 
 
 def kernels_of(runner, key, per: int) -> dict | None:

@@ -1,11 +1,15 @@
-"""GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused GEMVs' TMA forms (unimax.ops.fused_gemv).
-A file of its own, beside tests/test_gpu_fused.py, so that bench/gpu_tests.sh runs it in a
-process of its own (seventeenth session: the two tests in one file ran past its 560 s)."""
+"""GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused GEMVs' TMA forms and their programmatic
+dependent launches (unimax.ops.fused_gemv). A file of its own, beside tests/test_gpu_fused.py,
+so that bench/gpu_tests.sh runs it in a process of its own (seventeenth session: the two tests
+in one file ran past its 560 s; twenty-third session: the PDL test, then in
+tests/test_gpu_engine.py, was cut there at 560 s)."""
 
 import pytest
 import torch
 
-from helpers import assert_in_proj_conv_matches_twin, assert_replays_match_eager, rel_err
+from helpers import assert_in_proj_conv_matches_twin, assert_replays_match_eager, gpu_model, rel_err
+from helpers import gpu_prompt as prompt
+from unimax import build_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -61,3 +65,71 @@ def test_tma_gemv_on_gpu():
             x, weight, scale, 12352, 2560, "rms", norm, eps=1e-6, offset=1.0,
             kernel="tma" if scale is None else "tma16", conv_state=state,
             conv_weight=conv_w), gen, "tma")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gpu_model()
+
+
+def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
+    """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL, off by default):
+    in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second
+    PDL GEMV (residual add), launched early by the first, waits for that one: both outputs
+    equal the PDL-free kernels' bit for bit (the same tiles and sums) after the inputs change,
+    FP8 with either product form and BF16, the signal at the start or the end. Then the fused
+    BF16 fast step decodes the same tokens in its graphs with PDL on as with it off, and the
+    full-FP8 step with PDL for FP8 weights only ("fp8") as without."""
+    import unimax.ops.fused_gemv as fused_gemv
+    from unimax.fp8 import quantize_rows
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k, n = 2560, 9216
+    a = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(4096, k, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    w1, w2 = torch.randn(n, k, device="cuda", generator=gen), torch.randn(k, n, device="cuda",
+                                                                          generator=gen)
+    fp8 = [quantize_rows(w) for w in (w1, w2)]
+    bf16 = [(w.to(torch.bfloat16), None) for w in (w1 / 50, w2 / 100)]
+    for weights, kernel, trigger in ((fp8, "rows", "start"), (fp8, "rows16", "start"),
+                                     (bf16, "rows", "start"), (fp8, "rows16", "end"),
+                                     (bf16, "rows", "end")):
+        (q1, s1), (q2, s2) = weights
+        monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+
+        def body(q1=q1, s1=s1, q2=q2, s2=s2, kernel=kernel):
+            x = a @ b  # the GEMM the first GEMV must wait for
+            h = fused_gemv.fused_gemv(x, q1, s1, n, k, "rms", norm, None, None, 1e-6, 1.0,
+                                      kernel=kernel)
+            return h, fused_gemv.fused_gemv(h, q2, s2, k, n, "none", None, None, x, 1e-6, 0.0,
+                                            kernel=kernel)
+
+        monkeypatch.setattr(fused_gemv, "PDL", True)
+        assert fused_gemv.pdl_launch(a, q1)["launch_pdl"]  # (the PDL form really launches)
+        body()  # (warm-up: compile and autotune outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = body()
+        a.mul_(-1.5)  # new inputs: a replay that read x or h early would show the old ones
+        monkeypatch.setattr(fused_gemv, "PDL", False)
+        want = body()
+        graph.replay()
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (kernel, trigger)
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "start")
+    x = prompt(60, seed=3)
+    plain = build_engine(model, decode="bf16", block_size=8, compile_step=True)
+    expected = plain.generate_fast(x, 24)
+    monkeypatch.setattr(fused_gemv, "PDL", True)
+    pdl = build_engine(model, decode="bf16", block_size=8, compile_step=True)
+    assert torch.equal(pdl.generate_fast(x, 24), expected)
+    # PDL "fp8": the full-FP8 draft step's GEMVs launched early, its tokens unchanged
+    monkeypatch.setattr(fused_gemv, "PDL", False)
+    expected = build_engine(model, decode="fp8", draft="full", block_size=8,
+                            compile_step=True).generate_fast(x, 24)
+    monkeypatch.setattr(fused_gemv, "PDL", "fp8")
+    pdl = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
+    assert torch.equal(pdl.generate_fast(x, 24), expected)
