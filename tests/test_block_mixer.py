@@ -178,8 +178,8 @@ from unimax.ops.short_recurrence_kernel import short_recurrence_kernel, tape_rec
 i32, bf16, f32 = "i32", "*bf16", "*fp32"
 strides = ("stride_qb", "stride_qt", "stride_kb", "stride_kt", "stride_vb", "stride_vt",
            "stride_gb", "stride_gt", "stride_bb", "stride_bt")
-short = dict(q=bf16, k=bf16, v=bf16, g=f32, beta=bf16, o=bf16, h0=f32, ht=f32, scale="fp32",
-             **{n: i32 for n in strides})
+short = dict(q=bf16, k=bf16, v=bf16, g=f32, beta=bf16, o=bf16, h0=f32, ht=f32, h_save=f32,
+             ht_copy=f32, scale="fp32", **{n: i32 for n in strides})
 record = dict(mixed=bf16, a=bf16, b=bf16, conv_state=bf16, conv_weight=bf16, A_log=f32,
               dt_bias=f32, tape_x=bf16, tape_q=bf16, tape_k=bf16, tape_v=bf16, tape_g=f32,
               tape_beta=bf16,
@@ -208,14 +208,19 @@ def reductions(ttgir):
 
 for arch in (90, 89):  # H100/H200, L4
     # each launch setting (every one on sm_90, the default on sm_89): the verify block (9
-    # rows, no final state), rewinds over 2 and 9 rows (final state) and a 33-row block
+    # rows, no final state), rewinds over 2 and 9 rows (final state), a 33-row block, and the
+    # one-pass rewind over 9 rows (the state kept and stored twice, no outputs)
+    plain = dict(SAVE_INITIAL=False, STORE_COPY=False, STORE_O=True)
+    one_pass = dict(SAVE_INITIAL=True, STORE_COPY=True, STORE_O=False)
     for name in names()[1:] if arch == 90 else (DEFAULT,):
         tile = parse(name)
         layouts = [reductions(compile(short_recurrence_kernel, short,
                                       dict(STORE_FINAL=final, H=16, HV=32, K=128, V=128,
-                                           **constants(tile, t, 128, 128)), arch,
+                                           **constants(tile, t, 128, 128), **more), arch,
                                       tile[1]).asm["ttgir"])
-                   for t, final in ((9, False), (2, True), (9, True), (33, False))]
+                   for t, final, more in ((9, False, plain), (2, True, plain),
+                                          (9, True, plain), (33, False, plain),
+                                          (9, True, one_pass))]
         print(arch, name, len(layouts[0]) > 0, all(x == layouts[0] for x in layouts))
     for bc, w in TILES:
         compiled = compile(tape_record_kernel, record,

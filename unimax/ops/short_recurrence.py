@@ -108,12 +108,13 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: int,
                  num_warps: int, chunk: int, *, out: torch.Tensor | None = None,
-                 save: torch.Tensor | None = None, copy: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 save: torch.Tensor | None = None, copy: torch.Tensor | None = None,
+                 outputs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel at one launch setting (CUDA, or Triton's interpreter). ``out``: the final
     state's storage (may be ``initial_state`` itself: in place), ``save``: where the initial
     state is kept, ``copy``: a second store of the final state (all contiguous fp32, the
-    state's shape; rewind_states_ checks them)."""
+    state's shape; rewind_states_ checks them). ``outputs=False``: o is not computed (an empty
+    tensor comes back; the states are the same bit for bit)."""
     from .short_recurrence_kernel import short_recurrence_kernel
 
     batch, tokens, num_k_heads, head_k_dim = q.shape
@@ -123,7 +124,7 @@ def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: in
     if initial_state is None:
         initial_state = v.new_zeros(batch, value_heads, head_k_dim, head_v_dim,
                                     dtype=torch.float32)
-    o = v.new_empty(batch, tokens, value_heads, head_v_dim)
+    o = v.new_empty(batch, tokens, value_heads, head_v_dim) if outputs else v.new_empty(0)
     if not final_state:
         state = initial_state.new_empty(0)
     else:
@@ -136,7 +137,7 @@ def launch_short(q, k, v, g, beta, initial_state, final_state: bool, block_v: in
         head_k_dim ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         H=num_k_heads, HV=value_heads, K=head_k_dim, V=head_v_dim, STORE_FINAL=final_state,
-        SAVE_INITIAL=save is not None, STORE_COPY=copy is not None,
+        SAVE_INITIAL=save is not None, STORE_COPY=copy is not None, STORE_O=outputs,
         num_warps=num_warps, **consts)
     return o, state
 
@@ -187,7 +188,8 @@ def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
     ``state`` and ``copy`` (the draft's) <- the state after the run from it. In steps that is a
     67 MB snapshot before the block, the recurrence into a new tensor, a copy of it into the
     cache and one into the draft's cache (at 4B); here the states are read once and written
-    three times. Where our kernel does not run these heads (off CUDA, or fla's kernel chosen
+    three times, and the outputs, which a rewind does not read, are not computed. Where our
+    kernel does not run these heads (off CUDA, or fla's kernel chosen
     for them, whose rounding the block's forward then has), nothing is done and False comes
     back: the caller runs those steps (GDNForCausalLM.rewind_unchecked)."""
     if not (q.is_cuda and not _interpreted() and available() and q.shape[1] <= SHORT_MAX):
@@ -202,7 +204,8 @@ def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
     tile = parse(choose(q, k, v, g, beta, state, True))
     if tile is None:
         return False
-    launch_short(q, k, v, g, beta, state, True, *tile, out=state, save=saved, copy=copy)
+    launch_short(q, k, v, g, beta, state, True, *tile, out=state, save=saved, copy=copy,
+                 outputs=False)
     return True
 
 

@@ -7,25 +7,23 @@ import triton.language as tl
 
 
 @triton.jit
-def normalized(q_all, k_all, scale):
-    """q and k rows L2-normalized in fp32 as fla's kernel does (1e-6 inside the sqrt), q scaled."""
-    q_all = q_all / tl.sqrt(tl.sum(q_all * q_all, 1) + 1e-6)[:, None] * scale
-    k_all = k_all / tl.sqrt(tl.sum(k_all * k_all, 1) + 1e-6)[:, None]
-    return q_all, k_all
+def unit_rows(x_all):
+    """Rows L2-normalized in fp32 as fla's kernel does (1e-6 inside the sqrt)."""
+    return x_all / tl.sqrt(tl.sum(x_all * x_all, 1) + 1e-6)[:, None]
 
 
 @triton.jit
 def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.constexpr,
-              T: tl.constexpr, TC: tl.constexpr, o_stride):
+              T: tl.constexpr, TC: tl.constexpr, o_stride, STORE_O: tl.constexpr):
     """Tokens c .. c + TC - 1 (those below T) of the recurrence from state h (BK, BV), each
     token's row picked out of the chunk's registers; token i's output to o_ptr + i * o_stride
     + rv. Per token (fla's order): h *= exp(g); v' = beta (v - h^T k); h += k v'^T; o = h^T q.
-    Returns h."""
+    Without STORE_O (a rewind: the state is all it needs) o is neither computed nor stored,
+    and q_all is not read; h's arithmetic is the same. Returns h."""
     rt = tl.arange(0, TC)
     for s in tl.static_range(TC):
         if c + s < T:
             row = rt == s
-            b_q = tl.sum(tl.where(row[:, None], q_all, 0.0), 0)
             b_k = tl.sum(tl.where(row[:, None], k_all, 0.0), 0)
             b_v = tl.sum(tl.where(row[:, None], v_all, 0.0), 0)
             b_g = tl.sum(tl.where(row, g_all, 0.0), 0)
@@ -33,9 +31,11 @@ def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.con
             h *= tl.exp(b_g)
             b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
             h += b_k[:, None] * b_v[None, :]
-            b_o = tl.sum(h * b_q[:, None], 0)
-            p_o = o_ptr + (c + s) * o_stride + rv
-            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+            if STORE_O:
+                b_q = tl.sum(tl.where(row[:, None], q_all, 0.0), 0)
+                b_o = tl.sum(h * b_q[:, None], 0)
+                p_o = o_ptr + (c + s) * o_stride + rv
+                tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
     return h
 
 
@@ -47,7 +47,7 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, TC: tl.constexpr, STORE_FINAL: tl.constexpr,
                             SAVE_INITIAL: tl.constexpr = False,
-                            STORE_COPY: tl.constexpr = False):
+                            STORE_COPY: tl.constexpr = False, STORE_O: tl.constexpr = True):
     """The gated delta rule over T tokens for one (sequence, value head, BV columns of V):
     fla's fused recurrent kernel's arithmetic (q and k L2-normalized in fp32 with 1e-6 inside
     the sqrt, q scaled; per token h *= exp(g); v' = beta (v - h^T k); h += k v'^T;
@@ -84,19 +84,23 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
         mask_t = t < T
         mask_tk = mask_t[:, None] & mask_k[None, :]
         mask_tv = mask_t[:, None] & mask_v[None, :]
-        q_all = tl.load(q + i_n * stride_qb + t[:, None] * stride_qt + i_h * K + rk[None, :],
-                        mask=mask_tk, other=0.0).to(tl.float32)
         k_all = tl.load(k + i_n * stride_kb + t[:, None] * stride_kt + i_h * K + rk[None, :],
                         mask=mask_tk, other=0.0).to(tl.float32)
+        k_all = unit_rows(k_all)
+        if STORE_O:  # (q reaches only the outputs)
+            q_all = tl.load(q + i_n * stride_qb + t[:, None] * stride_qt + i_h * K + rk[None, :],
+                            mask=mask_tk, other=0.0).to(tl.float32)
+            q_all = unit_rows(q_all) * scale
+        else:
+            q_all = k_all  # (not read)
         v_all = tl.load(v + i_n * stride_vb + t[:, None] * stride_vt + i_hv * V + rv[None, :],
                         mask=mask_tv, other=0.0).to(tl.float32)
         g_all = tl.load(g + i_n * stride_gb + t * stride_gt + i_hv, mask=mask_t,
                         other=0.0).to(tl.float32)
         b_all = tl.load(beta + i_n * stride_bb + t * stride_bt + i_hv, mask=mask_t,
                         other=0.0).to(tl.float32)
-        q_all, k_all = normalized(q_all, k_all, scale)
         h = run_steps(h, q_all, k_all, v_all, g_all, b_all, o + (i_n * T * HV + i_hv) * V, rv,
-                      mask_v, c, T, TC, HV * V)
+                      mask_v, c, T, TC, HV * V, STORE_O)
     if STORE_FINAL:
         tl.store(ht + p_h, h, mask=mask_h)
     if STORE_COPY:
