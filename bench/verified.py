@@ -5,7 +5,7 @@ where a verified block's time goes.
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
-       [--json FILE]
+       [--ab-short-tile short@4x1x8] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -296,6 +296,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         with_pdl_fp8(model, args, k, parts, forced_row)
     if args.ab_rewind:  # the verify block with the rewind as a snapshot and copies
         with_rewind_in_steps(model, args, k, window, parts, forced_row)
+    if args.ab_short_tile:  # the few-token recurrence at another launch setting
+        with_short_tile(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True,
@@ -372,6 +374,32 @@ def with_rewind_in_steps(model, args, k: int, window, parts: dict, forced_row) -
                            window=window)
     finally:
         unimax.verifier.ONE_PASS_REWIND = was
+
+
+def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> None:
+    """A second verified engine whose few-token recurrence (blocks and rewinds) runs at the
+    launch setting ``args.ab_short_tile`` (e.g. short@4x1x8, the choice timed per call at the
+    block alone) where the first runs the verifier's choice (ops.short_recurrence.
+    choose_for_blocks): forced rows and verify block side by side. The choice is per process
+    and read as graphs are captured: the first engine's graphs keep theirs."""
+    from unimax.ops import short_recurrence as short
+
+    cfg = model.config
+    key = (cfg.num_k_heads, cfg.head_k_dim, cfg.num_v_heads, cfg.head_v_dim, model.dtype, False)
+    was = short.CHOICES.get(key)
+    parts["short_tile"] = was
+    short.parse(args.ab_short_tile)  # (names a bad setting before the engine is built)
+    short.CHOICES[key] = args.ab_short_tile
+    try:
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True)
+        second_engine_rows(other, args.ab_short_tile.replace("@", "_"), args, k, parts,
+                           forced_row, verify=True, window=window)
+    finally:
+        if was is None:
+            short.CHOICES.pop(key, None)
+        else:
+            short.CHOICES[key] = was
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
@@ -452,6 +480,10 @@ def main() -> None:
                         help="also a verified engine whose rewind runs as a snapshot, a "
                              "recurrence and copies (unimax.verifier.ONE_PASS_REWIND off): its "
                              "forced rows and verify block beside the one-pass rewind's")
+    parser.add_argument("--ab-short-tile", default=None, metavar="NAME",
+                        help="also a verified engine whose few-token recurrence runs at this "
+                             "launch setting (e.g. short@4x1x8): forced rows and verify block "
+                             "beside the verifier's own choice's")
     parser.add_argument("--ab-draft-vocab", type=int, default=None, metavar="N",
                         help="also a second verified engine whose draft's LM head scores N "
                              "tokens (as --draft-vocab), its forced rows and draft step beside "

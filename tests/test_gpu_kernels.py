@@ -171,6 +171,30 @@ def test_one_pass_rewind_matches_the_plain_rewind_on_gpu(monkeypatch):
 
 
 @torch.inference_mode()
+def test_the_verifiers_choice_on_gpu(monkeypatch):
+    """choose_for_blocks at a 4B model's heads (32 layers, 9-token blocks): one of the op's
+    candidates, timed at a whole block's cost and kept, which the op then runs for every call
+    with those heads (blocks, rewinds, short prompts) and which a second call returns as is."""
+    from unimax.ops import short_recurrence as short
+
+    require_fla()
+    monkeypatch.setattr(short, "CHOICES", {})
+    name = short.choose_for_blocks(16, 128, 32, 128, torch.bfloat16, 32, 9,
+                                   torch.device("cuda"))
+    assert name in short.names()
+    key = (16, 128, 32, 128, torch.bfloat16, False)
+    assert short.CHOICES == {key: name}
+    q = torch.randn(1, 9, 16, 128, device="cuda").bfloat16()
+    v = torch.randn(1, 9, 32, 128, device="cuda").bfloat16()
+    g = -torch.rand(1, 9, 32, device="cuda")
+    assert short.choose(q, q, v, g, g.bfloat16(), torch.zeros(1, 32, 128, 128, device="cuda"),
+                        False) == name
+    assert short.choose_for_blocks(16, 128, 32, 128, torch.bfloat16, 32, 9,
+                                   torch.device("cuda")) == name
+    print("verifier's choice", name)
+
+
+@torch.inference_mode()
 def test_block_mixer_matches_its_twin_on_gpu():
     """The verifier's recording mixer's tape as one kernel (unimax.ops.block_mixer) at a 4B
     layer's heads, 9 and 17 tokens, every tile, against its twin (the mixer's torch forms) on

@@ -79,6 +79,25 @@ def test_op_runs_its_twin_off_cuda():
     assert torch.equal(o, ref_o) and empty.numel() == 0
 
 
+def test_the_verifiers_choice_is_made_on_cuda_only(monkeypatch):
+    """choose_for_blocks (the heads' launch setting timed at a verify block's cost) chooses
+    nothing off CUDA, and a verifier built on the CPU leaves the choices as they were; a key
+    already chosen keeps its choice."""
+    monkeypatch.setattr(short, "CHOICES", {})
+    assert short.choose_for_blocks(2, 8, 4, 8, torch.float32, 3, 9, torch.device("cpu")) is None
+    from test_engine import CONFIG
+
+    import unimax
+
+    unimax.build_engine(unimax.GDNForCausalLM.random(CONFIG, seed=0), decode="fp8",
+                        block_size=4)
+    assert short.CHOICES == {}
+    key = (2, 8, 4, 8, torch.float32, False)
+    short.CHOICES[key] = "short@4x1x4"
+    assert short.choose_for_blocks(2, 8, 4, 8, torch.float32, 3, 9,
+                                   torch.device("cuda")) == "short@4x1x4"
+
+
 def test_op_names_bad_input():
     q, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 3, 8)
     g = beta = torch.rand(1, 3, 3)

@@ -13,8 +13,11 @@ Which kernel and launch (BV columns of V per program, warps, tokens per chunk) i
 choice (ops.gemv.timed_choice: graph-timed at warm-up, kept), fla's kernel among the
 candidates: heads where ours is not faster keep fla's. Measured (H200, 4B heads, graph-timed
 over input copies): 8.3 us against fla's 22.0 for the 9-token block, 13.5 against 40.1 for 17
-tokens; the 32-layer rewind (16,384 one-warp programs) 122 against 123, a tie. Off CUDA the op
-runs the torch loop (``recurrent_gated_delta_rule_ref``), its twin.
+tokens; the 32-layer rewind (16,384 one-warp programs) 122 against 123, a tie. The verifier
+makes the heads' choice before anything else meets them (``choose_for_blocks``), timing each
+candidate at a whole block's cost, its launches and its rewind: the rewind's best setting is
+not the block's. Off CUDA the op runs the torch loop (``recurrent_gated_delta_rule_ref``), its
+twin.
 
 One choice per heads (not per batch, length or final-state flag), and the chunk of tokens
 held in registers fixed by the launch setting: the verify block and the rewind must compute a
@@ -189,9 +192,9 @@ def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
     67 MB snapshot before the block, the recurrence into a new tensor, a copy of it into the
     cache and one into the draft's cache (at 4B); here the states are read once and written
     three times, and the outputs, which a rewind does not read, are not computed. Where our
-    kernel does not run these heads (off CUDA, or fla's kernel chosen
-    for them, whose rounding the block's forward then has), nothing is done and False comes
-    back: the caller runs those steps (GDNForCausalLM.rewind_unchecked)."""
+    kernel does not run these heads (off CUDA, or fla's kernel chosen for them, whose rounding
+    the block's forward then has), nothing is done and False comes back: the caller runs
+    those steps (GDNForCausalLM.rewind_unchecked)."""
     if not (q.is_cuda and not _interpreted() and available() and q.shape[1] <= SHORT_MAX):
         return False
     check(q, k, v, g, beta, state)
@@ -207,6 +210,56 @@ def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
     launch_short(q, k, v, g, beta, state, True, *tile, out=state, save=saved, copy=copy,
                  outputs=False)
     return True
+
+
+def choose_for_blocks(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
+                      dtype: torch.dtype, layers: int, span: int,
+                      device: torch.device) -> str | None:
+    """The heads' choice, made for the verifier before anything else meets them: each
+    candidate timed at what a verify block of ``span`` tokens costs it, ``layers`` launches
+    of one sequence (no final state) and the block's rewind (one launch, the layers as the
+    batch: ``rewind_states_``; fla's kernel: the rewind's steps). Timed per call, as ``choose``
+    does at the first call it meets, the block alone decides, and the rewind pays for it:
+    at 4B heads on the H200 the one-pass rewind took 246 us at the batch-1 choice
+    short@4x1x8 and 118 at short@8x1x8 (bench/rewind.py, twenty-third session), where the
+    9-token block's launches differ by well under 1 us. A key already chosen keeps its choice
+    (graphs may hold it); off CUDA, None."""
+    key = (num_k_heads, head_k_dim, num_v_heads, head_v_dim, dtype, False)
+    if key in CHOICES:
+        return CHOICES[key]
+    if device.type != "cuda" or _interpreted() or not available() or span > SHORT_MAX:
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(batch: int) -> tuple[torch.Tensor, ...]:
+        def randn(*shape):
+            return torch.randn(*shape, device=device, generator=gen)
+
+        g = -torch.rand(batch, span, num_v_heads, device=device, generator=gen)
+        beta = torch.rand(batch, span, num_v_heads, device=device, generator=gen)
+        return (randn(batch, span, num_k_heads, head_k_dim).to(dtype),
+                randn(batch, span, num_k_heads, head_k_dim).to(dtype),
+                randn(batch, span, num_v_heads, head_v_dim).to(dtype), g, beta.to(dtype),
+                randn(batch, num_v_heads, head_k_dim, head_v_dim))
+
+    *block, block_state = inputs(1)
+    *rewind, state = inputs(layers)
+    saved, copy = torch.zeros_like(state), torch.zeros_like(state)
+
+    def verify_block(name: str) -> None:
+        for _ in range(layers):
+            run(name, *block, block_state, False)
+        tile = parse(name)
+        if tile is None:  # (fla's kernel: rewind_states_ leaves the steps to the caller)
+            saved.copy_(state)
+            _, new = launch_fla(*rewind, saved, True)
+            state.copy_(new)
+            copy.copy_(new)
+        else:
+            launch_short(*rewind, state, True, *tile, out=state, save=saved, copy=copy,
+                         outputs=False)
+
+    return timed_choice(CHOICES, key, names(), DEFAULT, True, verify_block, keep_default=True)
 
 
 @functools.cache
