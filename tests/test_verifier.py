@@ -99,7 +99,8 @@ def test_one_pass_rewind_keeps_the_state_before_and_fills_both_caches(model, len
 def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypatch):
     """Verified replies with ONE_PASS_REWIND on and off: the same tokens through rejections, a
     stop id inside a block (Engine._finish restores the block's snapshot, which the one-pass
-    rewind filled) and a second turn on the kept state; pure and hybrid."""
+    rewind filled) and a second turn on the kept state, and the same drafts accepted (the
+    draft's cache resynced alike); pure and hybrid."""
     model = pure_or_hybrid
     x = torch.randint(0, model.config.vocab_size, (1, 18),
                       generator=torch.Generator().manual_seed(7))
@@ -114,6 +115,9 @@ def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypa
         assert engine.verifier.one_pass is one_pass
         runs.append(two_turns(engine, x, y, 30, stop, draft_block=5))
     assert_same_turns(*runs, stop, free)
+    # the draft's cache got the same states too: it drafted the same tokens, accepted alike
+    for turn in (0, 1):
+        assert runs[0][turn].verify == runs[1][turn].verify
 
 
 def test_rejections_cost_no_forward(model, monkeypatch):
