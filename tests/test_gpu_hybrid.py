@@ -14,25 +14,35 @@ from unimax import GDNForCausalLM, build_engine
 pytestmark = pytest.mark.gpu
 
 
-def test_hybrid_graphs_on_gpu(tmp_path):
-    """Hybrid model (gated attention over static KV buffers) on the GPU: graph decoding equals
-    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly.
-    (Every graph captured up front, then a prompt as long as the KV buffers allow:
-    tests/test_gpu_hybrid_capture.py, a file of its own: together they took 496 s of the
-    560 a file has, sixteenth session.)"""
+def hybrid_model(tmp_path):
+    """A 4-layer Qwen3.5 hybrid (three GDN layers, one gated attention) written by
+    transformers, loaded on the GPU in BF16, and a 120-token prompt."""
     from helpers import write_qwen_checkpoint
 
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     write_qwen_checkpoint(tmp_path, seed=4, num_layers=4, layer_types=layer_types)
     model = unimax.load_model(tmp_path, device="cuda", dtype="bfloat16", max_context=512)
-    x = torch.randint(0, 97, (1, 120), device="cuda")
+    return model, torch.randint(0, 97, (1, 120), device="cuda")
+
+
+def assert_verified_graphs_match_eager(model, x, draft: str) -> None:
+    g = build_engine(model, decode="fp8", draft=draft, block_size=8)
+    e = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
+    assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
+
+
+def test_hybrid_graphs_on_gpu(tmp_path):
+    """Hybrid model (gated attention over static KV buffers) on the GPU: graph decoding equals
+    eager decoding; verified decoding with captured verifier/replay rolls KV back correctly
+    (the tail draft here, the full-FP8 one in tests/test_gpu_hybrid_full.py: together they
+    took 487 s of a process's 560, twenty-third session). (Every graph captured up front, then
+    a prompt as long as the KV buffers allow: tests/test_gpu_hybrid_capture.py, a file of its
+    own: together they took 496 s of the 560 a file has, sixteenth session.)"""
+    model, x = hybrid_model(tmp_path)
     graphs = build_engine(model, decode="bf16", block_size=8)
     eager = build_engine(model, decode="bf16", block_size=8, use_graphs=False)
     assert torch.equal(graphs.generate_fast(x, 40), eager.generate_fast(x, 40))
-    for draft in ("tail", "full"):
-        g = build_engine(model, decode="fp8", draft=draft, block_size=8)
-        e = build_engine(model, decode="fp8", draft=draft, block_size=8, use_graphs=False)
-        assert torch.equal(g.generate_verified(x, 40)[0], e.generate_verified(x, 40)[0])
+    assert_verified_graphs_match_eager(model, x, "tail")
 
 
 @torch.inference_mode()
