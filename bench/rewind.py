@@ -6,6 +6,9 @@ the steps past n masked, as a k = 8 block runs it), timed in CUDA graphs (GPU):
 - one pass: ops.short_recurrence.rewind_states_ (states read once, written three times, no
   outputs); and the same kernel with its outputs computed, to show what skipping them saves.
 
+Each form graph-timed as the kernel choices are (unimax.ops.timing.graph_us: a few calls in
+one captured graph, the median replay).
+
 usage: python bench/rewind.py [--tile short@4x1x8]
 Prints a table last: us per rewind and the states' bytes over that time.
 """
@@ -18,21 +21,7 @@ import torch
 
 from unimax.ops import short_recurrence as short
 from unimax.ops.gated_delta import first_steps_only
-
-
-def graph_us(body, replays: int = 50) -> float:
-    body()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+from unimax.ops.timing import graph_us
 
 
 def main() -> None:
@@ -41,19 +30,11 @@ def main() -> None:
                         help="launch setting (default: the op's timed choice at these heads)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    layers, heads, value_heads, dk, dv, span = 32, 16, 32, 128, 128, 9
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    q, k = (randn(layers, 18, heads, dk).bfloat16()[:, :span] for _ in range(2))
-    v = randn(layers, 18, value_heads, dv).bfloat16()[:, :span]
-    g = -torch.rand(layers, span, value_heads, device="cuda", generator=gen)
-    beta = torch.rand(layers, span, value_heads, device="cuda", generator=gen).bfloat16()
-    state = randn(layers, value_heads, dk, dv)
+    layers, heads, span = 32, (16, 128, 32, 128), 9  # (a tape's views: 18 rows, 9 used)
+    q, k, v, g, beta, state = short.random_run(layers, span, heads, torch.bfloat16, gen, rows=18)
     saved, draft = torch.zeros_like(state), torch.zeros_like(state)
     length = torch.tensor(5, device="cuda")
-    key = (heads, dk, value_heads, dv, torch.bfloat16, False)
+    key = (*heads, torch.bfloat16, False)
     if args.tile:
         short.CHOICES[key] = args.tile
     short.short_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], state[:1], False)
@@ -71,11 +52,11 @@ def main() -> None:
         short.launch_short(q, k, v, gm, bm, state, True, *tile, out=state, save=saved,
                            copy=draft, outputs=outputs)
 
-    copy_us = graph_us(lambda: draft.copy_(state))
+    copy_us = graph_us(lambda _: draft.copy_(state), 1)
     rows = [("copy of the states (one)", copy_us, 2),
-            ("steps (ONE_PASS_REWIND=False)", graph_us(steps), 8),
-            ("one pass, outputs computed", graph_us(lambda: one_pass(True)), 4),
-            ("one pass (rewind_states_)", graph_us(lambda: one_pass(False)), 4)]
+            ("steps (ONE_PASS_REWIND=False)", graph_us(lambda _: steps(), 1), 8),
+            ("one pass, outputs computed", graph_us(lambda _: one_pass(True), 1), 4),
+            ("one pass (rewind_states_)", graph_us(lambda _: one_pass(False), 1), 4)]
     nbytes = state.numel() * 4
     print(f"states {nbytes / 1e6:.0f} MB, tile {short.CHOICES[key]}")
     print(f"{'form':32} {'us':>8} {'GB/s':>7}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from unimax import GDNConfig, GDNForCausalLM
+from unimax import GDNConfig, GDNForCausalLM, exact_greedy_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +215,18 @@ def verifier_launches(engine, monkeypatch, record=lambda key: key) -> list:
     return launched
 
 
+def stop_case(model, x_len: int, y_len: int, seed: int, cut: int) -> tuple:
+    """``two_turns``' inputs: prompts x and y (random ids, seeds ``seed`` and ``seed + 1``),
+    the exact model's 30 free-running greedy tokens after x, and a stop id: the first of them
+    past ``cut`` not among the ones before it (a stop inside a later block)."""
+    x, y = (torch.randint(0, model.config.vocab_size, (1, n),
+                          generator=torch.Generator().manual_seed(s))
+            for n, s in ((x_len, seed), (y_len, seed + 1)))
+    free = exact_greedy_tokens(model, x, 30)[0].tolist()
+    stop = next(t for t in free[cut:] if t not in free[:cut])
+    return x, y, free, stop
+
+
 def two_turns(engine, x, y, n: int, stop: int, **run) -> tuple:
     """A verified reply to ``x`` of up to n tokens cut by the ``stop`` id, then a second turn of
     12 on ``y`` over the kept state: (first, second, the exact cache's states, its tokens
@@ -236,3 +248,15 @@ def assert_same_turns(a: tuple, b: tuple, stop: int, free: list[int]) -> None:
     assert a_seen == b_seen
     for p, q in zip(a_state, b_state, strict=True):
         assert rel_err(p, q) < 1e-5
+
+
+def require_fla() -> None:
+    """The GPU tests' check that fla's kernels are there: a failure, not a skip (a GPU run
+    without them would silently test the torch forms)."""
+    import pytest
+
+    from unimax.ops.gated_delta import fla_ops
+
+    if fla_ops() is None:
+        pytest.fail("flash-linear-attention is not importable: install it and run with "
+                    "UNIMAX_ALLOW_FLA=1")

@@ -5,20 +5,14 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, spied, write_qwen_checkpoint
+from helpers import rel_err, require_fla, spied, write_qwen_checkpoint
 from unimax import GDNConfig, GDNForCausalLM
-from unimax.ops.gated_delta import fla_ops, gated_delta_rule
+from unimax.ops.gated_delta import gated_delta_rule
 
 pytestmark = pytest.mark.gpu
 
 CONFIG = GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
                    num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)
-
-
-def require_fla():
-    if fla_ops() is None:
-        pytest.fail("flash-linear-attention is not importable: install it and run with "
-                    "UNIMAX_ALLOW_FLA=1")
 
 
 @pytest.mark.parametrize("seq_len", [65, 1000])

@@ -7,16 +7,9 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, write_qwen_checkpoint
-from unimax.ops.gated_delta import fla_ops
+from helpers import rel_err, require_fla, write_qwen_checkpoint
 
 pytestmark = pytest.mark.gpu
-
-
-def require_fla():
-    if fla_ops() is None:
-        pytest.fail("flash-linear-attention is not importable: install it and run with "
-                    "UNIMAX_ALLOW_FLA=1")
 
 
 @torch.inference_mode()

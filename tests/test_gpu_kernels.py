@@ -9,16 +9,10 @@ compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel
 import pytest
 import torch
 
-from helpers import assert_replays_match_eager, rel_err
+from helpers import assert_replays_match_eager, rel_err, require_fla
 from unimax.ops.gated_delta import fla_ops
 
 pytestmark = pytest.mark.gpu
-
-
-def require_fla():
-    if fla_ops() is None:
-        pytest.fail("flash-linear-attention is not importable: install it and run with "
-                    "UNIMAX_ALLOW_FLA=1")
 
 
 @torch.inference_mode()
@@ -119,17 +113,9 @@ def test_one_pass_rewind_matches_the_plain_rewind_on_gpu(monkeypatch):
 
     require_fla()
     gen = torch.Generator(device="cuda").manual_seed(12)
-    layers, heads, value_heads, dk, dv, span = 32, 16, 32, 128, 128, 9
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    q, k = (randn(layers, 18, heads, dk).bfloat16()[:, :span] for _ in range(2))
-    v = randn(layers, 18, value_heads, dv).bfloat16()[:, :span]
-    g = -torch.rand(layers, span, value_heads, device="cuda", generator=gen)
-    beta = torch.rand(layers, span, value_heads, device="cuda", generator=gen).bfloat16()
-    h0 = randn(layers, value_heads, dk, dv)
-    key = (heads, dk, value_heads, dv, torch.bfloat16, False)
+    heads = (16, 128, 32, 128)  # 32 layers, a tape's views (18 rows, 9 used)
+    q, k, v, g, beta, h0 = short.random_run(32, 9, heads, torch.bfloat16, gen, rows=18)
+    key = (*heads, torch.bfloat16, False)
     length = torch.zeros((), dtype=torch.long, device="cuda")
     for name in (short.DEFAULT, "short@4x1x8"):
         monkeypatch.setitem(short.CHOICES, key, name)

@@ -79,6 +79,20 @@ def test_op_runs_its_twin_off_cuda():
     assert torch.equal(o, ref_o) and empty.numel() == 0
 
 
+def test_random_run_is_the_ops_input():
+    """random_run (the launch-setting timings' inputs): what the op takes, q, k and v strided
+    as the tape's views where ``rows`` asks for it, g a log-decay and beta a write strength."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, beta, state = short.random_run(3, 5, (2, 8, 4, 8), torch.bfloat16, gen, rows=9)
+    assert q.shape == k.shape == (3, 5, 2, 8) and v.shape == (3, 5, 4, 8)
+    assert q.stride(1) == 16 and q.stride(0) == 9 * 16 and not q.is_contiguous()
+    assert g.dtype == torch.float32 and bool((g <= 0).all() and (g > -1).all())
+    assert beta.dtype == torch.bfloat16 and bool((beta >= 0).all() and (beta <= 1).all())
+    assert state.shape == (3, 4, 8, 8) and state.dtype == torch.float32
+    o, final = short_gated_delta_rule(q, k, v, g, beta, state, True)
+    assert o.shape == v.shape and final.shape == state.shape
+
+
 def test_the_verifiers_choice_is_made_on_cuda_only(monkeypatch):
     """choose_for_blocks (the heads' launch setting timed at a verify block's cost) chooses
     nothing off CUDA, and a verifier built on the CPU leaves the choices as they were; a key

@@ -7,7 +7,7 @@ import torch
 from test_engine import CONFIG, erring_engine
 
 import unimax
-from helpers import assert_same_turns, cache_states, spied, two_turns
+from helpers import assert_same_turns, cache_states, spied, stop_case, two_turns
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState, CacheCopier
 
@@ -102,12 +102,7 @@ def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypa
     rewind filled) and a second turn on the kept state, and the same drafts accepted (the
     draft's cache resynced alike); pure and hybrid."""
     model = pure_or_hybrid
-    x = torch.randint(0, model.config.vocab_size, (1, 18),
-                      generator=torch.Generator().manual_seed(7))
-    y = torch.randint(0, model.config.vocab_size, (1, 6),
-                      generator=torch.Generator().manual_seed(8))
-    free = unimax.exact_greedy_tokens(model, x, 30)[0].tolist()
-    stop = next(t for t in free[11:] if t not in free[:11])
+    x, y, free, stop = stop_case(model, 18, 6, seed=7, cut=11)
     runs = []
     for one_pass in (False, True):
         monkeypatch.setattr(unimax.verifier, "ONE_PASS_REWIND", one_pass)
@@ -163,12 +158,7 @@ def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
     adaptive draft length, a stop id in the middle of a block, and a second turn on the kept
     state; pure and hybrid (whose drafts write shared KV ahead of the exact position)."""
     model = pure_or_hybrid
-    x = torch.randint(0, model.config.vocab_size, (1, 20),
-                      generator=torch.Generator().manual_seed(3))
-    y = torch.randint(0, model.config.vocab_size, (1, 7),
-                      generator=torch.Generator().manual_seed(4))
-    free = unimax.exact_greedy_tokens(model, x, 30)[0].tolist()
-    stop = next(t for t in free[10:] if t not in free[:10])
+    x, y, free, stop = stop_case(model, 20, 7, seed=3, cut=10)
     runs, orders = [], []
     for pipelined in (False, True):
         engine = erring_engine(model, block_size=4, period=3)

@@ -212,6 +212,26 @@ def rewind_states_(q, k, v, g, beta, state: torch.Tensor, saved: torch.Tensor,
     return True
 
 
+def random_run(batch: int, tokens: int, heads: tuple[int, int, int, int], dtype: torch.dtype,
+               generator: torch.Generator, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Random inputs of the op for ``heads`` (H, K, HV, V): q, k, v in ``dtype``, the log-decay
+    g in (-1, 0] (fp32), beta in [0, 1) in ``dtype`` and an fp32 state, on the generator's
+    device. ``rows`` > tokens: q, k and v are the first ``tokens`` rows of longer buffers,
+    strided as the tape's views are. For timing launch settings (``choose_for_blocks``),
+    bench/rewind.py and the GPU tests."""
+    num_k_heads, head_k_dim, num_v_heads, head_v_dim = heads
+    device, rows = generator.device, rows or tokens
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    q, k = (randn(batch, rows, num_k_heads, head_k_dim).to(dtype)[:, :tokens] for _ in range(2))
+    v = randn(batch, rows, num_v_heads, head_v_dim).to(dtype)[:, :tokens]
+    g = -torch.rand(batch, tokens, num_v_heads, device=device, generator=generator)
+    beta = torch.rand(batch, tokens, num_v_heads, device=device, generator=generator).to(dtype)
+    return q, k, v, g, beta, randn(batch, num_v_heads, head_k_dim, head_v_dim)
+
+
 def choose_for_blocks(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
                       dtype: torch.dtype, layers: int, span: int,
                       device: torch.device) -> str | None:
@@ -230,20 +250,9 @@ def choose_for_blocks(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_
     if device.type != "cuda" or _interpreted() or not available() or span > SHORT_MAX:
         return None
     gen = torch.Generator(device=device).manual_seed(0)
-
-    def inputs(batch: int) -> tuple[torch.Tensor, ...]:
-        def randn(*shape):
-            return torch.randn(*shape, device=device, generator=gen)
-
-        g = -torch.rand(batch, span, num_v_heads, device=device, generator=gen)
-        beta = torch.rand(batch, span, num_v_heads, device=device, generator=gen)
-        return (randn(batch, span, num_k_heads, head_k_dim).to(dtype),
-                randn(batch, span, num_k_heads, head_k_dim).to(dtype),
-                randn(batch, span, num_v_heads, head_v_dim).to(dtype), g, beta.to(dtype),
-                randn(batch, num_v_heads, head_k_dim, head_v_dim))
-
-    *block, block_state = inputs(1)
-    *rewind, state = inputs(layers)
+    heads = (num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    *block, block_state = random_run(1, span, heads, dtype, gen)
+    *rewind, state = random_run(layers, span, heads, dtype, gen)
     saved, copy = torch.zeros_like(state), torch.zeros_like(state)
 
     def verify_block(name: str) -> None:
