@@ -284,10 +284,29 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verifier.cache, verifier.snapshot, verifier.tape, length, copy_to=copy_to),
                             writes=[verifier.cache, verifier.snapshot, verifier.draft_cache])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
+    # What a token costs where the policy falls back to k = 0 (drafts too poor to pay): one
+    # exact step as a block of its own (snapshot, forward, resync) and, per step, an exact run
+    # of k steps in one graph. BF16-only's step is the mark: at a low acceptance verified
+    # mode should cost what it does (twenty-fourth session: the adaptive rows at the random
+    # weights' own acceptance ran at 0.93x BF16-only, with the k = 0 block at 2.80 ms
+    # against BF16's 2.67).
+    writes = [verifier.cache, verifier.snapshot, verifier.draft_cache]
+    with verifier.cache.attending(window):
+        verifier.runner.prepare(verifier.graph_key(0, 1, window, False),
+                                lambda: verifier._verify(0, False, 1), writes=writes,
+                                buffers=verifier._buffers())
+        verifier.runner.prepare(verifier.run_key(k, window, False),
+                                lambda: verifier._exact_steps(k), writes=writes,
+                                buffers=verifier._buffers())
+    parts["exact_step_ms"] = replay_ms(verifier.runner, verifier.graph_key(0, 1, window, False))
+    run_ms = replay_ms(verifier.runner, verifier.run_key(k, window, False))
+    parts[f"exact_run_{k}_per_step_ms"] = None if run_ms is None else run_ms / k
     if args.kernels:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
         kernels[f"verify {k} (per block)"] = kernels_of(
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
+        kernels["exact step (a k = 0 block)"] = kernels_of(
+            verifier.runner, verifier.graph_key(0, 1, window, False), 1)
         kernels[f"exact run of {k} (per step)"] = kernels_of(
             verifier.runner, verifier.run_key(k, window, sampled=False), k)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
@@ -315,6 +334,9 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts.update({"draft_over_bf16": parts["draft_step_ms"] / base,
                   f"verify_{k}_over_bf16": (parts[f"verify_{k}_ms"] or 0) / base,
                   "rewind_over_bf16": (parts["rewind_ms"] or 0) / base,
+                  "exact_step_over_bf16": (parts["exact_step_ms"] or 0) / base,
+                  f"exact_run_{k}_per_step_over_bf16":
+                      (parts[f"exact_run_{k}_per_step_ms"] or 0) / base,
                   "floor_ms": weight_bytes / bandwidth * 1e3})
     print(json.dumps(parts), flush=True)
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
