@@ -9,8 +9,9 @@ import torch
 
 from helpers import run_with_triton
 from unimax import GDNForCausalLM
-from unimax.fast_step import GemvLinear, gemv_view
+from unimax.fast_step import GemvLinear, GemvSwiGLUMLP, gemv_view
 from unimax.fp8 import FP8Linear, quantize_rows, quantize_view
+from unimax.layers import SwiGLUMLP
 from unimax.ops.gemv import gemv_ref
 from unimax.tiny import TINY_CONFIG
 
@@ -125,8 +126,9 @@ def test_fp8_gemv_mode_keeps_bf16_activations():
 
 def test_gemv_view_shares_weights_and_keeps_fp8_linears():
     """The fast step's view: every plain linear becomes a GemvLinear on the same Parameter, FP8
-    linears stay, the model itself is untouched; off CUDA it computes exactly what the model
-    does (F.linear)."""
+    linears stay, an MLP whose gate-up is BF16 becomes a GemvSwiGLUMLP (tests/
+    test_gemv_swiglu.py), the model itself is untouched; off CUDA it computes exactly what the
+    model does (F.linear)."""
     model = GDNForCausalLM.random(TINY_CONFIG, seed=0)
     ids = torch.randint(0, model.config.vocab_size, (1, 7))
     for source in (model, quantize_view(model, "tail")):
@@ -136,6 +138,8 @@ def test_gemv_view_shares_weights_and_keeps_fp8_linears():
             if type(original) is torch.nn.Linear:
                 assert isinstance(swapped, GemvLinear), name
                 assert swapped.weight is original.weight, name
+            elif type(original) is SwiGLUMLP and type(original.gate_up_proj) is torch.nn.Linear:
+                assert type(swapped) is GemvSwiGLUMLP, name
             else:
                 assert type(swapped) is type(original), name
         assert torch.equal(view(ids).logits, source(ids).logits)
@@ -354,24 +358,27 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "
        "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
        "stride_wn": "i32", "stride_ym": "i32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
-       "SPLIT": "constexpr"}
+       "SPLIT": "constexpr", "SWIGLU": "constexpr"}
 for arch in (90, 89):  # H100/H200, L4
-    for split in (1, 4):
+    for split, swiglu in ((1, False), (4, False), (1, True)):  # (SwiGLU: ops.gemv_swiglu)
         consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split}
+                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", arch, 32),
                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-        print(arch, split, int("wgmma" in ptx or "mma.sync" in ptx), ptx.count("atom.global"))
+        print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
+              ptx.count("atom.global"), ptx.count("ex2.approx"))
 """
 
 
 def test_dotsplit_compiles_for_hopper_and_ada():
-    """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K (no GPU):
-    on the tensor cores either way; atomics (the per-tile counters) only with slices."""
+    """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, and with
+    its SwiGLU epilogue (no GPU): on the tensor cores each way; atomics (the per-tile
+    counters) only with slices; an exponential (the sigmoid) only with the epilogue."""
     out = run_with_triton(DOT_PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 4, out
-    for arch, split, mma, atomics in rows:
-        assert mma == "1", (arch, split)
+    assert len(rows) == 6, out
+    for arch, split, swiglu, mma, atomics, exps in rows:
+        assert mma == "1", (arch, split, swiglu)
         assert (int(atomics) > 0) == (split == "4"), (arch, split, atomics)
+        assert (int(exps) > 0) == (swiglu == "1"), (arch, swiglu, exps)

@@ -18,7 +18,9 @@ from torch import nn
 
 from . import fused_draft
 from .fp8 import shallow_view
-from .ops.gemv import GEMV_ROWS, small_m_linear
+from .layers import SwiGLUMLP
+from .ops import gemv_swiglu
+from .ops.gemv import GEMV_ROWS, PROGRAM_ROWS, small_m_linear
 
 
 class GemvLinear(nn.Module):
@@ -46,18 +48,43 @@ class GemvLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, gemv"
 
 
+class GemvSwiGLUMLP(SwiGLUMLP):
+    """A view's MLP (the same two linears) whose gate-up product and SwiGLU run as one op
+    (ops.gemv_swiglu: the activation in the tensor-core kernel's epilogue, or cuBLAS and one
+    activation kernel, timed per shape) for the verifier's blocks: more than PROGRAM_ROWS and
+    at most GEMV_ROWS rows, on CUDA, with ``gemv_swiglu.SWIGLU_EPILOGUE`` (read per call: an
+    A/B builds a second engine with it off). One-token steps take unimax.fused_draft's folded
+    forms; everything else the plain MLP."""
+
+    def __init__(self, mlp: SwiGLUMLP):
+        nn.Module.__init__(self)
+        self.intermediate_size = mlp.intermediate_size
+        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if (gemv_swiglu.SWIGLU_EPILOGUE and x2.is_cuda
+                and PROGRAM_ROWS < x2.shape[0] <= GEMV_ROWS):
+            act = gemv_swiglu.small_m_swiglu(x2, self.gate_up_proj.weight)
+            return self.down_proj(act.reshape(*x.shape[:-1], self.intermediate_size))
+        return super().forward(x)
+
+
 def gemv_view(model, fuse: bool | None = None):
     """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
-    on the same weight; FP8 linears already run their own GEMV, and with ``fuse`` (default
-    ``fused_draft.FUSE``) the blocks holding them fold their small kernels into those GEMVs
-    (unimax.fused_draft; the BF16 GEMVs' blocks too with ``fused_draft.FUSE_BF16``; the exact
-    model itself never)."""
+    on the same weight, and each MLP whose gate-up became one for a GemvSwiGLUMLP; FP8 linears
+    already run their own GEMV, and with ``fuse`` (default ``fused_draft.FUSE``) the blocks
+    holding them fold their small kernels into those GEMVs (unimax.fused_draft; the BF16 GEMVs'
+    blocks too with ``fused_draft.FUSE_BF16``; the exact model itself never)."""
     view = shallow_view(model)
     names = [name for name, m in view.named_modules() if type(m) is nn.Linear]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
         setattr(parent, child, GemvLinear(getattr(parent, child)))
+    for block in getattr(view, "layers", ()):  # BF16 MLPs: gate-up and SwiGLU as one op
+        if type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.gate_up_proj, GemvLinear):
+            block.mlp = GemvSwiGLUMLP(block.mlp)
     if fused_draft.FUSE if fuse is None else fuse:
         fused_draft.fuse_blocks(view, bf16=fused_draft.FUSE_BF16)
     return view

@@ -76,17 +76,43 @@ def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
 
 
 @triton.jit
+def dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32: tl.constexpr):
+    """acc + x (BLOCK_M, BLOCK_K) @ W[rn, rk]^T on the tensor cores."""
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+    # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
+    # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
+    if DOT_F32:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                            input_precision="ieee")
+    return acc + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+
+
+@triton.jit
+def swiglu_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up as the eager torch forms round it (gate and up already in ``dtype``'s
+    values, given in fp32): silu rounded to ``dtype``, then the product; in fp32."""
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                stride_ym, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-               SPLIT: tl.constexpr = 1):
+               SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False):
     """y = x @ W^T (* s): all M <= BLOCK_M rows of x against a tile of W's rows per program.
 
     ``SPLIT`` > 1 (split-K, "dotsplit": the verifier's K-long, narrow linears, whose N / BLOCK_N
     tiles are too few programs to keep the H200's memory busy): program (n, s) sums its slice
     s of K (whole BLOCK_K tiles); ``split_k_sum`` adds the slices in the tile's last program
     (workspace ws (SPLIT, M, N) fp32, a counter per tile in cnt): one launch, where cuBLAS runs
-    a reduce kernel after its split-K GEMM."""
+    a reduce kernel after its split-K GEMM.
+
+    ``SWIGLU`` (SPLIT 1; ops.gemv_swiglu): W is an MLP's [gate; up] (2N, K) and y (M, N) is
+    silu(x @ gate^T) * (x @ up^T): each program takes the same rows of both halves, so the
+    activation is its epilogue, not a kernel of its own. Each product is rounded to y's dtype
+    first, as the GEMM's output would be, then ``swiglu_rounded``."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
@@ -97,24 +123,39 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
         start = part * span
         end = tl.minimum(start + span, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(start, end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
-        # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
-                          input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        acc = dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
+        if SWIGLU:  # (the up rows: N rows further on)
+            acc_up = dot_tile(acc_up, x, w_ptr + N * stride_wn, rn, rk, N, K, stride_wn,
+                              DOT_F32)
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT > 1:
+        tl.static_assert(not SWIGLU, "SWIGLU takes SPLIT 1")
         acc, inside = split_k_sum(acc, ws_ptr, cnt_ptr, tl.program_id(0), part,
                                   rm[:, None] * N + rn[None, :], M * N, inside, SPLIT)
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if SWIGLU:
+            acc_up = acc_up * tl.load(s_ptr + N + rn, mask=rn < N, other=0.0)[None, :]
+    if SWIGLU:
+        dtype = y_ptr.dtype.element_ty
+        acc = swiglu_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32),
+                             dtype)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=inside)
+
+
+@triton.jit
+def swiglu_kernel(gu_ptr, y_ptr, N, stride_gm, stride_ym, BLOCK: tl.constexpr):
+    """y[m] = silu(gu[m, :N]) * gu[m, N:] (``swiglu_rounded``): the activation after a cuBLAS
+    gate-up product, one launch, as inductor's fused kernel was (ops.gemv_swiglu)."""
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gate = tl.load(gu_ptr + m * stride_gm + rn, mask=rn < N, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + m * stride_gm + N + rn, mask=rn < N, other=0.0).to(tl.float32)
+    y = swiglu_rounded(gate, up, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
