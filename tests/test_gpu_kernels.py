@@ -3,7 +3,8 @@ block's own kernels at a 4B layer's heads: the few-token recurrence (unimax.ops.
 against fla's fused recurrent kernel, and bit for bit across block cuts; the one-pass rewind
 against the plain one; the recording mixer's
 tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor-core kernel
-for its narrow linears (unimax.ops.gemv's "dotsplit"). A file of its own: Triton
+for its narrow linears (unimax.ops.gemv's "dotsplit"); its gate-up GEMM with SwiGLU in the
+epilogue (unimax.ops.gemv_swiglu). A file of its own: Triton
 compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel."""
 
 import pytest
@@ -257,3 +258,51 @@ def test_dotsplit_on_gpu():
     weight = w.to(torch.bfloat16)
     assert_replays_match_eager(
         lambda: ops.gemv(x, weight, None, kernel="dotsplit@32x256x4x3x8"), x, gen, "dotsplit")
+
+
+@torch.inference_mode()
+def test_gemv_swiglu_on_gpu():
+    """The verify block's gate-up GEMM with SwiGLU in its epilogue (unimax.ops.gemv_swiglu) at
+    a 4B and a 0.8B model's MLP and 9 rows, BF16 and FP8 weights, every tile that fits the
+    GPU, and cuBLAS + the activation kernel: the twin's outputs, where the GPU rounds to
+    nearest (the interpreter test's twin truncates): elements off only where the products'
+    fp32 sums land on the other side of a BF16 rounding; the timed choice too; in a captured
+    graph, replays give what eager calls give; a view's GemvSwiGLUMLP gives the plain MLP's
+    output."""
+    from unimax.fast_step import GemvSwiGLUMLP
+    from unimax.fp8 import quantize_rows
+    from unimax.layers import SwiGLUMLP
+    from unimax.ops import gemv as ops
+    from unimax.ops import gemv_swiglu as sw
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for n, k in ((9216, 2560), (3584, 1024)):
+        w = torch.randn(2 * n, k, device="cuda", generator=gen) / 30
+        x = torch.randn(9, k, device="cuda", generator=gen).to(torch.bfloat16)
+        for weight, scale in ((w.to(torch.bfloat16), None), quantize_rows(w)):
+            ref = sw.swiglu_ref(x, weight, scale)
+            names = [f"dot@{ops.tile_text(tile)}" for tile in ops.DOT_TILES]
+            names += ["cublas"] if scale is None else []
+            ran = []
+            for name in names:
+                try:
+                    got = sw.gemv_swiglu(x, weight, scale, name)
+                except ops._unfit_errors():
+                    continue  # (two W tiles a stage: the widest tiles pass shared memory)
+                ran.append(name)
+                off = float((got != ref).float().mean())
+                assert rel_err(got.float(), ref.float()) < 1e-2, (n, name, weight.dtype)
+                assert off < 0.02, (n, name, weight.dtype, off)
+            assert len(ran) >= 5, ran
+            sw.CHOICES.clear()
+            got = sw.small_m_swiglu(x, weight, scale)
+            assert rel_err(got.float(), ref.float()) < 1e-2, (n, "chosen", weight.dtype)
+            print(n, k, weight.dtype, "ran", len(ran), "chose", list(sw.CHOICES.values()))
+    weight = w.to(torch.bfloat16)
+    for name in ("dot@32x256x4x3", "cublas"):
+        assert_replays_match_eager(lambda name=name: sw.gemv_swiglu(x, weight, None, name), x,
+                                   gen, name)
+    mlp = SwiGLUMLP(k, n).to("cuda", torch.bfloat16)
+    fused = GemvSwiGLUMLP(mlp)
+    h = torch.randn(1, 9, k, device="cuda", generator=gen).to(torch.bfloat16)
+    assert rel_err(fused(h).float(), mlp(h).float()) < 1e-2
