@@ -5,7 +5,7 @@ where a verified block's time goes.
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
-       [--ab-short-tile short@4x1x8] [--json FILE]
+       [--ab-short-tile short@4x1x8] [--ab-swiglu] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -315,6 +315,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         with_pdl_fp8(model, args, k, parts, forced_row)
     if args.ab_rewind:  # the verify block with the rewind as a snapshot and copies
         with_rewind_in_steps(model, args, k, window, parts, forced_row)
+    if args.ab_swiglu:  # the verify block's MLPs with SwiGLU as a kernel of its own
+        with_swiglu_unfused(model, args, k, window, parts, forced_row)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
@@ -424,6 +426,25 @@ def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> Non
             short.CHOICES[key] = was
 
 
+def with_swiglu_unfused(model, args, k: int, window, parts: dict, forced_row) -> None:
+    """A second verified engine with unimax.ops.gemv_swiglu.SWIGLU_EPILOGUE off (the verify
+    block's MLPs as the gate-up GEMM, inductor's SwiGLU kernel, the down GEMM): its forced rows
+    and verify block beside the first engine's, whose gate-up GEMMs apply SwiGLU in their
+    epilogue. The flag is read as the verifier's forward is traced (a guard): it stays off
+    while the second engine runs."""
+    from unimax.ops import gemv_swiglu
+
+    was = gemv_swiglu.SWIGLU_EPILOGUE
+    gemv_swiglu.SWIGLU_EPILOGUE = False
+    try:
+        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                             compile_step=True)
+        second_engine_rows(other, "swiglu_unfused", args, k, parts, forced_row, verify=True,
+                           window=window)
+    finally:
+        gemv_swiglu.SWIGLU_EPILOGUE = was
+
+
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
                        verify: bool = False, window=None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
@@ -502,6 +523,10 @@ def main() -> None:
                         help="also a verified engine whose rewind runs as a snapshot, a "
                              "recurrence and copies (unimax.verifier.ONE_PASS_REWIND off): its "
                              "forced rows and verify block beside the one-pass rewind's")
+    parser.add_argument("--ab-swiglu", action="store_true",
+                        help="a second verified engine with the verify block's SwiGLU as a "
+                             "kernel of its own (ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced "
+                             "rows and verify block side by side")
     parser.add_argument("--ab-short-tile", default=None, metavar="NAME",
                         help="also a verified engine whose few-token recurrence runs at this "
                              "launch setting (e.g. short@4x1x8): forced rows and verify block "
