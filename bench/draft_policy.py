@@ -6,6 +6,7 @@ only by a run without --fixed-only) plus a host cost. Throughput in BF16-only st
 
 usage: python bench/draft_policy.py VERIFIED.json [--shape gdn-4b] [--new 128] [--replies 400]
        [--acceptance 0.5 0.8 0.9 0.95 0.97 0.99 1.0] [--decay 0.95 ...] [--prior 0.9 ...]
+       [--persistent] [--switch 0.6 200]
 
 What it leaves out: k = 0 blocks are charged one at a time (the engine runs them as exact runs
 of several steps in one graph, which costs less per step), and a real draft's agreement is not
@@ -25,21 +26,27 @@ from unimax.draft_length import DraftLength  # noqa: E402
 
 
 def simulate(costs: dict, a: float, new: int, replies: int, fixed: int | None = None,
-             host_ms: float = 0.1, seed: int = 0, **policy) -> tuple[float, float]:
+             host_ms: float = 0.1, seed: int = 0, persistent: bool = False,
+             switch: tuple[float, int] | None = None, **policy) -> tuple[float, float]:
     """Tokens per ms and blocks per reply: the policy (``fixed`` None) or every block drafting
-    ``fixed`` (fewer where the reply ends first)."""
+    ``fixed`` (fewer where the reply ends first). ``persistent``: one policy for all replies
+    (as the engine keeps it), not a fresh one per reply; ``switch`` (a2, every): the drafts'
+    acceptance alternates between a and a2 every ``every`` tokens."""
     draft, verify = costs["draft"], costs["verify"]
     k_max = max(draft)
     rng = random.Random(seed)
     tokens = ms = blocks = 0
+    p = None
     for _ in range(replies):
-        p = DraftLength(k_max, host_ms=host_ms, **policy)
-        p.calibrate(draft, verify, rewind_ms=costs.get("rewind", 0.0))
+        if p is None or not persistent:
+            p = DraftLength(k_max, host_ms=host_ms, **policy)
+            p.calibrate(draft, verify, rewind_ms=costs.get("rewind", 0.0))
         left = new
         while left > 0:
             k = p.choose(left) if fixed is None else min(fixed, left - 1)
+            rate = a if switch is None or (tokens // switch[1]) % 2 == 0 else switch[0]
             agreed = 0
-            while agreed < k and rng.random() < a:
+            while agreed < k and rng.random() < rate:
                 agreed += 1
             p.observe(k, agreed)
             emitted = min(agreed + 1, left)
@@ -60,7 +67,14 @@ def main() -> None:
                         default=[0.5, 0.8, 0.9, 0.95, 0.97, 0.99, 1.0])
     parser.add_argument("--decay", type=float, nargs="+", default=[DraftLength.decay])
     parser.add_argument("--prior", type=float, nargs="+", default=[DraftLength.prior])
+    parser.add_argument("--persistent", action="store_true",
+                        help="one policy across all replies (the engine's way), not one a reply")
+    parser.add_argument("--switch", type=float, nargs=2, default=None, metavar=("A2", "EVERY"),
+                        help="acceptance alternates between each row's a and A2 every EVERY "
+                             "tokens (best fixed k then is one k for both)")
     args = parser.parse_args()
+    mode = dict(persistent=args.persistent,
+                switch=None if args.switch is None else (args.switch[0], int(args.switch[1])))
     shapes = json.loads(args.report.read_text())["shapes"]
     shape = args.shape or next(iter(shapes))
     parts = shapes[shape]["parts"]
@@ -80,12 +94,13 @@ def main() -> None:
           + "".join(f"  policy(decay {d:g}, prior {p:g})" for d in args.decay
                     for p in args.prior))
     for a in args.acceptance:
-        cells = [simulate(costs, a, args.new, args.replies, fixed=k)[0] * base for k in fixed]
+        cells = [simulate(costs, a, args.new, args.replies, fixed=k, **mode)[0] * base
+                 for k in fixed]
         line = f"{a:10.3f} " + " ".join(f"{c:7.3f}" for c in cells)
         for decay in args.decay:
             for prior in args.prior:
                 rate, blocks = simulate(costs, a, args.new, args.replies, decay=decay,
-                                        prior=prior)
+                                        prior=prior, **mode)
                 line += f"  {rate * base:7.3f} ({blocks:5.1f} blocks, best fixed " \
                         f"{rate * base / max(cells):.3f})"
         print(line)
