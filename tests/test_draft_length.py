@@ -177,8 +177,9 @@ def model(pure_or_hybrid):
 def test_engine_calibrates_from_its_graph_timings(model):
     """The policy's costs are the captured graphs' replay times: draft blocks per k, greedy
     verify graphs (which include the rollback) of the span a reply meets, averaged over KV
-    buckets, sampled and unpadded ones ignored; with a draft block missing it stays
-    uncalibrated."""
+    buckets, sampled and unpadded ones ignored; k = 0 per step of the full exact runs, how the
+    engine runs those blocks (the single step's block until they are captured); with a draft
+    block missing it stays uncalibrated."""
     engine = erring_engine(model, block_size=3)
     decoded = engine.decode_graph.runner.replay_ms
     checked = engine.verifier.runner.replay_ms
@@ -200,7 +201,15 @@ def test_engine_calibrates_from_its_graph_timings(model):
     assert policy.draft_ms == {0: 0.0, 1: 0.7, 2: 1.4, 3: 2.1}
     assert policy.verify_ms[2] == pytest.approx(1.3)  # (1.2 + 1.4) / 2, sampled left out
     assert policy.verify_ms[1] == pytest.approx(1.2)  # the padded graphs, not the unpadded
+    assert policy.verify_ms[0] == pytest.approx(1.1)  # no exact run captured: one step's block
     assert policy.rewind_ms == 0.0
+    # exact runs of block_size steps, per step, the mean over buckets; shorter runs and sampled
+    # ones left out
+    checked.update({("exact", 3, 256): 3 * 0.8, ("exact", 3, 512): 3 * 0.9,
+                    ("exact", 2, 256): 2 * 0.1, ("exact", 3, 256, "sampled"): 0.3})
+    engine._calibrate_draft_length()
+    assert policy.verify_ms[0] == pytest.approx(0.85)
+    assert policy.verify_ms[1] == pytest.approx(1.2)
 
 
 @torch.inference_mode()

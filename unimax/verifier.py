@@ -255,11 +255,19 @@ class Verifier:
     def block_costs_ms(self) -> dict[int, float]:
         """k -> the measured replay time of a greedy block of k drafts where the buffers have
         room (the span a reply meets), the mean over KV buckets: the draft-length policy's
-        verify costs. Empty before capture (or without graphs)."""
+        verify costs. k = 0: per step of a greedy exact run of block_size steps where those
+        were captured, since that is how the engine runs the k = 0 blocks the policy chooses
+        (several to a graph, one snapshot and resync a run: unimax.engine), else the single
+        step's block. Empty before capture (or without graphs)."""
         costs: dict[int, list[float]] = {}
+        runs: list[float] = []
         for key, ms in self.runner.replay_ms.items():
             if key[0] == "verify" and len(key) == 4 and key[2] == self.span(key[1], 0):
                 costs.setdefault(key[1], []).append(ms)
+            elif key[0] == "exact" and len(key) == 3 and key[1] == self.block_size:
+                runs.append(ms / self.block_size)
+        if runs and 0 in costs:
+            costs[0] = runs
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
     def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
