@@ -74,7 +74,8 @@ def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
     its one-token forwards (k = 0, exact runs) folded as BF16-only's step is
     (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows in the plain forms (a fused
-    tensor-core form for them lost on the H200: bench/RESULTS.md, ninth session). sigmoid(b)
+    tensor-core form for them lost on the H200: bench/RESULTS.md, ninth session) but for the
+    MLPs' gate-up GEMM, which takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
     is rounded as the block's torch forms round it, not inside the one-token recurrence
     kernel, so that the exact runs and the blocks round the gates alike."""
     from . import fused_draft
