@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -41,6 +42,7 @@ import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
+import unimax.ops.gemv_swiglu  # noqa: E402
 import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
@@ -311,12 +313,19 @@ def bench_shape(shape, args, bandwidth) -> dict:
             verifier.runner, verifier.run_key(k, window, sampled=False), k)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
-    if args.ab_pdl_fp8:
-        with_pdl_fp8(model, args, k, parts, forced_row)
+    if args.ab_pdl_fp8:  # programmatic launch for the FP8 weights' GEMVs (the draft step's;
+        # the verifier's and BF16-only's stay plain)
+        with_switch(unimax.ops.fused_gemv, "PDL", "fp8", "pdl_fp8", model, args, k, parts,
+                    forced_row)
     if args.ab_rewind:  # the verify block with the rewind as a snapshot and copies
-        with_rewind_in_steps(model, args, k, window, parts, forced_row)
+        # (each block's full snapshot, its rewind into a new state, the copy into the exact
+        # cache and the full resync: the states read and written three more times)
+        with_switch(unimax.verifier, "ONE_PASS_REWIND", False, "rewind_in_steps", model, args,
+                    k, parts, forced_row, verify=True, window=window)
     if args.ab_swiglu:  # the verify block's MLPs with SwiGLU as a kernel of its own
-        with_swiglu_unfused(model, args, k, window, parts, forced_row)
+        # (the gate-up GEMM, inductor's SwiGLU kernel, the down GEMM)
+        with_switch(unimax.ops.gemv_swiglu, "SWIGLU_EPILOGUE", False, "swiglu_unfused", model,
+                    args, k, parts, forced_row, verify=True, window=window)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
@@ -368,36 +377,19 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
         unimax.layers.GatedDeltaNetMixer.block_op = was
 
 
-def with_pdl_fp8(model, args, k: int, parts: dict, forced_row) -> None:
-    """A second verified engine with unimax.ops.fused_gemv.PDL "fp8" (programmatic launch for
-    the FP8 weights' GEMVs: the draft step's; the verifier's and BF16-only's stay plain): its
-    forced rows (``forced_row(engine, rate, label)``) and its draft step beside the first
-    engine's, in the same process. The flag is read as graphs are captured, so the engine is
-    built and captured with it set and the first one's graphs keep their plain launches."""
-    was = unimax.ops.fused_gemv.PDL
-    unimax.ops.fused_gemv.PDL = "fp8"
-    try:
+def with_switch(owner, name: str, value, label: str, model, args, k: int, parts: dict,
+                forced_row, verify: bool = False, window=None) -> None:
+    """A second verified engine built, captured and run with ``owner.name`` set to ``value``
+    (restored after): its forced rows and draft step (``verify``: its verify block too, in
+    the KV bucket ``window``) beside the first engine's, in the same process, under
+    ``label`` (second_engine_rows). The switches the A/Bs flip are read as graphs are
+    captured or as the verifier's forward is traced (a guard), so the flag stays set while
+    the second engine runs and the first engine's graphs keep what they were built with."""
+    with mock.patch.object(owner, name, value):
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True)
-        second_engine_rows(other, "pdl_fp8", args, k, parts, forced_row)
-    finally:
-        unimax.ops.fused_gemv.PDL = was
-
-
-def with_rewind_in_steps(model, args, k: int, window, parts: dict, forced_row) -> None:
-    """A second verified engine with unimax.verifier.ONE_PASS_REWIND off (each block's full
-    snapshot, its rewind into a new state, the copy of it into the exact cache and the full
-    resync: the states read and written three more times): its forced rows and verify block
-    beside the first engine's one-pass rewind, in the same process."""
-    was = unimax.verifier.ONE_PASS_REWIND
-    unimax.verifier.ONE_PASS_REWIND = False
-    try:
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True)
-        second_engine_rows(other, "rewind_in_steps", args, k, parts, forced_row, verify=True,
+        second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
                            window=window)
-    finally:
-        unimax.verifier.ONE_PASS_REWIND = was
 
 
 def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> None:
@@ -424,25 +416,6 @@ def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> Non
             short.CHOICES.pop(key, None)
         else:
             short.CHOICES[key] = was
-
-
-def with_swiglu_unfused(model, args, k: int, window, parts: dict, forced_row) -> None:
-    """A second verified engine with unimax.ops.gemv_swiglu.SWIGLU_EPILOGUE off (the verify
-    block's MLPs as the gate-up GEMM, inductor's SwiGLU kernel, the down GEMM): its forced rows
-    and verify block beside the first engine's, whose gate-up GEMMs apply SwiGLU in their
-    epilogue. The flag is read as the verifier's forward is traced (a guard): it stays off
-    while the second engine runs."""
-    from unimax.ops import gemv_swiglu
-
-    was = gemv_swiglu.SWIGLU_EPILOGUE
-    gemv_swiglu.SWIGLU_EPILOGUE = False
-    try:
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True)
-        second_engine_rows(other, "swiglu_unfused", args, k, parts, forced_row, verify=True,
-                           window=window)
-    finally:
-        gemv_swiglu.SWIGLU_EPILOGUE = was
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
