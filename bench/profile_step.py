@@ -28,7 +28,10 @@ default: fla's conv kernel then runs as a launch of its own); "-notma" before "-
 "-rmsloop" in the same place (draft-rmsloop): the RMS prologues without their pre-pass
 where a form takes it (unimax.ops.fused_gemv.RMS_IN_LOOP, off by default; every fused
 choice timed again); "draft-vocabN" (draft-vocab32768): the draft with its LM head over the
-first N ids only (unimax.draft_vocab).
+first N ids only (unimax.draft_vocab); "exact" (the verifier's view, unimax.verifier.exact_view,
+as one-token steps: what an exact run of k = 0 blocks decodes, without the verifier's
+snapshot and resync), "exact-nobeta" (the same with sigmoid(b) as a kernel of its own per
+layer, not in the in-projection's epilogue: unimax.ops.in_proj_conv.BETA off).
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -58,6 +61,10 @@ BLOCK = 8
 def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
     if variant == "graphs":
         return MaxTurboGraphDecoder(model, block_size=BLOCK)
+    if variant == "exact":
+        from unimax.verifier import exact_view
+
+        return MaxTurboGraphDecoder(exact_view(model), block_size=BLOCK, compile=True)
     vocab = None
     if variant.startswith("draft-vocab"):  # the draft's head over the first N ids only
         variant, vocab = "draft", int(variant.removeprefix("draft-vocab"))
@@ -164,6 +171,8 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
 
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
+    beta = not base.endswith("-nobeta")
+    base = base.removesuffix("-nobeta")
     fold = not base.endswith("-noconv")
     base = base.removesuffix("-noconv")
     tma = not base.endswith("-notma")
@@ -173,9 +182,9 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
     saved = (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-             fused_gemv.RMS_IN_LOOP)
+             fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA)
     (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-     fused_gemv.RMS_IN_LOOP) = (pdl, trigger, fold, tma, rms_loop)
+     fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA) = (pdl, trigger, fold, tma, rms_loop, beta)
     choices = dict(fused_gemv.CHOICES)  # (the TMA variants' choices, timed again without)
     if not tma:
         for key in [key for key, name in choices.items() if name.startswith("tma")]:
@@ -189,7 +198,7 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
         chosen = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     finally:
         (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-         fused_gemv.RMS_IN_LOOP) = saved
+         fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA) = saved
         if not tma or rms_loop:
             fused_gemv.CHOICES.clear()
             fused_gemv.CHOICES.update(choices)

@@ -5,7 +5,7 @@ where a verified block's time goes.
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
-       [--ab-short-tile short@4x1x8] [--ab-swiglu] [--kernels] [--json FILE]
+       [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -43,6 +43,7 @@ import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
 import unimax.ops.gemv_swiglu  # noqa: E402
+import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
@@ -189,6 +190,37 @@ def replay_ms(runner, key) -> float | None:
     return None if graph is None else median_device_seconds(graph.replay, 20, warmup=3) * 1e3
 
 
+def exact_parts(verifier, k: int, window, parts: dict, suffix: str = "") -> None:
+    """What a token costs where the policy falls back to k = 0 (drafts too poor to pay), into
+    ``parts`` (keys ending in ``suffix``): one exact step as a block of its own (snapshot,
+    forward, resync) and, per step, an exact run of k steps in one graph, both captured here
+    in the KV bucket ``window`` (the verifier's cache must hold a reply). BF16-only's step is
+    the mark: at a low acceptance verified mode should cost what it does (twenty-fourth
+    session: the adaptive rows at the random weights' own acceptance ran at 0.94x BF16-only,
+    the k = 0 block at 2.80 ms against BF16's 2.67; twenty-fifth: an exact run 1.026 BF16
+    steps a token, the exact view's own sigmoid(b) kernel per layer the one kernel more)."""
+    writes = [verifier.cache, verifier.snapshot, verifier.draft_cache]
+    with verifier.cache.attending(window):
+        verifier.runner.prepare(verifier.graph_key(0, 1, window, False),
+                                lambda: verifier._verify(0, False, 1), writes=writes,
+                                buffers=verifier._buffers())
+        verifier.runner.prepare(verifier.run_key(k, window, False),
+                                lambda: verifier._exact_steps(k), writes=writes,
+                                buffers=verifier._buffers())
+    parts["exact_step_ms" + suffix] = replay_ms(verifier.runner,
+                                                verifier.graph_key(0, 1, window, False))
+    run_ms = replay_ms(verifier.runner, verifier.run_key(k, window, False))
+    parts[f"exact_run_{k}_per_step_ms" + suffix] = None if run_ms is None else run_ms / k
+
+
+def exact_kernels(verifier, k: int, window, kernels: dict, suffix: str = "") -> None:
+    """The kernels of exact_parts' graphs (captured there first), into ``kernels``."""
+    kernels["exact step (a k = 0 block)" + suffix] = kernels_of(
+        verifier.runner, verifier.graph_key(0, 1, window, False), 1)
+    kernels[f"exact run of {k} (per step)" + suffix] = kernels_of(
+        verifier.runner, verifier.run_key(k, window, sampled=False), k)
+
+
 @torch.inference_mode()
 def bench_shape(shape, args, bandwidth) -> dict:
     config = SHAPES[shape]
@@ -286,31 +318,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verifier.cache, verifier.snapshot, verifier.tape, length, copy_to=copy_to),
                             writes=[verifier.cache, verifier.snapshot, verifier.draft_cache])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
-    # What a token costs where the policy falls back to k = 0 (drafts too poor to pay): one
-    # exact step as a block of its own (snapshot, forward, resync) and, per step, an exact run
-    # of k steps in one graph. BF16-only's step is the mark: at a low acceptance verified
-    # mode should cost what it does (twenty-fourth session: the adaptive rows at the random
-    # weights' own acceptance ran at 0.93x BF16-only, with the k = 0 block at 2.80 ms
-    # against BF16's 2.67).
-    writes = [verifier.cache, verifier.snapshot, verifier.draft_cache]
-    with verifier.cache.attending(window):
-        verifier.runner.prepare(verifier.graph_key(0, 1, window, False),
-                                lambda: verifier._verify(0, False, 1), writes=writes,
-                                buffers=verifier._buffers())
-        verifier.runner.prepare(verifier.run_key(k, window, False),
-                                lambda: verifier._exact_steps(k), writes=writes,
-                                buffers=verifier._buffers())
-    parts["exact_step_ms"] = replay_ms(verifier.runner, verifier.graph_key(0, 1, window, False))
-    run_ms = replay_ms(verifier.runner, verifier.run_key(k, window, False))
-    parts[f"exact_run_{k}_per_step_ms"] = None if run_ms is None else run_ms / k
+    exact_parts(verifier, k, window, parts)
     if args.kernels:
         kernels["draft step"] = kernels_of(engine.decode_graph.runner, (k, False), k)
         kernels[f"verify {k} (per block)"] = kernels_of(
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
-        kernels["exact step (a k = 0 block)"] = kernels_of(
-            verifier.runner, verifier.graph_key(0, 1, window, False), 1)
-        kernels[f"exact run of {k} (per step)"] = kernels_of(
-            verifier.runner, verifier.run_key(k, window, sampled=False), k)
+        exact_kernels(verifier, k, window, kernels)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
     if args.ab_pdl_fp8:  # programmatic launch for the FP8 weights' GEMVs (the draft step's;
@@ -326,6 +339,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
         # (the gate-up GEMM, inductor's SwiGLU kernel, the down GEMM)
         with_switch(unimax.ops.gemv_swiglu, "SWIGLU_EPILOGUE", False, "swiglu_unfused", model,
                     args, k, parts, forced_row, verify=True, window=window)
+    if args.ab_beta:  # the verifier's one-token forwards with sigmoid(b) as a kernel of its
+        # own per layer (inductor's), not in the in-projection's epilogue
+        with_switch(unimax.ops.in_proj_conv, "BETA", False, "beta_unfused", model, args, k,
+                    parts, forced_row, exact=True, window=window)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
@@ -378,18 +395,19 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
 
 
 def with_switch(owner, name: str, value, label: str, model, args, k: int, parts: dict,
-                forced_row, verify: bool = False, window=None) -> None:
+                forced_row, verify: bool = False, window=None, exact: bool = False) -> None:
     """A second verified engine built, captured and run with ``owner.name`` set to ``value``
     (restored after): its forced rows and draft step (``verify``: its verify block too, in
     the KV bucket ``window``) beside the first engine's, in the same process, under
     ``label`` (second_engine_rows). The switches the A/Bs flip are read as graphs are
     captured or as the verifier's forward is traced (a guard), so the flag stays set while
-    the second engine runs and the first engine's graphs keep what they were built with."""
+    the second engine runs and the first engine's graphs keep what they were built with.
+    ``exact``: its exact step and exact run too (exact_parts)."""
     with mock.patch.object(owner, name, value):
         other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
                              compile_step=True)
         second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
-                           window=window)
+                           window=window, exact=exact)
 
 
 def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> None:
@@ -419,10 +437,11 @@ def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> Non
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
-                       verify: bool = False, window=None) -> None:
+                       verify: bool = False, window=None, exact: bool = False) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
     the first engine's in the same process (the A/B options); ``verify``: its verify block of
-    k drafts too, in the KV bucket ``window`` (the first engine's; None on pure GDN models)."""
+    k drafts too, in the KV bucket ``window`` (the first engine's; None on pure GDN models);
+    ``exact``: its exact step and exact run (exact_parts), in that bucket."""
     for rate in args.acceptance:
         forced_row(other, rate, f" {name.replace('_', '-')}")
     base = parts["bf16_step_ms"]
@@ -433,6 +452,10 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
                        other.verifier.graph_key(k, k + 1, window, sampled=False))
         parts[f"verify_{k}_ms_{name}"] = ms
         parts[f"verify_{k}_over_bf16_{name}"] = (ms or 0) / base
+    if exact:
+        exact_parts(other.verifier, k, window, parts, f"_{name}")
+        for key in ("exact_step", f"exact_run_{k}_per_step"):
+            parts[f"{key}_over_bf16_{name}"] = (parts[f"{key}_ms_{name}"] or 0) / base
 
 
 def kernels_of(runner, key, per: int) -> dict | None:
@@ -500,6 +523,10 @@ def main() -> None:
                         help="a second verified engine with the verify block's SwiGLU as a "
                              "kernel of its own (ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced "
                              "rows and verify block side by side")
+    parser.add_argument("--ab-beta", action="store_true",
+                        help="a second verified engine whose one-token exact steps take "
+                             "sigmoid(b) as a kernel of their own (ops.in_proj_conv.BETA "
+                             "off): forced rows, exact step and exact run side by side")
     parser.add_argument("--ab-short-tile", default=None, metavar="NAME",
                         help="also a verified engine whose few-token recurrence runs at this "
                              "launch setting (e.g. short@4x1x8): forced rows and verify block "

@@ -379,16 +379,16 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "cnt_ptr": "*i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_zm": "i32", "stride_wn": "i32", "stride_rm": "i32",
        "stride_ym": "i32", "eps": "fp32", "offset": "fp32", "cs_ptr": "*bf16", "cw_ptr": "*bf16",
-       "C": "i32", "stride_csm": "i32", "PRO": "constexpr",
+       "C": "i32", "stride_csm": "i32", "B0": "i32", "NB": "i32", "PRO": "constexpr",
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
        "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
        "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr",
-       "RMS_LOOP": "constexpr"}
+       "RMS_LOOP": "constexpr", "BETA": "constexpr"}
 
 def compiled(consts, arch=90, signature=sig):
     consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, "RMS_LOOP": False,
-              **consts}
+              "BETA": 0, **consts}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32)).asm
 
@@ -413,7 +413,10 @@ for arch in (90, 89):  # H100/H200, L4
               "PDL_LATE": False, "CONV_W": 4, "CONV_WP": 4}
     stores = [sum("st.global" in line for line in ptx({**consts, "CONV_W": w}, arch).splitlines())
               for w in (4, 0)]
-    print("conv", arch, *stores)
+    # and beta's sigmoid in that epilogue (ops.in_proj_conv's b channels): more exponentials
+    # (the conv's SiLU has its own), plain and doubled
+    exps = [ptx({**consts, "BETA": beta}, arch).count("ex2.approx") for beta in (0, 1, 2)]
+    print("conv", arch, *stores, *exps)
 # the TMA form (sm_90): W's tile loads in the K loop are TMA copies, and Triton's pipeliner
 # issues them STAGES - 1 ahead (more async copies and shared memory with more stages)
 tma_sig = {**sig, "w_ptr": "tensordesc<fp8e4nv[32, 256]>"}
@@ -461,6 +464,8 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     assert len(rows) == 2 * len(PROLOGUES) * 2, out
     assert [row[:2] for row in conv] == [["conv", "90"], ["conv", "89"]], out
     assert all(int(row[2]) > int(row[3]) for row in conv), out  # (the windows' stores)
+    assert all(int(row[5]) > int(row[4]) > 0 and int(row[6]) == int(row[5])
+               for row in conv), out  # (beta's sigmoid, plain and doubled)
     for arch, pro, f16, cvt, hfma2, atomics in rows:
         assert int(cvt) > 0, (arch, pro, f16)
         assert (int(hfma2) > 0) == (f16 == "True"), (arch, pro, f16, hfma2)
@@ -638,7 +643,8 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
 
 def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypatch):
     """The verifier's view (unimax.verifier.exact_view) folds its blocks as BF16-only's step
-    does for its one-token forwards, with sigmoid(b) outside the recurrence's kernel, and
+    does for its one-token forwards, with sigmoid(b) outside the recurrence's kernel (in the
+    in-projection's epilogue), and
     leaves its prompt and its recorded 9-token blocks to the plain forms; its logits and,
     after the rewind, its states are the unfolded view's (fp32, the twin); with FUSE_BF16 off
     it folds nothing."""
@@ -663,9 +669,10 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     monkeypatch.setattr(fused_draft, "fused_in_proj_conv", spy(fused_draft.fused_in_proj_conv))
     real_core = type(model.layers[0].mixer).decode_core
 
-    def decode_core(self, projected, state, beta_in_kernel=False, conv_done=False):
-        betas.append(beta_in_kernel)
-        return real_core(self, projected, state, beta_in_kernel, conv_done)
+    def decode_core(self, projected, state, beta_in_kernel=False, conv_done=False,
+                    beta_done=False):
+        betas.append((beta_in_kernel, beta_done))
+        return real_core(self, projected, state, beta_in_kernel, conv_done, beta_done)
 
     monkeypatch.setattr(type(model.layers[0].mixer), "decode_core", decode_core)
     gen = torch.Generator().manual_seed(3)
@@ -695,6 +702,8 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     # the step through the fused op (4 linears per block), the prompt and the block not
     assert rows == [1] * 4 * blocks, rows
     gdn = sum(not model.config.is_attention(i) for i in range(blocks))
-    assert betas == [False] * (2 * gdn)  # (the one-token steps of both views)
+    # (the one-token steps of both views: the folded one with beta from its in-projection's
+    # epilogue, ops.in_proj_conv.BETA; the plain one rounds it from b)
+    assert betas == [(False, True)] * gdn + [(False, False)] * gdn, betas
     monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
     assert not any(getattr(m, "fused", False) for m in exact_view(model).modules())

@@ -4,7 +4,8 @@ against fla's fused recurrent kernel, and bit for bit across block cuts; the one
 against the plain one; the recording mixer's
 tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor-core kernel
 for its narrow linears (unimax.ops.gemv's "dotsplit"); its gate-up GEMM with SwiGLU in the
-epilogue (unimax.ops.gemv_swiglu). A file of its own: Triton
+epilogue (unimax.ops.gemv_swiglu); the one-token in-projection with beta in its epilogue
+(unimax.ops.in_proj_conv). A file of its own: Triton
 compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel."""
 
 import pytest
@@ -306,3 +307,58 @@ def test_gemv_swiglu_on_gpu():
     fused = GemvSwiGLUMLP(mlp)
     h = torch.randn(1, 9, k, device="cuda", generator=gen).to(torch.bfloat16)
     assert rel_err(fused(h).float(), mlp(h).float()) < 1e-2
+
+
+@torch.inference_mode()
+def test_beta_epilogue_on_gpu():
+    """The verifier's one-token in-projection with beta in its epilogue (ops.in_proj_conv's
+    beta_heads) at a 4B layer (12352 x 2560, BF16 as the verifier's view; FP8 too), the
+    forms the timed choice offers and the op itself: every other output and the rolled
+    windows as without beta, bit for bit, and the b channels the mixer's write_strength
+    (torch's sigmoid, rounded to nearest) of the kernel's own b: ours takes 1 / (1 + exp(-b))
+    as the block's tape kernel does, so an element may be one BF16 step off where torch's
+    exponential lands on the other side of a rounding (allowed: 2% of them, 1 step)."""
+    from unimax.fp8 import quantize_rows
+    from unimax.ops import fused_gemv as fg
+    from unimax.ops.decode_step import write_strength
+    from unimax.ops.in_proj_conv import fused_in_proj_conv
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    conv, start, heads, n, k = 8192, 8192 + 4096, 32, 12352, 2560
+    w = torch.randn(n, k, device="cuda", generator=gen) / 50
+    norm = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    conv_w = torch.randn(conv, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    state = torch.randn(1, conv, 4, device="cuda", generator=gen).to(torch.bfloat16)
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    keep[start:start + heads] = False
+    off = total = 0
+    for weight, scale in ((w.to(torch.bfloat16), None), quantize_rows(w)):
+        names = ["rows@16x256x4", "rows@64x128x4", "tma@32x256x4x4"] + (
+            ["rows16@16x256x4", "tma16@32x256x4x4"] if scale is not None else [])
+        for double in (False, True):
+            for name in names + ["op"]:
+                x = 4 * torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+                plain_state, beta_state = state.clone(), state.clone()
+                if name == "op":
+                    fg.CHOICES.clear()
+                    plain = fused_in_proj_conv(x, weight, scale, n, k, norm, 1e-6, 1.0,
+                                               plain_state, conv_w)
+                    got = fused_in_proj_conv(x, weight, scale, n, k, norm, 1e-6, 1.0,
+                                             beta_state, conv_w, start, heads, double)
+                else:
+                    kw = dict(eps=1e-6, offset=1.0, kernel=name, conv_weight=conv_w)
+                    plain = fg.fused_gemv(x, weight, scale, n, k, "rms", norm,
+                                          conv_state=plain_state, **kw)
+                    got = fg.fused_gemv(x, weight, scale, n, k, "rms", norm,
+                                        conv_state=beta_state, beta=(start, heads, double),
+                                        **kw)
+                what = (name, weight.dtype, double)
+                assert torch.equal(got[:, keep], plain[:, keep]), what
+                assert torch.equal(beta_state, plain_state), what
+                want = write_strength(plain[:, start:start + heads], double)
+                beta = got[:, start:start + heads]
+                steps = (beta.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+                assert int(steps.max()) <= 1, (what, beta, want)
+                off, total = off + int((steps > 0).sum()), total + steps.numel()
+    print("beta elements off by one step:", off, "of", total)
+    assert off <= 0.02 * total, (off, total)

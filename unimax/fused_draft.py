@@ -24,7 +24,9 @@ fast step's blocks fold the same way: like the unfused fast step, that step deco
 model's greedy tokens up to BF16 near-ties (its GEMVs sum in another order, its norms' factors
 come from another reduction, and sigmoid(b) stays unrounded inside the recurrence's kernel).
 The verifier's view folds its one-token forwards too (unimax.verifier.exact_view), with
-sigmoid(b) left to the torch forms; its blocks of k + 1 rows take the plain forms. The exact
+sigmoid(b) rounded as the exact model rounds it, in the in-projection's epilogue
+(``in_proj_conv.BETA``; the torch forms without it); its blocks of k + 1 rows take the plain
+forms. The exact
 model itself is never folded. Everything else (long prompts, rows past ``FOLD_ROWS``, default
 grad mode) takes the block's own forward.
 
@@ -77,14 +79,18 @@ def fused_linear(linear, x: torch.Tensor, prologue: str, norm=None,
         1e-6 if norm is None else norm.eps, getattr(norm, "offset", 0.0))
 
 
-def fused_in_proj_conv_linear(mixer, x: torch.Tensor, norm, state) -> torch.Tensor:
+def fused_in_proj_conv_linear(mixer, x: torch.Tensor, norm, state,
+                              beta: bool = False) -> torch.Tensor:
     """The in-projection of RMSNorm(x) with the convolution folded in (ops.in_proj_conv): a
-    one-token decode step's, its conv state rolled."""
-    linear = mixer.in_proj
+    one-token decode step's, its conv state rolled; ``beta``: its b channels out as the
+    mixer's rounded write strength (the op's beta epilogue)."""
+    linear, cfg = mixer.in_proj, mixer.config
+    heads = cfg.num_v_heads if beta else 0
     return fused_in_proj_conv(x, linear.weight, getattr(linear, "weight_scale", None),
                               linear.out_features, linear.in_features, norm.weight, norm.eps,
                               getattr(norm, "offset", 0.0), state.conv_states[0],
-                              mixer.conv_weight)
+                              mixer.conv_weight, cfg.conv_dim + cfg.value_dim, heads,
+                              cfg.allow_neg_eigval)
 
 
 def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
@@ -101,11 +107,15 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
             and fusable(mixer.in_proj) and fusable(mixer.out_proj)):
         if mixer._one_op_step(state, tokens):
             conv_done = in_proj_conv.FOLD  # (the convolution in the in-projection's GEMV)
-            projected = (fused_in_proj_conv_linear(mixer, x2, block.mixer_norm, state)
+            # (and beta, where it is rounded outside the recurrence: the verifier's view)
+            beta_done = conv_done and in_proj_conv.BETA and not block.beta_in_kernel
+            projected = (fused_in_proj_conv_linear(mixer, x2, block.mixer_norm, state,
+                                                   beta_done)
                          if conv_done else fused_linear(mixer.in_proj, x2, "rms",
                                                         block.mixer_norm))
             o, z = mixer.decode_core(projected.reshape(batch, tokens, -1), state,
-                                     beta_in_kernel=block.beta_in_kernel, conv_done=conv_done)
+                                     beta_in_kernel=block.beta_in_kernel, conv_done=conv_done,
+                                     beta_done=beta_done)
         else:  # (a one-token forward that is padded, recorded, or on no state)
             projected = fused_linear(mixer.in_proj, x2, "rms", block.mixer_norm)
             o, z = mixer.core(projected.reshape(batch, tokens, -1), state)

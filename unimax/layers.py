@@ -150,18 +150,21 @@ class GatedDeltaNetMixer(nn.Module):
         return mixed, z, b, a
 
     def decode_core(self, projected: torch.Tensor, state: RecurrentLayerState,
-                    beta_in_kernel: bool = False, conv_done: bool = False):
+                    beta_in_kernel: bool = False, conv_done: bool = False,
+                    beta_done: bool = False):
         """A plain decode step (``_one_op_step``) from the in-projection's output to the
         recurrence's output o (B, 1, HV, V) and the gate z, both states updated: the
         convolution and the gated delta rule as one op (ops.decode_step). Shared by the
         forward and the draft's fused block (unimax.fused_draft), which asks for
         ``beta_in_kernel``: sigmoid(b) inside the recurrence's kernel, in fp32, one launch
         fewer (not with allow_neg_eigval); ``conv_done``: the projection's [q k v] channels
-        are already the convolution's output, its state rolled (ops.in_proj_conv)."""
+        are already the convolution's output, its state rolled (ops.in_proj_conv);
+        ``beta_done``: the b channels already hold beta (write_strength's, ops.in_proj_conv's
+        beta epilogue)."""
         cfg = self.config
         mixed, z, b, a = self._split(projected)
-        in_kernel = beta_in_kernel and not cfg.allow_neg_eigval
-        beta = b if in_kernel else write_strength(b, cfg.allow_neg_eigval)
+        in_kernel = beta_in_kernel and not cfg.allow_neg_eigval and not beta_done
+        beta = b if in_kernel or beta_done else write_strength(b, cfg.allow_neg_eigval)
         o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
                             state.recurrent_states[0], self.A_log, self.dt_bias,
                             cfg.num_k_heads, in_kernel, conv_done)

@@ -178,7 +178,8 @@ def split_fits(out_features: int, in_features: int, m: int, scaled: bool) -> boo
 
 def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: str,
                norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
-               kernel: str | None = None, conv_state=None, conv_weight=None) -> torch.Tensor:
+               kernel: str | None = None, conv_state=None, conv_weight=None,
+               beta: tuple[int, int, bool] | None = None) -> torch.Tensor:
     """The Triton kernel (CUDA, or Triton's interpreter), a program per row, M <=
     PROGRAM_ROWS rows; the same contract as the twin. ``kernel``: "rows", or "rows16" (FP16
     products, FP8 weights: see ops.gemv), or either split-K form, "split", "split16" (see
@@ -187,8 +188,14 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     autotuned, the descriptor's block is the tile's), or any with "@tile" (one of the form's
     tiles for the prologue's head, ``_tiles_by_form``, as ops.gemv.tiled_names writes it).
     ``conv_state``, ``conv_weight``: the first conv_weight.shape[0] outputs go through the
-    causal convolution, its state rolled in place (``fused_in_proj_conv``)."""
+    causal convolution, its state rolled in place (``fused_in_proj_conv``). ``beta``: (start,
+    count, doubled): outputs start .. start + count - 1 are stored as sigmoid of the rounded
+    output, rounded (times 2, rounded, if doubled): a GDN mixer's write strength."""
     check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
+    if beta is not None and not (0 <= beta[0] and beta[1] > 0
+                                 and beta[0] + beta[1] <= out_features):
+        raise ValueError(f"fused_gemv: beta channels {beta[0]} .. {beta[0] + beta[1] - 1} "
+                         f"must lie within the {out_features} outputs")
     m = x.shape[0]
     head = _head(prologue, norm_weight)
     kernel, tile = parse_kernel(kernel or "rows", _tiles_by_form(head), "fused_gemv")
@@ -237,9 +244,12 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
                  SPLIT=split, CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
-                 RMS_LOOP=rms_in_loop(prologue, split, kernel), **fixed)
+                 RMS_LOOP=rms_in_loop(prologue, split, kernel),
+                 BETA=0 if beta is None else 1 + bool(beta[2]), **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
-    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv, **flags,
+    channels = (0, 0) if beta is None else beta[:2]
+    launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv,
+                 *channels, **flags,
                  **pdl_launch(x, weight), **tile_args(tile))
     return y
 

@@ -149,6 +149,18 @@ def conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, W: tl.constex
 
 
 @triton.jit
+def beta_epilogue(y, rn, B0, NB, BETA: tl.constexpr):
+    """y (BLOCK_N,), rounded, with its outputs B0 <= rn < B0 + NB (a GDN mixer's b channels)
+    replaced by beta = sigmoid(b) rounded to y's dtype, doubled (and rounded) with BETA == 2:
+    the mixer's write_strength (ops.decode_step), sigmoid as the block's tape kernel takes it
+    (ops.short_recurrence_kernel), where a kernel of its own per layer took it before."""
+    beta = sigmoid(y.to(tl.float32)).to(y.dtype)
+    if BETA == 2:
+        beta = (beta.to(tl.float32) * 2.0).to(y.dtype)
+    return tl.where((rn >= B0) & (rn < B0 + NB), beta, y)
+
+
+@triton.jit
 def w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            TMA: tl.constexpr):
     """W's tile (BLOCK_N, BLOCK_K) at rows rn, columns k0.., zeros past N and K."""
@@ -173,12 +185,12 @@ def lane_sums(acc, F16: tl.constexpr):
 
 @triton.jit
 def finish(y, rn, row, part, tile, N, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stride_rm,
-           stride_ym, cs_ptr, cw_ptr, C, stride_csm, HAS_SCALE: tl.constexpr,
+           stride_ym, cs_ptr, cw_ptr, C, stride_csm, B0, NB, HAS_SCALE: tl.constexpr,
            HAS_RES: tl.constexpr, SPLIT: tl.constexpr, CONV_W: tl.constexpr,
-           CONV_WP: tl.constexpr):
+           CONV_WP: tl.constexpr, BETA: tl.constexpr):
     """A tile's epilogue from its sums y (lane_sums): split-K's slices added by the tile's last
     program (``tile``: its counter, row-major over (M, N tiles)), the scale, rounded, the
-    convolution, the residual, stored at y[row, rn]. Only SPLIT > 1 and CONV_W > 0 have
+    convolution, beta, the residual, stored at y[row, rn]. Only SPLIT > 1 and CONV_W > 0 have
     barriers (and atomics)."""
     keep = rn < N
     if SPLIT > 1:  # (the slices added by the tile's last program: only it writes y)
@@ -189,6 +201,8 @@ def finish(y, rn, row, part, tile, N, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stri
     y = y.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
     if CONV_W > 0:
         y = conv_epilogue(y, cs_ptr, cw_ptr, row, rn, keep, C, stride_csm, CONV_W, CONV_WP)
+    if BETA > 0:
+        y = beta_epilogue(y, rn, B0, NB, BETA)
     if HAS_RES:  # then the residual add, rounded once more (x + linear(...) in torch)
         r = tl.load(r_ptr + row * stride_rm + rn, mask=keep, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -198,14 +212,15 @@ def finish(y, rn, row, part, tile, N, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stri
 @triton.jit
 def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
                       stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
-                      cs_ptr, cw_ptr, C, stride_csm,
+                      cs_ptr, cw_ptr, C, stride_csm, B0, NB,
                       PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
                       HAS_SCALE: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                       PDL_LATE: tl.constexpr = False, CONV_W: tl.constexpr = 0,
                       CONV_WP: tl.constexpr = 1, TMA: tl.constexpr = False,
-                      STAGES: tl.constexpr = 1, RMS_LOOP: tl.constexpr = False):
+                      STAGES: tl.constexpr = 1, RMS_LOOP: tl.constexpr = False,
+                      BETA: tl.constexpr = 0):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -252,7 +267,12 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     program that computes it owns: it rolls the window in the conv state cs (M, >= C, CONV_W,
     contiguous; weights cw (C, CONV_W)) and stores SiLU(window . cw[rn]) in place of the
     projection, which removes the convolution's own launch (ops.conv.causal_conv1d_step's
-    arithmetic: the window in x's dtype, the products and sum in fp32, SiLU, then rounded)."""
+    arithmetic: the window in x's dtype, the products and sum in fp32, SiLU, then rounded).
+
+    ``BETA`` > 0 (with the convolution: the in-projection of the verifier's one-token
+    forwards): outputs B0 <= rn < B0 + NB are the mixer's b channels, stored as beta =
+    sigmoid(b) rounded (``beta_epilogue``; doubled with BETA == 2), the mixer's own rounding,
+    which removes the sigmoid's launch per layer (``ops.in_proj_conv``)."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(2)
@@ -301,4 +321,4 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     finish(y, rn, row, part, row * tl.num_programs(0) + tl.program_id(0), N,
            s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stride_rm, stride_ym, cs_ptr, cw_ptr, C,
-           stride_csm, HAS_SCALE, HAS_RES, SPLIT, CONV_W, CONV_WP)
+           stride_csm, B0, NB, HAS_SCALE, HAS_RES, SPLIT, CONV_W, CONV_WP, BETA)

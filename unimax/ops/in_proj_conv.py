@@ -11,8 +11,17 @@ roll that channel's window itself without racing any other (ops/fused_gemv_kerne
 ``conv_epilogue``). The recurrence then reads q, k and v from the projection
 (ops.decode_step's ``conv_done``).
 
+With ``beta_heads`` > 0 (the verifier's one-token forwards, whose mixers round beta =
+sigmoid(b) to BF16 as the exact model does, where the draft and BF16-only take it unrounded
+inside the recurrence's kernel) the b channels, beta_start .. beta_start + beta_heads - 1,
+come out as beta itself (ops.decode_step.write_strength; the kernel's ``beta_epilogue``):
+that was an inductor kernel of its own per layer, ~1 us busy plus its gap (32 in a 4B exact
+step, 31.6 us busy: bench/RESULTS.md, twenty-fifth session), the one kernel the verifier's
+one-token step had that BF16-only's has not, so a run of k = 0 blocks (drafts too poor to
+pay) cost 1.026 BF16 steps a token.
+
 ``fused_in_proj_conv_ref`` is the twin: the fused GEMV's twin, then ops.conv's one-token
-convolution on the first C channels.
+convolution on the first C channels (and write_strength on the b channels).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Optional
 import torch
 
 from .conv import causal_conv1d_step
+from .decode_step import write_strength
 from .fused_gemv import (
     CHOICES,
     CONV_TILE,
@@ -35,6 +45,7 @@ from .fused_gemv import (
 from .gemv import tile_text, timed_choice
 
 FOLD = True  # unimax.fused_draft folds the convolution into the in-projection (bench: off)
+BETA = True  # and the verifier's view, beta into it too (bench/verified.py --ab-beta: off)
 # the kernel where none was timed (a key first met in a capture): a named tile, never
 # autotuned (the autotuner would rerun the kernel on the live state)
 DEFAULT = f"rows@{tile_text(CONV_TILE)}"
@@ -42,16 +53,30 @@ DEFAULT = f"rows@{tile_text(CONV_TILE)}"
 
 def fused_in_proj_conv_ref(x, weight, scale, out_features: int, in_features: int,
                            norm_weight, eps: float, offset: float, conv_state,
-                           conv_weight) -> torch.Tensor:
+                           conv_weight, beta_start: int = -1, beta_heads: int = 0,
+                           beta_double: bool = False) -> torch.Tensor:
     """The twin: the projection (fused_small_m_linear_ref, "rms"), then the convolution of its
-    first channels (ops.conv.causal_conv1d_step), the state written with copy_."""
+    first channels (ops.conv.causal_conv1d_step), the state written with copy_; then the b
+    channels' write strength (ops.decode_step.write_strength), with beta_heads."""
     y = fused_small_m_linear_ref(x, weight, scale, out_features, in_features, "rms",
                                  norm_weight, None, None, eps, offset)
     channels = conv_weight.shape[0]
     conv, window = causal_conv1d_step(y[:, None, :channels], conv_weight,
                                       conv_state[:, :channels])
     conv_state[:, :channels].copy_(window)
-    return torch.cat([conv[:, 0], y[:, channels:]], dim=1)
+    y = torch.cat([conv[:, 0], y[:, channels:]], dim=1)
+    if beta_heads:
+        end = beta_start + beta_heads
+        y[:, beta_start:end] = write_strength(y[:, beta_start:end], beta_double)
+    return y
+
+
+def check_beta(out_features: int, channels: int, beta_start: int, beta_heads: int) -> None:
+    """Names b channels that are not past the convolution's and inside the outputs."""
+    if beta_heads and not (channels <= beta_start and beta_start + beta_heads <= out_features):
+        raise ValueError(f"fused_in_proj_conv: the b channels {beta_start} .. "
+                         f"{beta_start + beta_heads - 1} must lie past the {channels} "
+                         f"convolved channels and inside the {out_features} outputs")
 
 
 # (Optional, not "| None": torch reads the op's schema from these annotations)
@@ -60,22 +85,28 @@ def fused_in_proj_conv(x: torch.Tensor, weight: torch.Tensor,
                        scale: Optional[torch.Tensor],  # noqa: UP045
                        out_features: int, in_features: int, norm_weight: torch.Tensor,
                        eps: float, offset: float, conv_state: torch.Tensor,
-                       conv_weight: torch.Tensor) -> torch.Tensor:
+                       conv_weight: torch.Tensor, beta_start: int = -1, beta_heads: int = 0,
+                       beta_double: bool = False) -> torch.Tensor:
     """RMSNorm(x) @ W^T (* scale), its first conv_weight.shape[0] channels through the causal
-    convolution and SiLU, conv_state rolled in place: the fused kernel on CUDA, the twin
-    elsewhere."""
+    convolution and SiLU, conv_state rolled in place (with ``beta_heads``: the b channels
+    from beta_start through sigmoid, rounded, doubled with ``beta_double``): the fused kernel
+    on CUDA, the twin elsewhere."""
+    check_beta(out_features, conv_weight.shape[0], beta_start, beta_heads)
     if not x.is_cuda:  # (on CUDA fused_gemv checks the same, once per call)
         check(x, weight, out_features, in_features, "rms", norm_weight, None, None)
         check_conv(x, out_features, conv_state, conv_weight)
         return fused_in_proj_conv_ref(x, weight, scale, out_features, in_features,
-                                      norm_weight, eps, offset, conv_state, conv_weight)
+                                      norm_weight, eps, offset, conv_state, conv_weight,
+                                      beta_start, beta_heads, beta_double)
+    # (one choice with and without beta: the epilogue's few channels do not move the time)
     key = ("rms+conv", False, x.shape[0], out_features, in_features, weight.dtype)
+    beta = (beta_start, beta_heads, beta_double) if beta_heads else None
 
     def run(kernel: str, weight: torch.Tensor, scale: torch.Tensor | None,
             state: torch.Tensor = conv_state) -> torch.Tensor:
         return fused_gemv(x, weight, scale, out_features, in_features, "rms",
                           norm_weight=norm_weight, eps=eps, offset=offset, kernel=kernel,
-                          conv_state=state, conv_weight=conv_weight)
+                          conv_state=state, conv_weight=conv_weight, beta=beta)
 
     if key not in CHOICES and not torch.cuda.is_current_stream_capturing():
         # timed on a copy of the state: each timed call rolls the windows it is given
@@ -89,5 +120,5 @@ def fused_in_proj_conv(x: torch.Tensor, weight: torch.Tensor,
 
 @fused_in_proj_conv.register_fake
 def _(x, weight, scale, out_features, in_features, norm_weight, eps, offset, conv_state,
-      conv_weight):
+      conv_weight, beta_start=-1, beta_heads=0, beta_double=False):
     return x.new_empty(x.shape[0], out_features)
