@@ -26,9 +26,8 @@ come from another reduction, and sigmoid(b) stays unrounded inside the recurrenc
 The verifier's view folds its one-token forwards too (unimax.verifier.exact_view), with
 sigmoid(b) rounded as the exact model rounds it, in the in-projection's epilogue
 (``in_proj_conv.BETA``; the torch forms without it); its blocks of k + 1 rows take the plain
-forms. The exact
-model itself is never folded. Everything else (long prompts, rows past ``FOLD_ROWS``, default
-grad mode) takes the block's own forward.
+forms. The exact model itself is never folded. Everything else (long prompts, rows past
+``FOLD_ROWS``, default grad mode) takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;

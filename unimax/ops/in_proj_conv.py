@@ -18,7 +18,8 @@ come out as beta itself (ops.decode_step.write_strength; the kernel's ``beta_epi
 that was an inductor kernel of its own per layer, ~1 us busy plus its gap (32 in a 4B exact
 step, 31.6 us busy: bench/RESULTS.md, twenty-fifth session), the one kernel the verifier's
 one-token step had that BF16-only's has not, so a run of k = 0 blocks (drafts too poor to
-pay) cost 1.026 BF16 steps a token.
+pay) cost 1.026 BF16 steps a token. With it the 4B one-token step went 2709 -> 2673 us
+against BF16-only's 2652 (bench/profile_step.py's "exact" and "exact-nobeta", same run).
 
 ``fused_in_proj_conv_ref`` is the twin: the fused GEMV's twin, then ops.conv's one-token
 convolution on the first C channels (and write_strength on the b channels).
