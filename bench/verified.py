@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -51,6 +52,43 @@ from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
 STARTED = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class SwitchAB:
+    """An A/B option: a second verified engine built and run with ``owner.name`` set to
+    ``value`` (with_switch), its rows and parts labelled ``label``; ``verify``: its verify
+    block timed too; ``exact``: its exact step and exact run (exact_parts)."""
+    flag: str
+    owner: object
+    name: str
+    value: object
+    label: str
+    help: str
+    verify: bool = False
+    exact: bool = False
+
+
+SWITCH_ABS = (
+    SwitchAB("--ab-pdl-fp8", unimax.ops.fused_gemv, "PDL", "fp8", "pdl_fp8",
+             "also a second verified engine with PDL for FP8 weights only (the draft's "
+             "GEMVs; the verifier's and BF16-only's stay plain), its forced rows and draft "
+             "step beside the first's"),
+    SwitchAB("--ab-rewind", unimax.verifier, "ONE_PASS_REWIND", False, "rewind_in_steps",
+             "also a verified engine whose rewind runs as a snapshot, a recurrence and copies "
+             "(unimax.verifier.ONE_PASS_REWIND off: the states read and written three more "
+             "times): its forced rows and verify block beside the one-pass rewind's",
+             verify=True),
+    SwitchAB("--ab-swiglu", unimax.ops.gemv_swiglu, "SWIGLU_EPILOGUE", False,
+             "swiglu_unfused",
+             "a second verified engine with the verify block's SwiGLU as a kernel of its own "
+             "(ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced rows and verify block side by "
+             "side", verify=True),
+    SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
+             "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
+             "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
+             "side by side", exact=True),
+)
 
 
 @torch.no_grad()
@@ -362,23 +400,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
         exact_kernels(verifier, k, window, kernels)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
         verify_without_block_op(model, ids, args, k, window, parts, kernels)
-    if args.ab_pdl_fp8:  # programmatic launch for the FP8 weights' GEMVs (the draft step's;
-        # the verifier's and BF16-only's stay plain)
-        with_switch(unimax.ops.fused_gemv, "PDL", "fp8", "pdl_fp8", model, args, k, parts,
-                    forced_row)
-    if args.ab_rewind:  # the verify block with the rewind as a snapshot and copies
-        # (each block's full snapshot, its rewind into a new state, the copy into the exact
-        # cache and the full resync: the states read and written three more times)
-        with_switch(unimax.verifier, "ONE_PASS_REWIND", False, "rewind_in_steps", model, args,
-                    k, parts, forced_row, verify=True, window=window)
-    if args.ab_swiglu:  # the verify block's MLPs with SwiGLU as a kernel of its own
-        # (the gate-up GEMM, inductor's SwiGLU kernel, the down GEMM)
-        with_switch(unimax.ops.gemv_swiglu, "SWIGLU_EPILOGUE", False, "swiglu_unfused", model,
-                    args, k, parts, forced_row, verify=True, window=window)
-    if args.ab_beta:  # the verifier's one-token forwards with sigmoid(b) as a kernel of its
-        # own per layer (inductor's), not in the in-projection's epilogue
-        with_switch(unimax.ops.in_proj_conv, "BETA", False, "beta_unfused", model, args, k,
-                    parts, forced_row, exact=True, window=window)
+    for ab in SWITCH_ABS:  # second engines with one module flag flipped
+        if getattr(args, ab.flag.removeprefix("--").replace("-", "_")):
+            with_switch(ab.owner, ab.name, ab.value, ab.label, model, args, k, parts,
+                        forced_row, verify=ab.verify, window=window, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
@@ -538,10 +563,6 @@ def main() -> None:
                              "one-token forwards) with programmatic dependent launch, or "
                              "(--pdl fp8) those over FP8 weights only: the draft's "
                              "(unimax.ops.fused_gemv.PDL; off by default)")
-    parser.add_argument("--ab-pdl-fp8", action="store_true",
-                        help="also a second verified engine with PDL for FP8 weights only, "
-                             "its forced rows and draft step beside the first's (BF16-only "
-                             "as it was)")
     parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER)")
@@ -554,18 +575,6 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the full draft's LM head over this many tokens (the first ids and "
                              "the peaked rows: unimax.draft_vocab)")
-    parser.add_argument("--ab-rewind", action="store_true",
-                        help="also a verified engine whose rewind runs as a snapshot, a "
-                             "recurrence and copies (unimax.verifier.ONE_PASS_REWIND off): its "
-                             "forced rows and verify block beside the one-pass rewind's")
-    parser.add_argument("--ab-swiglu", action="store_true",
-                        help="a second verified engine with the verify block's SwiGLU as a "
-                             "kernel of its own (ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced "
-                             "rows and verify block side by side")
-    parser.add_argument("--ab-beta", action="store_true",
-                        help="a second verified engine whose one-token exact steps take "
-                             "sigmoid(b) as a kernel of their own (ops.in_proj_conv.BETA "
-                             "off): forced rows, exact step and exact run side by side")
     parser.add_argument("--ab-short-tile", default=None, metavar="NAME",
                         help="also a verified engine whose few-token recurrence runs at this "
                              "launch setting (e.g. short@4x1x8): forced rows and verify block "
@@ -574,6 +583,8 @@ def main() -> None:
                         help="also a second verified engine whose draft's LM head scores N "
                              "tokens (as --draft-vocab), its forced rows and draft step beside "
                              "the first's")
+    for ab in SWITCH_ABS:
+        parser.add_argument(ab.flag, action="store_true", help=ab.help)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
