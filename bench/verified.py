@@ -356,6 +356,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
             parts["policy_costs_ms"] = {"draft": engine.draft_length.draft_ms,
                                         "verify": engine.draft_length.verify_ms,
                                         "rewind": engine.draft_length.rewind_ms}
+            print(json.dumps({"policy_costs_ms": parts["policy_costs_ms"]}), flush=True)  # (a
+            # cut run keeps them: the draft-length simulation, bench/draft_policy.py, reads them)
             engine.draft_length.forget()
             result = timed_generate(engine, ids, args.new, "verified")
             emit({**row_of(f"verified-{args.draft} adaptive", result, weight_bytes, bandwidth,
