@@ -4,7 +4,7 @@ prefix length; and a verified reply runs the exact model once per block, never p
 
 import pytest
 import torch
-from test_engine import CONFIG, erring_engine
+from test_engine import CONFIG, ErringDraft, erring_engine
 
 import unimax
 from helpers import assert_same_turns, cache_states, spied, stop_case, two_turns
@@ -177,3 +177,51 @@ def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
     # the plain loop drafts only after a check is read; the pipelined one between a check's
     # launch and its read (a draft right after a check, then that check's read)
     assert ",".join(b_order).count("check,draft") > ",".join(a_order).count("check,draft")
+
+
+def test_span_blocks_are_the_compiled_lengths():
+    """The draft counts that get a compiled forward of their own: block_size, and the powers
+    of two from SHORTEST_SPAN_BLOCK below it."""
+    from unimax.verifier import SHORTEST_SPAN_BLOCK, span_blocks
+
+    assert SHORTEST_SPAN_BLOCK == 8
+    assert span_blocks(1) == (1,) and span_blocks(8) == (8,)
+    assert span_blocks(12) == (8, 12) and span_blocks(16) == (8, 16)
+    assert span_blocks(32) == (8, 16, 32) and span_blocks(33) == (8, 16, 32, 33)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_short_blocks_run_the_smallest_span_block_that_holds_them(model, compiled,
+                                                                  monkeypatch):
+    """block_size 16: a block of up to 8 drafts feeds the exact forward 9 inputs (padded), a
+    longer one 17, k = 0 one; the compiled verifier (inductor's CPU backend here) compiles those
+    three lengths and runs every block through them; the tokens are exact greedy with rejections
+    at every draft length tried, the adaptive one included."""
+    from helpers import verifier_launches
+
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
+    expected = unimax.exact_greedy_tokens(model, prompt, 40)
+    draft = ErringDraft(model, period=5)
+    graph = unimax.MaxTurboGraphDecoder(draft, block_size=16)
+    engine = unimax.UniMaxEngine(model, draft, graph, compile_verifier=compiled)
+    verifier = engine.verifier
+    assert verifier.span_blocks == (8, 16)
+    assert [verifier.span(k, 0) for k in (0, 1, 5, 8, 9, 15, 16)] == [1, 9, 9, 9, 17, 17, 17]
+    rows = []
+    if compiled:
+        compiled_forward = verifier.compiled
+        verifier.compiled = lambda ids, *a, **kw: rows.append(ids.shape[1]) or \
+            compiled_forward(ids, *a, **kw)
+    launches = verifier_launches(engine, monkeypatch)
+    rejected = 0
+    for block in (3, 8, 12, 16, None):
+        got, report = engine.generate_verified(prompt, 40, draft_block=block)
+        assert torch.equal(got, expected), block
+        rejected += report.rejected_blocks
+    assert rejected
+    spans = {(key[1], key[2]) for key in launches if key[0] == "verify"}
+    assert {span for k, span in spans if 0 < k <= 8} == {9}
+    assert {span for k, span in spans if k > 8} == {17}
+    if compiled:  # every forward the verifier ran was one of the three compiled lengths
+        assert set(rows) == {1, 9, 17}

@@ -15,15 +15,16 @@ is), the draft's cache is resynced from it (the draft never fed its last token, 
 draft's states drift) and the next block's first token is set. The rewind moves the recurrent
 states in one pass (``ONE_PASS_REWIND``): it keeps the state before the block in the snapshot
 and writes the state after it to both caches. One CUDA graph per k (and per KV
-bucket on hybrid models); with ``compile=True`` the forwards of the full-length block and of
-k = 0 run the small-M linears and are compiled by inductor first, like the decode step. A block
-of 0 < k < block_size drafts runs that same full-length forward, padded (``span``): its rows
-past k + 1 are computed and ignored, and the rewind masks their steps out as it does a
-rejection's. (An eager forward of k + 1 rows cost more than the compiled full block on the
-H200: 7.0-7.5 against 4.45 ms at 4B, which left the draft-length policy only k = 0 or the full
-block.) Which k a block drafts is the engine's choice (unimax.draft_length). With sampling on,
-the block keeps drafts by the speculative rule instead of by agreement (unimax.speculative):
-same forward, same rewind. Where the policy falls back to k = 0, several exact steps run as one
+bucket on hybrid models); with ``compile=True`` the forwards of the span blocks (the full
+block, and up to 8 drafts where block_size > 8: ``span_blocks``) and of k = 0 run the small-M
+linears and are compiled by inductor first, like the decode step. A block of k drafts runs the
+forward of the smallest span block that holds it, padded (``span``): its rows past k + 1 are
+computed and ignored, and the rewind masks their steps out as it does a rejection's. (An eager
+forward of k + 1 rows cost more than the compiled full block on the H200: 7.0-7.5 against 4.45
+ms at 4B, which left the draft-length policy only k = 0 or the full block.) Which k a block
+drafts is the engine's choice (unimax.draft_length). With sampling on, the block keeps drafts
+by the speculative rule instead of by agreement (unimax.speculative): same forward, same
+rewind. Where the policy falls back to k = 0, several exact steps run as one
 block ("exact run", ``_exact_steps``): one graph and one host sync for up to block_size tokens.
 """
 
@@ -49,6 +50,25 @@ from .speculative import speculative_step
 # its copy into the cache and the full resync: read four times and written four (4B: 67 MB
 # each time). Read when a Verifier is built (the A/B in bench/verified.py builds one of each).
 ONE_PASS_REWIND = True
+
+# A block of k drafts runs a compiled forward of b + 1 rows, b the smallest span block >= k:
+# block_size itself and the powers of two from SHORTEST_SPAN_BLOCK up to it. A forward costs
+# about its rows' count whatever k it checks (4B on the H200: every block of 1..16 drafts padded
+# to 17 rows cost 4.16-4.24 ms, of 1..8 padded to 9 rows 3.51-3.61), so with one padded forward
+# a longer block_size taxes every short block; each span block is one more whole-model
+# compilation at warm-up (tens of seconds at 4B), hence none below 8, where the draft-length
+# policy's simulation gained nothing (bench/RESULTS.md, twenty-sixth session).
+SHORTEST_SPAN_BLOCK = 8
+
+
+def span_blocks(block_size: int) -> tuple[int, ...]:
+    """The draft counts whose blocks get a compiled forward of their own (count + 1 rows),
+    ascending: the powers of two from SHORTEST_SPAN_BLOCK below block_size, and block_size."""
+    blocks, b = [block_size], SHORTEST_SPAN_BLOCK
+    while b < block_size:
+        blocks.insert(-1, b)
+        b *= 2
+    return tuple(blocks)
 
 
 @dataclass
@@ -98,6 +118,7 @@ class Verifier:
         # draft's last token, which the draft has not (and a full-FP8 draft's states drift)
         self.resync_draft = resync_draft
         self.block_size = decoder.block_size
+        self.span_blocks = span_blocks(self.block_size)  # (the compiled forwards' lengths - 1)
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
         # a block of k > 0 drafts: the rewind moves the recurrent states (ONE_PASS_REWIND)
@@ -135,12 +156,13 @@ class Verifier:
         self.compiled = None
         if compile:
             # The exact model through the small-M linears (ops/gemv.py: Triton or cuBLAS per
-            # shape, W read once for the block), compiled by inductor. Two lengths are
-            # compiled, each a compilation of the whole model (tens of seconds at 4B): the full
-            # block, and k = 0 (one exact step: the block the draft-length policy falls back to
-            # when drafts are poor, which must then cost what a BF16 step does). Shorter
-            # blocks run the full block's forward, padded (``span``); only where a hybrid's KV
-            # buffers leave no room for the padding does a block run the plain forward.
+            # shape, W read once for the block), compiled by inductor. A few lengths are
+            # compiled, each a compilation of the whole model (tens of seconds at 4B): one per
+            # span block (the full block, and 9 rows for up to 8 drafts where block_size > 8),
+            # and k = 0 (one exact step: the block the draft-length policy falls back to when
+            # drafts are poor, which must then cost what a BF16 step does). Other blocks run
+            # their span block's forward, padded (``span``); only where a hybrid's KV buffers
+            # leave no room for the padding does a block run the plain forward.
             allow_recompiles()
             self.compiled = torch.compile(exact_view(exact_model).forward_unchecked,
                                           dynamic=False)
@@ -149,12 +171,15 @@ class Verifier:
 
     def span(self, k: int, seen: int) -> int:
         """How many inputs a block of k drafts feeds the exact forward, with ``seen`` tokens
-        stored: the full block's block_size + 1 for 0 < k < block_size (padded: one compiled
-        forward for every k; the padding's KV lands past the position, where nothing reads it),
-        except where the KV buffers have no room for it (a hybrid's last tokens): k + 1."""
-        full = self.block_size + 1
-        room = not self.cache.has_attention or seen + full <= self.cache.max_kv_length
-        return full if 0 < k < self.block_size and room else k + 1
+        stored: b + 1 for the smallest of ``span_blocks`` b >= k (padded: one compiled forward
+        per span block, not per k; the padding's KV lands past the position, where nothing reads
+        it), except where the KV buffers have no room for it (a hybrid's last tokens): k + 1.
+        k = 0 (one exact step): 1."""
+        if k == 0:
+            return 1
+        b = next(b for b in self.span_blocks if b >= k)
+        room = not self.cache.has_attention or seen + b + 1 <= self.cache.max_kv_length
+        return b + 1 if room else k + 1
 
     def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
@@ -168,7 +193,7 @@ class Verifier:
         draft = self.decoder.out_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
-        compiled = self.compiled and span in (1, self.block_size + 1)
+        compiled = self.compiled and (span == 1 or span - 1 in self.span_blocks)
         forward = self.compiled if compiled else self.forward
         # k = 0 keeps its one input: no tape, no rewind, the forward writes the state itself
         with self.cache.recording(self.tape) if k else contextlib.nullcontext():
