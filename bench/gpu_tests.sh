@@ -14,7 +14,9 @@
 # engines to test_gpu_fused_engine.py, its twins at named tiles instead of autotuned;
 # twenty-third session: the suite took 562 s and test_gpu_engine.py and test_gpu.py were cut at
 # their last tests, which moved to test_gpu_tma.py and test_gpu_checkpoint.py, and
-# test_gpu_hybrid.py's graphs test (487 s) left its full-FP8 draft to test_gpu_hybrid_full.py.)
+# test_gpu_hybrid.py's graphs test (487 s) left its full-FP8 draft to test_gpu_hybrid_full.py;
+# twenty-sixth session: the block_size-16 verified test, past 300 s alone, has a file of its own:
+# test_gpu_verified_spans.py.)
 # Arguments go to one pytest process instead (e.g. one file, or -k to pick tests);
 # GPU_TEST_FILES picks files to run side by side as without arguments (e.g. a file that ran
 # out of time, alone: GPU_TEST_FILES="tests/test_gpu_fused.py tests/test_gpu_tma.py");
