@@ -386,6 +386,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
+    for b in verifier.span_blocks[:-1]:  # the shorter compiled forwards (block > 8), where
+        # the adaptive rows captured them: a block of b drafts, as the policy prices it
+        ms = replay_ms(verifier.runner, verifier.graph_key(b, b + 1, window, sampled=False))
+        if ms is not None:
+            parts[f"verify_{b}_ms"], parts[f"verify_{b}_over_bf16"] = ms, ms / parts[
+                "bf16_step_ms"]
     length = k // 2
     # (the rollback runs inside each verify graph; timed alone here, as its own graph, in the
     # form the verify block runs: one pass writing the draft's cache too, or the plain form)
