@@ -106,25 +106,30 @@ def test_verified_on_hybrid_rolls_kv_back(hybrid_model, block):
     assert short.mib == long.mib
 
 
-@pytest.mark.parametrize("block", [3, 8])
-def test_verified_runs_to_the_last_slot_of_the_context(checkpoint, block, monkeypatch):
-    """A reply that fills the context to its last slot: short blocks pad their forward to the
-    full block while the KV buffers have room and stop padding where they have none (the
-    padding would write KV past the buffers), and the tokens stay exact greedy."""
+@pytest.mark.parametrize("block_size,block", [(8, 3), (8, 8), (16, 5), (16, 12)])
+def test_verified_runs_to_the_last_slot_of_the_context(checkpoint, block_size, block,
+                                                       monkeypatch):
+    """A reply that fills the context to its last slot: short blocks pad their forward to
+    their span block (block_size, or 8 drafts where block_size is 16) while the KV buffers have
+    room and stop padding where they have none (the padding would write KV past the buffers),
+    and the tokens stay exact greedy."""
     from test_engine import erring_engine
 
     model = unimax.load_model(checkpoint[0], dtype="float32", max_context=64)
     x = ids(20, seed=11)
     expected = unimax.exact_greedy_tokens(model, x, 44)
-    engine = erring_engine(model, block_size=8, period=3)
+    engine = erring_engine(model, block_size=block_size, period=3)
     spans = verifier_launches(engine, monkeypatch,
                               lambda key: (key[1], key[2], engine.exact_cache.seen_tokens))
     got, report = engine.generate_verified(x, 44, draft_block=block)
     assert torch.equal(got, expected) and report.rejected_blocks > 0
     assert all(stored + span <= 64 for _, span, stored in spans)
-    short = [(span, stored) for k, span, stored in spans if 0 < k < 8]
-    assert any(span == 9 for span, _ in short)  # padded while there was room
-    assert any(span < 9 and stored + 9 > 64 for span, stored in short)  # then not
+    short = [(span, stored) for k, span, stored in spans if 0 < k < block_size]
+    padded = (8 if block <= 8 else 16) + 1
+    assert any(span == padded for span, _ in short)  # padded while there was room
+    assert any(span < padded and stored + padded > 64 for span, stored in short)  # then not
+    # every block of k drafts: its span block's rows (9 for k <= 8, 17 above), or unpadded
+    assert all(span in ((9 if k <= 8 else 17), k + 1) for k, span, _ in spans if k)
 
 
 @pytest.mark.parametrize("decode,draft", [("bf16", "tail"), ("fp8", "tail"), ("fp8", "full")])
