@@ -21,7 +21,8 @@ from unimax.fp8 import quantize_rows
 from unimax.ops.gemv import gemv, gemv_ref, small_m_linear
 torch.manual_seed(0)
 for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130), (5, 70, 300),
-                (16, 40, 64), (9, 33, 130), (1, 37, 192), (2, 5, 64)]:  # last two: K even
+                (16, 40, 64), (9, 33, 130), (17, 40, 300), (32, 33, 130),  # (dot: 32-row tiles)
+                (1, 37, 192), (2, 5, 64)]:  # last two: K even
     w = torch.randn(n, k)
     q, s = quantize_rows(w)
     x = torch.randn(m, k).to(torch.bfloat16)
@@ -31,7 +32,7 @@ for m, n, k in [(1, 100, 96), (3, 257, 1000), (1, 16, 16), (2, 33, 130), (5, 70,
         err = float((y.float() - r.float()).norm() / r.float().norm())
         assert err < 1e-2, (m, n, k, err)
         assert torch.equal(small_m_linear(x, *args), y)  # the op runs the same kernel
-        d = gemv(x, *args, kernel="dot")  # the tensor-core kernel takes any M <= 16
+        d = gemv(x, *args, kernel="dot")  # the tensor-core kernel takes any M <= 32
         assert float((d.float() - r.float()).norm() / r.float().norm()) < 1e-2
         if args[1] is not None and m <= 4:  # FP8: the GEMV with FP16 products
             h = gemv(x, *args, kernel="rows16")
@@ -52,7 +53,7 @@ for form, tiles in TILES.items():
 # split-K on the tensor cores ("dotsplit"): slices of K added by each tile's last program;
 # K not a tile multiple, slices past K empty (K = 300 in 8 slices of 256), N not a tile multiple
 from unimax.ops.gemv import DOTSPLIT_TILES, _counters
-for m, n, k in ((9, 70, 1100), (5, 33, 300), (16, 40, 2048)):
+for m, n, k in ((9, 70, 1100), (5, 33, 300), (16, 40, 2048), (17, 40, 1100)):
     x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k)
     q, s = quantize_rows(w)
     for args in ((q, s), (w.to(torch.bfloat16), None)):
@@ -73,8 +74,8 @@ print("compiled", float((traced(x, q, s) - 2 * gemv(x, q, s)).abs().max()))
 
 def test_triton_gemv_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
-    assert out.count("ok") == 18 and "compiled 0.0" in out, out
-    assert out.count("tile") == 14 and out.count("\ndotsplit ") == 3, out
+    assert out.count("ok") == 22 and "compiled 0.0" in out, out
+    assert out.count("tile") == 14 and out.count("\ndotsplit ") == 4, out
     assert "counters left 0" in out, out
 
 
@@ -360,25 +361,27 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
        "SPLIT": "constexpr", "SWIGLU": "constexpr"}
 for arch in (90, 89):  # H100/H200, L4
-    for split, swiglu in ((1, False), (4, False), (1, True)):  # (SwiGLU: ops.gemv_swiglu)
-        consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
+    for rows, split, swiglu in ((16, 1, False), (16, 4, False), (16, 1, True), (32, 1, False),
+                                (32, 4, False), (32, 1, True)):  # (SwiGLU: ops.gemv_swiglu)
+        consts = {"HAS_SCALE": False, "BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 256,
                   "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", arch, 32),
                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
         print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
-              ptx.count("atom.global"), ptx.count("ex2.approx"))
+              ptx.count("atom.global"), ptx.count("ex2.approx"), rows)
 """
 
 
 def test_dotsplit_compiles_for_hopper_and_ada():
     """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, and with
-    its SwiGLU epilogue (no GPU): on the tensor cores each way; atomics (the per-tile
-    counters) only with slices; an exponential (the sigmoid) only with the epilogue."""
+    its SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows; no GPU): on the tensor cores
+    each way; atomics (the per-tile counters) only with slices; an exponential (the sigmoid)
+    only with the epilogue."""
     out = run_with_triton(DOT_PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 6, out
-    for arch, split, swiglu, mma, atomics, exps in rows:
+    assert len(rows) == 12 and {row[-1] for row in rows} == {"16", "32"}, out
+    for arch, split, swiglu, mma, atomics, exps, _ in rows:
         assert mma == "1", (arch, split, swiglu)
         assert (int(atomics) > 0) == (split == "4"), (arch, split, atomics)
         assert (int(exps) > 0) == (swiglu == "1"), (arch, swiglu, exps)

@@ -38,7 +38,8 @@ def report(tag, y, r, t):
     print(tag.replace(" ", "_"), f"{err:.2e}", f"{float((y != t).float().mean()):.4f}")
 
 torch.manual_seed(0)
-for m, n, k in [(9, 70, 300), (5, 33, 130), (16, 40, 64), (1, 100, 96), (9, 17, 1000)]:
+for m, n, k in [(9, 70, 300), (5, 33, 130), (16, 40, 64), (1, 100, 96), (9, 17, 1000),
+                (17, 40, 300), (32, 33, 130)]:  # (the last two: 32-row tiles)
     w = torch.randn(2 * n, k)
     q, s = quantize_rows(w)
     x = torch.randn(m, k).to(torch.bfloat16)
@@ -70,7 +71,7 @@ def test_gemv_swiglu_matches_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     rows = {tag: (float(err), float(off))
             for tag, err, off in (line.split() for line in out.strip().splitlines())}
-    assert len(rows) == 5 * 4 + 2 + 4, out
+    assert len(rows) == 7 * 4 + 2 + 4, out
     assert rows.pop("compiled") == (0.0, 0.0), out  # the op's fake: no graph break
     assert rows.pop("act")[1] == 0.0, out  # where each form rounds, step by step
     assert rows.pop("unrounded")[1] > 0.05, out  # (a missing step shows in many elements)

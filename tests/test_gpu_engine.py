@@ -101,7 +101,8 @@ def test_triton_gemv_on_gpu(model):
         with torch.no_grad():
             linear.weight.normal_(generator=gen)
         fp8 = FP8Linear(linear, mode="fp8_gemv")
-        for m in (1, 3, 6, 16, 20):  # GEMV kernel, tensor-core kernel, cuBLAS above 16
+        for m in (1, 3, 6, 16, 20, 33):  # GEMV kernel, tensor-core kernel (16 or 32 rows),
+            # cuBLAS above 32
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             padded = torch.nn.functional.pad(x, (0, fp8.pad_cols))
             ref = gemv_ref(padded, fp8.weight, fp8.weight_scale)[:, :n]

@@ -7,9 +7,10 @@ it read the 248k-row LM head in FP8 (``torch._scaled_mm``, which first quantizes
 barely faster than in BF16, and a compiled GDN step's BF16 projections at 1.4-2 TB/s of the
 card's ~4 (bench/RESULTS.md). Triton kernels (ops/gemv_kernels.py) stream the rows of W
 once and accumulate in fp32: "rows", where each row of x (M <= 4) is a program of its own (a
-GEMV: the re-reads hit L2), and "dot", where one program multiplies all rows of x (padded to 16)
-with a tile of W on the tensor cores. (A split-K GEMV, K in slices for the K-long matrices, was
-measured slower than "rows" on every 4B shape and removed: bench/RESULTS.md.)
+GEMV: the re-reads hit L2), and "dot", where one program multiplies all rows of x (padded to 16
+or 32: ``dot_rows``) with a tile of W on the tensor cores. (A split-K GEMV, K in slices for the
+K-long matrices, was measured slower than "rows" on every 4B shape and removed:
+bench/RESULTS.md.)
 
 ``small_m_linear`` is a torch custom op (``unimax::small_m_linear``) with a fake kernel, so a
 compiled step traces through it without a graph break. It also chooses, once per shape at first
@@ -29,7 +30,11 @@ import torch
 
 from .timing import graph_us, weight_copies
 
-GEMV_ROWS = 16  # rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS
+# Rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS. 32 so that a
+# block_size-16 verifier's 17-row forward has the tensor-core kernel among its timed choices too
+# (it went to cuBLAS: verifying 16 drafts cost 1.59 BF16 steps at 4B on the H200, 8 drafts in 9
+# rows 1.30-1.33; bench/RESULTS.md, twenty-sixth session).
+GEMV_ROWS = 32
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
 
@@ -121,7 +126,7 @@ def dotsplit_fits(m: int, n: int, k: int) -> bool:
 
 @functools.cache
 def _dot_kernel(scaled: bool, tiled: bool = False):
-    """All rows of x (padded to 16) against a tile of W per program, on the tensor cores: W is
+    """All rows of x (padded to 16 or 32) against a tile of W per program, on the tensor cores: W is
     read once for the whole block (the verifier's k tokens). ``tiled``: as _gemv_kernel."""
     import triton
 
@@ -217,7 +222,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         triton, launch, fixed = _dot_kernel(scaled, tile is not None)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, y, y, m, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=16,
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=dot_rows(m),
                      SWIGLU=swiglu, **fixed, **tile_args(tile))
     else:  # dotsplit: the workspace and counters for its slices (see DOTSPLIT_TILES)
         *tile, split = tile or DOTSPLIT_TILE
@@ -228,7 +233,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         work = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         launch[(tiles, split)](x, weight, scale if scaled else x, y, work, _counters(x.device),
                                m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                               HAS_SCALE=scaled, BLOCK_M=16, SPLIT=split, **fixed,
+                               HAS_SCALE=scaled, BLOCK_M=dot_rows(m), SPLIT=split, **fixed,
                                **tile_args(tuple(tile)))
     return y
 
@@ -272,6 +277,12 @@ def _time_us(fn, copies: int, label: str = "") -> float:
         from triton.testing import do_bench
 
         return do_bench(lambda: fn(0), warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def dot_rows(m: int) -> int:
+    """The tensor-core kernels' BLOCK_M for m rows: 16 up to 16 rows (the verifier's blocks of
+    up to 15 drafts), else 32 (tl.dot's tiles are 16 rows at the least)."""
+    return 16 if m <= 16 else 32
 
 
 def candidates(m: int, scaled: bool, n: int = 0, k: int = 0) -> tuple[str, ...]:
