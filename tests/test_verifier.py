@@ -7,7 +7,14 @@ import torch
 from test_engine import CONFIG, ErringDraft, erring_engine
 
 import unimax
-from helpers import assert_same_turns, cache_states, spied, stop_case, two_turns
+from helpers import (
+    assert_same_turns,
+    cache_states,
+    spied,
+    stop_case,
+    two_turns,
+    verifier_launches,
+)
 from unimax import GDNForCausalLM
 from unimax.cache import AttentionLayerState, CacheCopier
 
@@ -197,8 +204,6 @@ def test_short_blocks_run_the_smallest_span_block_that_holds_them(model, compile
     longer one 17, k = 0 one; the compiled verifier (inductor's CPU backend here) compiles those
     three lengths and runs every block through them; the tokens are exact greedy with rejections
     at every draft length tried, the adaptive one included."""
-    from helpers import verifier_launches
-
     gen = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
     expected = unimax.exact_greedy_tokens(model, prompt, 40)
