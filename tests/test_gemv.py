@@ -357,14 +357,15 @@ import unimax.ops.gemv as g
 fn = g._dot_kernel(False, True)[1]
 sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
        "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-       "stride_wn": "i32", "stride_ym": "i32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
+       "stride_wn": "i32", "stride_ym": "i32", "z_ptr": "*bf16", "nw_ptr": "*bf16",
+       "stride_zm": "i32", "eps": "fp32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
-       "SPLIT": "constexpr", "SWIGLU": "constexpr"}
+       "SPLIT": "constexpr", "SWIGLU": "constexpr", "GATED": "constexpr", "HD": "constexpr"}
 for arch in (90, 89):  # H100/H200, L4
     for rows, split, swiglu in ((16, 1, False), (16, 4, False), (16, 1, True), (32, 1, False),
                                 (32, 4, False), (32, 1, True)):  # (SwiGLU: ops.gemv_swiglu)
         consts = {"HAS_SCALE": False, "BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu}
+                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu, "GATED": 0, "HD": 1}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", arch, 32),
                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]

@@ -364,3 +364,61 @@ def test_beta_epilogue_on_gpu():
                 off, total = off + int((steps > 0).sum()), total + steps.numel()
     print("beta elements off by one step:", off, "of", total)
     assert off <= 0.02 * total, (off, total)
+
+
+@torch.inference_mode()
+def test_gemv_gated_on_gpu():
+    """The verify block's gated norm as its out-projection's prologue (unimax.ops.gemv_gated)
+    at a 4B and a 0.8B mixer's out-projection, 9 and 17 rows, silu and sigmoid gates, every
+    offered tile that fits the GPU: the twin's outputs (elements off only where the sums'
+    order crosses a BF16 rounding); the timed choice too; replays give what eager calls give;
+    a mixer's _gated_out with the op on gives what it gives with the op off."""
+    from unimax.ops import gemv as ops
+    from unimax.ops import gemv_gated as gg
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for (n, k), m, act in itertools.product(((2560, 4096), (1024, 2048)), (9, 17),
+                                            ("silu", "sigmoid")):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        z = (2 * torch.randn(m, k, device="cuda", generator=gen)).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(128, device="cuda", generator=gen)).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / 50).to(torch.bfloat16)
+        ref = gg.gated_linear_ref(x, z, nw, 1e-6, act, w)
+        ran = []
+        for name in gg.names(m, n, k, 128):
+            try:
+                got = gg.gemv_gated(x, z, nw, 1e-6, act, w, None, name)
+            except ops._unfit_errors():
+                continue
+            ran.append(name)
+            assert rel_err(got.float(), ref.float()) < 1e-2, (n, m, act, name)
+            assert float((got != ref).float().mean()) < 0.02, (n, m, act, name)
+        assert len(ran) >= 4, ran
+        gg.CHOICES.clear()
+        got = gg.small_m_gated_linear(x, z, nw, w, 1e-6, act)
+        assert rel_err(got.float(), ref.float()) < 1e-2, (n, m, act, "chosen")
+        print(n, k, m, act, "ran", len(ran), "chose", list(gg.CHOICES.values()))
+    for name in (gg.names(9, 2560, 4096, 128)[0], "dotsplit@32x256x4x3x4"):
+        assert_replays_match_eager(lambda name=name: gg.gemv_gated(x, z, nw, 1e-6, "sigmoid", w,
+                                                                   None, name), x, gen, name)
+    from unimax.config import GDNConfig
+    from unimax.fast_step import GemvLinear
+    from unimax.layers import GatedDeltaNetMixer
+
+    cfg = GDNConfig(hidden_size=1024, num_v_heads=16, head_v_dim=128, num_k_heads=8,
+                    head_k_dim=128, num_hidden_layers=1, vocab_size=256,
+                    intermediate_size=1024)
+    mixer = GatedDeltaNetMixer(cfg).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(mixer.norm.weight, 1.0, 0.1)
+    mixer.out_proj = GemvLinear(mixer.out_proj)
+    mixer.gated_out_op = True
+    o = torch.randn(1, 9, 16, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    zz = torch.randn(1, 9, 16 * 128, device="cuda", generator=gen).to(torch.bfloat16)
+    plain = mixer._gated_out(o, zz)
+    gg.GATED_PROLOGUE = True
+    try:
+        assert mixer._gated_op(o, 9)
+        fused = mixer._gated_out(o, zz)
+    finally:
+        gg.GATED_PROLOGUE = False
+    assert rel_err(fused.float(), plain.float()) < 1e-2
