@@ -371,16 +371,30 @@ for arch in (90, 89):  # H100/H200, L4
                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
         print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
               ptx.count("atom.global"), ptx.count("ex2.approx"), rows)
+    for gated, split in ((1, 1), (2, 4)):  # the gated norm as the prologue (ops.gemv_gated)
+        consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
+                  "DOT_F32": False, "SPLIT": split, "SWIGLU": False, "GATED": gated, "HD": 128}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+        print("gated", arch, gated, split, int("wgmma" in ptx or "mma.sync" in ptx),
+              ptx.count("ex2.approx"), ptx.count("sqrt"))
 """
 
 
 def test_dotsplit_compiles_for_hopper_and_ada():
-    """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, and with
-    its SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows; no GPU): on the tensor cores
-    each way; atomics (the per-tile counters) only with slices; an exponential (the sigmoid)
-    only with the epilogue."""
+    """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, with its
+    SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows), and with the gated norm's
+    prologue (ops.gemv_gated; no GPU): on the tensor cores each way; atomics (the per-tile
+    counters) only with slices; an exponential (the sigmoid) only with the epilogue or the
+    prologue's gate."""
     out = run_with_triton(DOT_PTX_CHILD, interpret=False)
-    rows = [line.split() for line in out.strip().splitlines()]
+    lines = out.strip().splitlines()
+    rows = [line.split() for line in lines if not line.startswith("gated")]
+    gated = [line.split()[1:] for line in lines if line.startswith("gated")]
+    assert len(gated) == 4, out  # with the gated norm's prologue: the gate's exponential and
+    for arch, _, split, mma, exps, sqrts in gated:  # the norm's square root in it
+        assert mma == "1" and int(exps) > 0 and int(sqrts) > 0, (arch, split)
     assert len(rows) == 12 and {row[-1] for row in rows} == {"16", "32"}, out
     for arch, split, swiglu, mma, atomics, exps, _ in rows:
         assert mma == "1", (arch, split, swiglu)

@@ -1,6 +1,6 @@
 """The verify block's gated norm as its out-projection's prologue (unimax.ops.gemv_gated)
 against its twin, on the CPU through Triton's interpreter (a child process); the op's CPU path,
-its bad input, its fake kernel; the kernel compiled for sm_90 and sm_89; a view's mixers."""
+its bad input, its fake kernel; a view's mixers. (Its sm_90 / sm_89 compile: test_gemv.py.)"""
 
 import pytest
 import torch
@@ -119,44 +119,6 @@ def test_verifier_view_marks_its_gdn_mixers():
     assert op.GATED_PROLOGUE is False
     o = torch.randn(1, 9, TINY_CONFIG.num_v_heads, TINY_CONFIG.head_v_dim)
     assert not view.layers[0].mixer._gated_op(o, 9)  # (CPU)
-
-
-GATED_PTX_CHILD = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import unimax.ops.gemv as g
-
-fn = g._dot_kernel(False, True)[1]
-sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-       "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-       "stride_wn": "i32", "stride_ym": "i32", "z_ptr": "*bf16", "nw_ptr": "*bf16",
-       "stride_zm": "i32", "eps": "fp32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
-       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
-       "SPLIT": "constexpr", "SWIGLU": "constexpr", "GATED": "constexpr", "HD": "constexpr"}
-for arch in (90, 89):
-    for gated, split in ((0, 1), (1, 1), (2, 4)):
-        consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split, "SWIGLU": False, "GATED": gated, "HD": 128}
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                             target=GPUTarget("cuda", arch, 32),
-                             options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-        print(arch, gated, split, int("wgmma" in ptx or "mma.sync" in ptx),
-              ptx.count("ex2.approx"), ptx.count("sqrt"))
-"""
-
-
-def test_gated_prologue_compiles_for_hopper_and_ada():
-    """The tensor-core kernel with the gated norm as its prologue compiles for sm_90 and sm_89
-    (no GPU), plain and split-K, on the tensor cores; the gate's exponential and the norm's
-    square root only with the prologue."""
-    out = run_with_triton(GATED_PTX_CHILD, interpret=False)
-    rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 6, out
-    for arch, gated, split, mma, exps, sqrts in rows:
-        assert mma == "1", (arch, gated, split)
-        assert (int(exps) > 0) == (gated != "0"), (arch, gated, exps)
-        assert (int(sqrts) > 0) == (gated != "0"), (arch, gated, sqrts)
 
 
 def test_compiled_verifier_with_the_op_decodes_exact_greedy(pure_or_hybrid, monkeypatch):
