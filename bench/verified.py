@@ -123,7 +123,8 @@ class ForcedDrafts:
     emits that stream again. Where it does not (a different kernel for a short last block), the
     stream is recomputed from the reply so far by ``bf16_engine``, a BF16 engine whose step
     rounds as the verifier's view does, and that time is taken out of the measurement
-    (``excluded_s``, ``resyncs``).
+    (``excluded_s``, ``resyncs``; the blocks drafted from a stale stream, ``shielded``, keep
+    their time but not their say in the draft-length policy).
 
     The replacement is picked on the device from the draft's own position (a block's drafts are
     queued before the host has read the block before: engine.pipelined), so the stream and the
@@ -141,7 +142,8 @@ class ForcedDrafts:
         self.stream_dev = torch.zeros(self.length, dtype=torch.long, device=ids.device)
         self.reply: list[int] = []
         self.excluded_s = 0.0
-        self.resyncs = 0
+        self.resyncs = self.shielded = 0
+        self.before, self.shield = (0.0, 0.0, 0), False
 
     def _upload(self) -> None:
         tokens = self.stream[:self.length]
@@ -150,7 +152,19 @@ class ForcedDrafts:
 
     def on_block(self, tokens: list[int]) -> bool:
         self.reply.extend(tokens)
+        policy = self.engine.draft_length
+        if self.shield or self.stream[:len(self.reply)] != self.reply:
+            # A block whose drafts came from a stream the verifier did not emit (it diverged
+            # here, or, pipelined, the block was drafted before the last resync): its
+            # rejection is the bench's, not the rate's. Its time counts; its evidence is taken
+            # back from the draft-length policy, which would otherwise fall to k = 0 after a
+            # near tie at "acceptance 1.0" (twenty-seventh session: mean k 0.12 at 1.0).
+            policy.agreed, policy.checked, policy.next_probe = self.before
+            self.shielded += 1
+        self.before = (policy.agreed, policy.checked, policy.next_probe)
+        self.shield = False
         if self.stream[:len(self.reply)] != self.reply:
+            self.shield = self.engine.pipelined
             torch.cuda.synchronize()
             began = time.perf_counter()
             prefix = torch.tensor([self.reply], device=self.ids.device)
@@ -180,7 +194,9 @@ class ForcedDrafts:
             return out
 
         graph.run_block = run_block
-        self.reply, self.excluded_s, self.resyncs = [], 0.0, 0
+        self.reply, self.excluded_s, self.resyncs, self.shielded = [], 0.0, 0, 0
+        policy = self.engine.draft_length
+        self.before, self.shield = (policy.agreed, policy.checked, policy.next_probe), False
         self._upload()
         try:
             result = self.engine.generate(self.ids, self.new, mode="verified",
@@ -340,7 +356,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     def forced_row(engine, rate: float, label: str, draft_block: int | None = k) -> None:
         """A row at a forced acceptance ``rate``: per corruption pattern (``--seeds``; one
         at 1.0, where none corrupts) the best of two runs, after a warm-up; pooled_row."""
-        results, resyncs = [], 0
+        results, resyncs, shielded = [], 0, 0
         for seed in range(1 if rate >= 1.0 else args.seeds):
             forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
                                   seed=seed, draft_block=draft_block)
@@ -349,13 +365,14 @@ def bench_shape(shape, args, bandwidth) -> dict:
             results.append(min((forced.run() for _ in range(2)),
                                key=lambda r: r.decode_seconds))
             resyncs += forced.resyncs
+            shielded += forced.shielded
         emit({**pooled_row(f"verified-{args.draft} @{rate}{label}", results, natural,
                            weight_bytes, bandwidth, reference, model, ids),
-              "resyncs": resyncs})
+              "resyncs": resyncs, "shielded": shielded})
 
     # Fixed k first; then every graph captured and timed, which calibrates the draft-length
     # policy, and the same rows with k chosen per block ("adaptive", the app's default).
-    for draft_block in (k,) if args.fixed_only else (k, None):
+    for draft_block in (k,) if args.fixed_only else (None,) if args.adaptive_only else (k, None):
         if draft_block is None:
             engine.capture_graphs(verified=True)
             parts["policy_costs_ms"] = {"draft": engine.draft_length.draft_ms,
@@ -582,6 +599,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4,
                         help="corruption patterns per forced rate below 1.0, pooled into its "
                              "row (seed 0 alone was the rows before the twenty-fifth session)")
+    parser.add_argument("--adaptive-only", action="store_true",
+                        help="only the adaptive rows (the fixed-k rows' forced runs skipped)")
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
@@ -631,6 +650,7 @@ def main() -> None:
                   f"{r.get('mean_k', float('nan')):>7.2f}"
                   f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}"
                   + (f"  resyncs {r['resyncs']}" if r.get("resyncs") else "")
+                  + (f" shielded {r['shielded']}" if r.get("shielded") else "")
                   + (f"  seeds {'/'.join(f'{t / bf16:.2f}' for t in r['tok_s_by_seed'])}"
                      if r.get("seeds", 1) > 1 else ""))
         p = data["parts"]
