@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Carry Triton's and inductor's compile caches from one device call to the next.
+#
+# Why: every device call starts on a bare machine, and most of a cold call is compiling: the
+# twenty-seventh session's gdn-4b block-16 run spent ~380 s of its 470 before its first
+# verified row (fla's autotuned prompt kernels, our kernels' timed candidates, inductor's
+# graphs), while the same kind of run on a machine still warm from the call before took 195 s
+# in all. Both caches are keyed by content (kernel source, options, versions, the GPU), so an
+# entry that no longer matches the code is simply not used.
+#
+#   bash bench/compile_cache.sh save   # at the end of a call: $OUT/compile-cache.tar.xz.NN
+#   bash bench/compile_cache.sh load   # at the start of a call, .gpucache carried
+#
+# Between the two, on this machine: mkdir -p .gpucache && cp /work/.device/N/compile-cache.*
+# .gpucache/ (.gpucache ignored in .git/info/exclude; carry [".whl", ".gpucache"]).
+# Kept of each Triton kernel: its binary, its metadata and its group file, not the IR text
+# (ttir, ttgir, llir, ptx): Triton's cache lookup takes the group's files that exist and
+# launches the binary. Nor inductor's CPU precompiled header (150 MB, rebuilt in seconds;
+# on the CPU a save and load gave inductor an fxgraph cache hit). The parts are 15 MiB (the device returns files up to 16 MiB, eight in
+# all) and what travels is at most 64 MiB, ~25 of it the repo: save says the size.
+set -euo pipefail
+DIR=${GPUCACHE:-.gpucache}
+dirs() {  # the caches' absolute paths, where they exist
+  python3 - <<'EOF'
+import os
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+try:
+    import triton
+    triton_dir = triton.knobs.cache.dir
+except Exception:  # (an older Triton)
+    triton_dir = os.path.join(os.path.expanduser("~"), ".triton", "cache")
+for path in (cache_dir(), triton_dir):
+    if os.path.isdir(path):
+        print(path)
+EOF
+}
+case "${1:-}" in
+  save)
+    OUT=${OUT:?save writes under \$OUT}
+    mapfile -t paths < <(dirs)
+    [ ${#paths[@]} -gt 0 ] || { echo "compile_cache: no cache to save"; exit 0; }
+    rm -f "$OUT"/compile-cache.tar.xz.*
+    tar cf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+      --exclude='*.source' --exclude='*.lock' --exclude='lock' \
+      --exclude='precompiled_headers' -P "${paths[@]}" |
+      xz -T0 -6 | split -b 15M -d -a 2 - "$OUT/compile-cache.tar.xz."
+    echo "compile_cache: saved ${paths[*]} as $(ls "$OUT"/compile-cache.tar.xz.* | wc -l)" \
+      "part(s), $(du -cb "$OUT"/compile-cache.tar.xz.* | tail -1 | cut -f1) bytes"
+    ;;
+  load)
+    if ! ls "$DIR"/compile-cache.tar.xz.* >/dev/null 2>&1; then
+      echo "compile_cache: nothing in $DIR to load (a cold start)"; exit 0
+    fi
+    cat "$DIR"/compile-cache.tar.xz.* | xz -d | tar xf - -P
+    echo "compile_cache: loaded $(du -cb "$DIR"/compile-cache.tar.xz.* | tail -1 | cut -f1)" \
+      "bytes into $(dirs | tr '\n' ' ')"
+    ;;
+  *)
+    echo "usage: bash bench/compile_cache.sh save|load" >&2; exit 2 ;;
+esac
