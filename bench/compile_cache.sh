@@ -37,15 +37,31 @@ EOF
 case "${1:-}" in
   save)
     OUT=${OUT:?save writes under \$OUT}
+    CAP=${GPUCACHE_CAP:-37748736}  # bytes (36 MiB): what travels beside the repo and .whl
     mapfile -t paths < <(dirs)
     [ ${#paths[@]} -gt 0 ] || { echo "compile_cache: no cache to save"; exit 0; }
-    rm -f "$OUT"/compile-cache.tar.xz.*
-    tar cf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
-      --exclude='*.source' --exclude='*.lock' --exclude='lock' \
-      --exclude='precompiled_headers' -P "${paths[@]}" |
-      xz -T0 -6 | split -b 15M -d -a 2 - "$OUT/compile-cache.tar.xz."
+    pack() {  # the given cache folders into $OUT's parts; prints their bytes
+      rm -f "$OUT"/compile-cache.tar.xz.*
+      tar cf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+        --exclude='*.source' --exclude='*.lock' --exclude='lock' \
+        --exclude='precompiled_headers' -P "$@" |
+        xz -T0 -6 | split -b 15M -d -a 2 - "$OUT/compile-cache.tar.xz."
+      du -cb "$OUT"/compile-cache.tar.xz.* | tail -1 | cut -f1
+    }
+    bytes=$(pack "${paths[@]}")
+    if [ "$bytes" -gt "$CAP" ] && [ ${#paths[@]} -gt 1 ]; then
+      # over the cap: Triton's own cache alone (fla's autotuned kernels and ours, the longest
+      # compiles), without inductor's graphs
+      echo "compile_cache: all caches $bytes bytes, over $CAP: Triton's alone"
+      paths=("${paths[@]:1}")
+      bytes=$(pack "${paths[@]}")
+    fi
+    if [ "$bytes" -gt "$CAP" ]; then
+      rm -f "$OUT"/compile-cache.tar.xz.*
+      echo "compile_cache: $bytes bytes, over $CAP: nothing saved"; exit 0
+    fi
     echo "compile_cache: saved ${paths[*]} as $(ls "$OUT"/compile-cache.tar.xz.* | wc -l)" \
-      "part(s), $(du -cb "$OUT"/compile-cache.tar.xz.* | tail -1 | cut -f1) bytes"
+      "part(s), $bytes bytes"
     ;;
   load)
     if ! ls "$DIR"/compile-cache.tar.xz.* >/dev/null 2>&1; then
