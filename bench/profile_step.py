@@ -142,10 +142,10 @@ def engine_graph(model, variant: str):
 
 def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs, the verify
-    block's SwiGLU-epilogue and gated-prologue linears: form@tile or cuBLAS; the few-token
+    block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token
     recurrence per heads; the verifier's tape op per block-length bucket), by shape: which
     kernels the measured figures ran."""
-    from unimax.ops import block_mixer, fused_gemv, gemv, gemv_gated, gemv_swiglu, short_recurrence
+    from unimax.ops import block_mixer, fused_gemv, gemv, gemv_swiglu, short_recurrence
 
     def dt(dtype) -> str:
         return str(dtype).removeprefix("torch.")
@@ -160,9 +160,7 @@ def kernel_choices() -> dict[str, str]:
             for (t, _, h, k, hv, v, dtype, _), name in block_mixer.CHOICES.items()}
     swiglu = {f"swiglu M{m} {n}x{k} {dt(dtype)}": name
               for (m, n, k, dtype), name in gemv_swiglu.CHOICES.items()}
-    gated = {f"gated M{m} {n}x{k} (heads of {d}) {dt(dtype)}": name
-             for (m, n, k, d, dtype), name in gemv_gated.CHOICES.items()}
-    return {**plain, **fused, **short, **tape, **swiglu, **gated}
+    return {**plain, **fused, **short, **tape, **swiglu}
 
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:

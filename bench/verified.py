@@ -45,7 +45,6 @@ import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
-import unimax.ops.gemv_gated  # noqa: E402
 import unimax.ops.gemv_swiglu  # noqa: E402
 import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.verifier  # noqa: E402
@@ -89,10 +88,6 @@ SWITCH_ABS = (
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
              "side by side", exact=True),
-    SwitchAB("--ab-gated", unimax.ops.gemv_gated, "GATED_PROLOGUE", True, "gated_prologue",
-             "a second verified engine whose verify blocks run each GDN layer's gated norm as "
-             "its out-projection's prologue (ops.gemv_gated.GATED_PROLOGUE on; off by "
-             "default): forced rows and verify block side by side", verify=True),
 )
 
 

@@ -357,44 +357,29 @@ import unimax.ops.gemv as g
 fn = g._dot_kernel(False, True)[1]
 sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
        "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-       "stride_wn": "i32", "stride_ym": "i32", "z_ptr": "*bf16", "nw_ptr": "*bf16",
-       "stride_zm": "i32", "eps": "fp32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
+       "stride_wn": "i32", "stride_ym": "i32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
-       "SPLIT": "constexpr", "SWIGLU": "constexpr", "GATED": "constexpr", "HD": "constexpr"}
+       "SPLIT": "constexpr", "SWIGLU": "constexpr"}
 for arch in (90, 89):  # H100/H200, L4
     for rows, split, swiglu in ((16, 1, False), (16, 4, False), (16, 1, True), (32, 1, False),
                                 (32, 4, False), (32, 1, True)):  # (SwiGLU: ops.gemv_swiglu)
         consts = {"HAS_SCALE": False, "BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu, "GATED": 0, "HD": 1}
+                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", arch, 32),
                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
         print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
               ptx.count("atom.global"), ptx.count("ex2.approx"), rows)
-    for gated, split in ((1, 1), (2, 4)):  # the gated norm as the prologue (ops.gemv_gated)
-        consts = {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split, "SWIGLU": False, "GATED": gated, "HD": 128}
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                             target=GPUTarget("cuda", arch, 32),
-                             options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-        print("gated", arch, gated, split, int("wgmma" in ptx or "mma.sync" in ptx),
-              ptx.count("ex2.approx"), ptx.count("sqrt"))
 """
 
 
 def test_dotsplit_compiles_for_hopper_and_ada():
     """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, with its
-    SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows), and with the gated norm's
-    prologue (ops.gemv_gated; no GPU): on the tensor cores each way; atomics (the per-tile
-    counters) only with slices; an exponential (the sigmoid) only with the epilogue or the
-    prologue's gate."""
+    SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows; no GPU): on the tensor cores each
+    way; atomics (the per-tile counters) only with slices; an exponential (the sigmoid) only
+    with the epilogue."""
     out = run_with_triton(DOT_PTX_CHILD, interpret=False)
-    lines = out.strip().splitlines()
-    rows = [line.split() for line in lines if not line.startswith("gated")]
-    gated = [line.split()[1:] for line in lines if line.startswith("gated")]
-    assert len(gated) == 4, out  # with the gated norm's prologue: the gate's exponential and
-    for arch, _, split, mma, exps, sqrts in gated:  # the norm's square root in it
-        assert mma == "1" and int(exps) > 0 and int(sqrts) > 0, (arch, split)
+    rows = [line.split() for line in out.strip().splitlines()]
     assert len(rows) == 12 and {row[-1] for row in rows} == {"16", "32"}, out
     for arch, split, swiglu, mma, atomics, exps, _ in rows:
         assert mma == "1", (arch, split, swiglu)

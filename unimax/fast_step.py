@@ -85,9 +85,6 @@ def gemv_view(model, fuse: bool | None = None):
     for block in getattr(view, "layers", ()):  # BF16 MLPs: gate-up and SwiGLU as one op
         if type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.gate_up_proj, GemvLinear):
             block.mlp = GemvSwiGLUMLP(block.mlp)
-        if isinstance(getattr(block.mixer, "out_proj", None), GemvLinear) and hasattr(
-                block.mixer, "gated_out_op"):  # GDN mixers: the gated norm as its prologue
-            block.mixer.gated_out_op = True
     if fused_draft.FUSE if fuse is None else fuse:
         fused_draft.fuse_blocks(view, bf16=fused_draft.FUSE_BF16)
     return view

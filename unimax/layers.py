@@ -16,12 +16,11 @@ from .cache import RecurrentLayerState
 from .config import GDNConfig
 from .fused_draft import fused_block_forward
 from .norms import GatedRMSNorm, RMSNorm, swiglu
-from .ops import block_mixer, gemv_gated
+from .ops import block_mixer
 from .ops.block_mixer import gdn_block_record
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
 from .ops.decode_step import decay, gdn_decode_step, write_strength
 from .ops.gated_delta import first_steps_only, gated_delta_rule
-from .ops.gemv import GEMV_ROWS, PROGRAM_ROWS
 from .ops.short_recurrence import SHORT_MAX
 
 
@@ -32,10 +31,6 @@ class GatedDeltaNetMixer(nn.Module):
     # The verifier's recording forwards write the tape in one op on CUDA (ops.block_mixer);
     # bench/verified.py --no-block-op turns it off to time the torch forms beside it.
     block_op = True
-    # A view's mixer (unimax.fast_step.gemv_view sets it) runs the gated norm as its
-    # out-projection's prologue on the verifier's blocks (ops.gemv_gated, while its
-    # GATED_PROLOGUE is on): one kernel where inductor ran three.
-    gated_out_op = False
 
     def __init__(self, config: GDNConfig):
         super().__init__()
@@ -198,23 +193,7 @@ class GatedDeltaNetMixer(nn.Module):
         """o (B, T, HV, V) through the gated norm (gate z) and the out-projection."""
         batch, seq_len = o.shape[:2]
         z = z.reshape(*o.shape)
-        rows, width = batch * seq_len, self.config.value_dim
-        if self._gated_op(o, rows):
-            y = gemv_gated.small_m_gated_linear(
-                o.reshape(rows, width), z.reshape(rows, width), self.norm.weight,
-                self.out_proj.weight, self.norm.eps, self.norm.activation_name)
-            return y.reshape(batch, seq_len, -1)
-        return self.out_proj(self.norm(o, z).reshape(batch, seq_len, width))
-
-    def _gated_op(self, o: torch.Tensor, rows: int) -> bool:
-        """Whether the gated norm and the out-projection run as one op (``gated_out_op``): a
-        verifier block's rows on CUDA, BF16 weights, outside autograd (the op has no
-        backward)."""
-        return (self.gated_out_op and gemv_gated.GATED_PROLOGUE and o.is_cuda
-                and PROGRAM_ROWS < rows <= GEMV_ROWS and not torch.is_grad_enabled()
-                and getattr(self.out_proj, "weight", None) is not None
-                and self.out_proj.weight.dtype == o.dtype
-                and gemv_gated.fits(o.reshape(rows, -1), self.norm.weight))
+        return self.out_proj(self.norm(o, z).reshape(batch, seq_len, self.config.value_dim))
 
 
 

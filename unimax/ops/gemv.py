@@ -186,17 +186,14 @@ def tile_args(tile: tuple[int, ...] | None) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         kernel: str | None = None, swiglu: bool = False, gated: tuple | None = None
-         ) -> torch.Tensor:
+         kernel: str | None = None, swiglu: bool = False) -> torch.Tensor:
     """The Triton kernels (CUDA, or Triton's interpreter), M <= GEMV_ROWS. Same contract as
     ``gemv_ref``. ``kernel``: "rows" (the GEMV), "rows16" (the GEMV with FP16 products, FP8
     weights only) or "dot" (tensor cores), each autotuned, or "dotsplit" (tensor cores, K in
     slices: DOTSPLIT_TILES; at DOTSPLIT_TILE), or any with "@tile" (one of its TILES, as
     ``tiled_names`` writes it); by default rows for M <= PROGRAM_ROWS. ``swiglu`` ("dot"
     only): weight is [gate; up] (2N, K) and the result (M, N) silu(gate) * up, the activation
-    in the kernel's epilogue (ops.gemv_swiglu, whose twin is swiglu_ref). ``gated`` ("dot"
-    and "dotsplit"): (z, norm weight, eps, 1 silu or 2 sigmoid, head dim): x's tiles through
-    the gated RMSNorm first (ops.gemv_gated, which checks its input)."""
+    in the kernel's epilogue (ops.gemv_swiglu, whose twin is swiglu_ref)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "must be (M, K) and (N, K)")
@@ -211,11 +208,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         raise ValueError(f"gemv: {kernel} (FP16 products) is for FP8 weights only")
     if swiglu and kernel != "dot":
         raise ValueError(f"gemv: swiglu takes the dot kernel, got {kernel!r}")
-    if gated and kernel not in ("dot", "dotsplit"):
-        raise ValueError(f"gemv: the gated norm takes dot or dotsplit, got {kernel!r}")
     x = x.contiguous()
-    z, norm_weight, eps, act, head_dim = gated or (x, x, 0.0, 0, 1)
-    prologue = dict(GATED=act, HD=head_dim)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     scaled = scale is not None
@@ -229,9 +222,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         triton, launch, fixed = _dot_kernel(scaled, tile is not None)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, y, y, m, n, k, x.stride(0),
-                     weight.stride(0), y.stride(0), z, norm_weight, z.stride(0), eps,
-                     HAS_SCALE=scaled, BLOCK_M=dot_rows(m), SWIGLU=swiglu, **prologue,
-                     **fixed, **tile_args(tile))
+                     weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=dot_rows(m),
+                     SWIGLU=swiglu, **fixed, **tile_args(tile))
     else:  # dotsplit: the workspace and counters for its slices (see DOTSPLIT_TILES)
         *tile, split = tile or DOTSPLIT_TILE
         tiles = -(-n // tile[0])
@@ -240,9 +232,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         triton, launch, fixed = _dot_kernel(scaled, True)
         work = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         launch[(tiles, split)](x, weight, scale if scaled else x, y, work, _counters(x.device),
-                               m, n, k, x.stride(0), weight.stride(0), y.stride(0), z,
-                               norm_weight, z.stride(0), eps, HAS_SCALE=scaled,
-                               BLOCK_M=dot_rows(m), SPLIT=split, **prologue, **fixed,
+                               m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                               HAS_SCALE=scaled, BLOCK_M=dot_rows(m), SPLIT=split, **fixed,
                                **tile_args(tuple(tile)))
     return y
 

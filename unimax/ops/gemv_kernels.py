@@ -97,28 +97,10 @@ def swiglu_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def gated_norm_tile(x, z_ptr, nw_ptr, rm, rk, M, K, stride_zm, eps, GATED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HD: tl.constexpr):
-    """The gated RMSNorm of x's tile (BLOCK_M, BLOCK_K) in place of x, rounded to x's dtype:
-    per head of HD columns (whole heads in a tile: BLOCK_K % HD == 0, K % HD == 0),
-    x * rsqrt(mean(x^2) + eps) * w, times act(z), act silu (GATED 1) or sigmoid (2): the eager
-    forms' arithmetic in fp32 (unimax.norms.gated_rms_norm_ref), the sums in another order."""
-    heads = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HD, HD))
-    r = 1.0 / tl.sqrt(tl.sum(heads * heads, 2) / HD + eps)
-    y = tl.reshape(heads * r[:, :, None], (BLOCK_M, BLOCK_K))
-    y = y * tl.load(nw_ptr + rk % HD, mask=rk < K, other=0.0).to(tl.float32)[None, :]
-    z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :],
-                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
-    act = z * tl.sigmoid(z) if GATED == 1 else tl.sigmoid(z)
-    return (y * act).to(x.dtype)
-
-
-@triton.jit
 def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-               stride_ym, z_ptr, nw_ptr, stride_zm, eps, HAS_SCALE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_F32: tl.constexpr, SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False,
-               GATED: tl.constexpr = 0, HD: tl.constexpr = 1):
+               stride_ym, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+               SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False):
     """y = x @ W^T (* s): all M <= BLOCK_M rows of x against a tile of W's rows per program.
 
     ``SPLIT`` > 1 (split-K, "dotsplit": the verifier's K-long, narrow linears, whose N / BLOCK_N
@@ -130,12 +112,7 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
     ``SWIGLU`` (SPLIT 1; ops.gemv_swiglu): W is an MLP's [gate; up] (2N, K) and y (M, N) is
     silu(x @ gate^T) * (x @ up^T): each program takes the same rows of both halves, so the
     activation is its epilogue, not a kernel of its own. Each product is rounded to y's dtype
-    first, as the GEMM's output would be, then ``swiglu_rounded``.
-
-    ``GATED`` 1 or 2 (ops.gemv_gated): x is a GDN mixer's recurrence output (M, heads x HD)
-    and each tile of it goes through ``gated_norm_tile`` (gate z, norm weight nw, eps) before
-    the product: the gated norm before the out-projection as this kernel's prologue, not two
-    kernels of its own."""
+    first, as the GEMM's output would be, then ``swiglu_rounded``."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
@@ -151,9 +128,6 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        if GATED > 0:
-            x = gated_norm_tile(x, z_ptr, nw_ptr, rm, rk, M, K, stride_zm, eps, GATED,
-                                BLOCK_M, BLOCK_K, HD)
         acc = dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
         if SWIGLU:  # (the up rows: N rows further on)
             acc_up = dot_tile(acc_up, x, w_ptr + N * stride_wn, rn, rk, N, K, stride_wn,
