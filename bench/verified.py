@@ -148,7 +148,8 @@ class ForcedDrafts:
     def on_block(self, tokens: list[int]) -> bool:
         self.reply.extend(tokens)
         policy = self.engine.draft_length
-        if self.shield or self.stream[:len(self.reply)] != self.reply:
+        diverged = self.stream[:len(self.reply)] != self.reply
+        if self.shield or diverged:
             # A block whose drafts came from a stream the verifier did not emit (it diverged
             # here, or, pipelined, the block was drafted before the last resync): its
             # rejection is the bench's, not the rate's. Its time counts; its evidence is taken
@@ -157,9 +158,8 @@ class ForcedDrafts:
             policy.agreed, policy.checked, policy.next_probe = self.before
             self.shielded += 1
         self.before = (policy.agreed, policy.checked, policy.next_probe)
-        self.shield = False
-        if self.stream[:len(self.reply)] != self.reply:
-            self.shield = self.engine.pipelined
+        self.shield = diverged and self.engine.pipelined
+        if diverged:
             torch.cuda.synchronize()
             began = time.perf_counter()
             prefix = torch.tensor([self.reply], device=self.ids.device)
