@@ -12,7 +12,7 @@
 #   bash bench/compile_cache.sh load   # at the start of a call, .gpucache carried
 #
 # Between the two, on this machine: mkdir -p .gpucache && cp /work/.device/N/compile-cache.*
-# .gpucache/ (.gpucache ignored in .git/info/exclude; carry [".whl", ".gpucache"]).
+# .gpucache/ (ignored in .gitignore: name it in carry, [".whl", ".gpucache"]).
 # Kept of each Triton kernel: its binary, its metadata and its group file, not the IR text
 # (ttir, ttgir, llir, ptx): Triton's cache lookup takes the group's files that exist and
 # launches the binary. Nor inductor's CPU precompiled header (150 MB, rebuilt in seconds;
