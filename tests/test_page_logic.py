@@ -4,6 +4,8 @@ update."""
 
 import threading
 
+import gradio as gr
+
 from ui.chat_tab import ChatTab, Gen, done_status
 from ui.panels import ab_summary, curve_svg, nice_ceiling, panel_markdown
 from ui.sessions import Sessions
@@ -39,13 +41,13 @@ class Service:
     """Replies with two deltas and a done event, like the engine thread's stream (after
     ``ahead``: events that come before them, such as "queued")."""
 
-    def __init__(self, ahead=()):
-        self.ahead = list(ahead)
+    def __init__(self, ahead=(), reply=True):
+        self.ahead, self.reply = list(ahead), reply  # reply False: ``ahead`` alone
 
     def submit(self, conversation_id, messages, mode, settings):
         handle = Handle(finished=False)
-        events = self.ahead + [Event("delta", "Once"), Event("delta", " upon"),
-                               Event("done", stopped="length")]
+        events = self.ahead + ([Event("delta", "Once"), Event("delta", " upon"),
+                                Event("done", stopped="length")] if self.reply else [])
 
         def stream():
             yield from events
@@ -69,7 +71,25 @@ def test_clear_after_the_last_event_still_wins():
             sessions.bump("s")  # what Clear does first (ChatTab.clear)
             sessions.cancel("s")
     assert updates[-2][0][-1]["content"] == "Once upon"
-    assert updates[-1] == ([], "", "Cleared.")
+    assert updates[-1][0] == [] and updates[-1][2] == "Cleared."
+    assert updates[-1][1] == gr.update()  # what the user typed since stays in the box
+
+
+def test_a_streaming_reply_leaves_the_box_to_the_user():
+    """The message box is emptied once, by the update that sends the message; the reply's
+    later updates leave it alone, so the next message can be typed while this one streams.
+    A refused message goes back into the box, once."""
+    chat = ChatTab(Service([Event("queued", position=1, warming_up=None)]), Sessions(),
+                   preset=None)
+    gen = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None)
+    boxes = [u[1] for u in chat.reply([{"role": "user", "content": "hi"}], gen, "s",
+                                      sent="hi")]
+    assert len(boxes) == 5 and boxes[0] == ""
+    assert all(box == gr.update() for box in boxes[1:]), boxes
+    refusing = Service([Event("error", "over the context")], reply=False)
+    chat = ChatTab(refusing, Sessions(), preset=None)
+    updates = list(chat.reply([{"role": "user", "content": "hi"}], gen, "s", sent="hi"))
+    assert [u[1] for u in updates] == ["", "hi"] and updates[1][0] == []
 
 
 def test_a_reply_sent_during_the_warm_up_says_what_it_waits_for():

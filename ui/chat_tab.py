@@ -129,6 +129,10 @@ class ChatTab:
         history = history + [{"role": "assistant", "content": ""}]
         status = "Sending…"
         yield history, box, status
+        # The box was emptied once, as the message left it; later updates leave it alone: the
+        # user may be typing the next message while this reply streams (each update had reset
+        # it to "", wiping what was typed).
+        box = gr.update()
         epoch = self.sessions.epoch(session)
         for kind, text, data in stream(self.service, self.sessions, session,
                                        gen.conversation_id, messages, gen.mode, settings):
@@ -159,6 +163,7 @@ class ChatTab:
             else:
                 continue
             yield history, box, status
+            box = gr.update()  # (a refused message went back into the box once)
         if self.sessions.epoch(session) != epoch:
             # Clear came after the stream's last event, and that event's update (already
             # yielded) may still land after Clear's own: end on Clear's page here too.
@@ -167,9 +172,10 @@ class ChatTab:
     def _cleared(self, session: str):
         """What a reply's generator yields last once Clear has run: Clear's page, so Clear wins
         whatever order the two updates land in, unless the user has already sent something
-        new (that reply owns the page now)."""
+        new (that reply owns the page now). The message box is not Clear's: what the user
+        typed since stays."""
         if not self.sessions.running(session):
-            yield [], "", "Cleared."
+            yield [], gr.update(), "Cleared."
 
     def clear(self, conversation_id, request: gr.Request):
         session = request.session_hash
