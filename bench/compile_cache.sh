@@ -9,6 +9,7 @@
 # entry that no longer matches the code is simply not used.
 #
 #   bash bench/compile_cache.sh save   # at the end of a call: $OUT/compile-cache.tar.xz.NN
+#                                      (.gz where the machine has no xz)
 #   bash bench/compile_cache.sh load   # at the start of a call, .gpucache carried
 #
 # Between the two, on this machine: mkdir -p .gpucache && cp /work/.device/N/compile-cache.*
@@ -16,10 +17,12 @@
 # Kept of each Triton kernel: its binary, its metadata and its group file, not the IR text
 # (ttir, ttgir, llir, ptx): Triton's cache lookup takes the group's files that exist and
 # launches the binary. Nor inductor's CPU precompiled header (150 MB, rebuilt in seconds;
-# on the CPU a save and load gave inductor an fxgraph cache hit). The parts are 15 MiB (the device returns files up to 16 MiB, eight in
-# all) and what travels is at most 64 MiB, ~25 of it the repo: save says the size.
+# on the CPU a save and load gave inductor an fxgraph cache hit). The parts are 15 MiB (the
+# device returns files up to 16 MiB, eight in all) and what travels is at most 64 MiB, ~25 of
+# it the repo: save says the size.
 set -euo pipefail
 DIR=${GPUCACHE:-.gpucache}
+if command -v xz >/dev/null; then ZIP=(xz -T0 -6) EXT=xz; else ZIP=(gzip -6) EXT=gz; fi
 dirs() {  # the caches' absolute paths, where they exist
   python3 - <<'EOF'
 import os
@@ -41,12 +44,12 @@ case "${1:-}" in
     mapfile -t paths < <(dirs)
     [ ${#paths[@]} -gt 0 ] || { echo "compile_cache: no cache to save"; exit 0; }
     pack() {  # the given cache folders into $OUT's parts; prints their bytes
-      rm -f "$OUT"/compile-cache.tar.xz.*
+      rm -f "$OUT"/compile-cache.tar.*
       tar cf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
         --exclude='*.source' --exclude='*.lock' --exclude='lock' \
         --exclude='precompiled_headers' -P "$@" |
-        xz -T0 -6 | split -b 15M -d -a 2 - "$OUT/compile-cache.tar.xz."
-      du -cb "$OUT"/compile-cache.tar.xz.* | tail -1 | cut -f1
+        "${ZIP[@]}" | split -b 15M -d -a 2 - "$OUT/compile-cache.tar.$EXT."
+      du -cb "$OUT"/compile-cache.tar.* | tail -1 | cut -f1
     }
     bytes=$(pack "${paths[@]}")
     if [ "$bytes" -gt "$CAP" ] && [ ${#paths[@]} -gt 1 ]; then
@@ -57,19 +60,23 @@ case "${1:-}" in
       bytes=$(pack "${paths[@]}")
     fi
     if [ "$bytes" -gt "$CAP" ]; then
-      rm -f "$OUT"/compile-cache.tar.xz.*
+      rm -f "$OUT"/compile-cache.tar.*
       echo "compile_cache: $bytes bytes, over $CAP: nothing saved"; exit 0
     fi
-    echo "compile_cache: saved ${paths[*]} as $(ls "$OUT"/compile-cache.tar.xz.* | wc -l)" \
+    echo "compile_cache: saved ${paths[*]} as $(ls "$OUT"/compile-cache.tar.* | wc -l)" \
       "part(s), $bytes bytes"
     ;;
   load)
-    if ! ls "$DIR"/compile-cache.tar.xz.* >/dev/null 2>&1; then
-      echo "compile_cache: nothing in $DIR to load (a cold start)"; exit 0
-    fi
-    cat "$DIR"/compile-cache.tar.xz.* | xz -d | tar xf - -P
-    echo "compile_cache: loaded $(du -cb "$DIR"/compile-cache.tar.xz.* | tail -1 | cut -f1)" \
-      "bytes into $(dirs | tr '\n' ' ')"
+    for ext in xz gz; do
+      if ls "$DIR"/compile-cache.tar.$ext.* >/dev/null 2>&1; then
+        unzip=(xz -d); [ $ext = gz ] && unzip=(gzip -d)
+        cat "$DIR"/compile-cache.tar.$ext.* | "${unzip[@]}" | tar xf - -P
+        echo "compile_cache: loaded $(du -cb "$DIR"/compile-cache.tar.$ext.* | tail -1 |
+          cut -f1) bytes into $(dirs | tr '\n' ' ')"
+        exit 0
+      fi
+    done
+    echo "compile_cache: nothing in $DIR to load (a cold start)"
     ;;
   *)
     echo "usage: bash bench/compile_cache.sh save|load" >&2; exit 2 ;;
