@@ -141,10 +141,10 @@ def engine_graph(model, variant: str):
 
 
 def kernel_choices() -> dict[str, str]:
-    """The per-shape kernel choices the engines made (plain and fused GEMVs, the verify
-    block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token
-    recurrence per heads; the verifier's tape op per block-length bucket), by shape: which
-    kernels the measured figures ran."""
+    """The per-shape kernel choices the engines made (plain and fused GEMVs and the verify
+    block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token recurrence per heads;
+    the verifier's tape op per block-length bucket), by shape: which kernels the measured
+    figures ran."""
     from unimax.ops import block_mixer, fused_gemv, gemv, gemv_swiglu, short_recurrence
 
     def dt(dtype) -> str:
