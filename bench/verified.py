@@ -163,8 +163,14 @@ class ForcedDrafts:
             torch.cuda.synchronize()
             began = time.perf_counter()
             prefix = torch.tensor([self.reply], device=self.ids.device)
-            more = self.bf16.generate(torch.cat([self.ids, prefix], dim=1),
-                                      self.new + 16 - len(self.reply), mode="fast").tokens
+            # whole blocks only after the first token: each shorter last block would be a graph
+            # captured (and its step run eagerly first) in the middle of the row, seconds at 4B
+            # (twenty-eighth session: a 4B adaptive row at 1.0 took 28 s for 5 resyncs, and
+            # the next row's 16 patterns did not finish within the call)
+            count = self.new + 16 - len(self.reply)
+            count += -(count - 1) % self.bf16.block_size
+            more = self.bf16.generate(torch.cat([self.ids, prefix], dim=1), count,
+                                      mode="fast").tokens
             self.stream = self.reply + more
             self._upload()
             torch.cuda.synchronize()
@@ -349,19 +355,27 @@ def bench_shape(shape, args, bandwidth) -> dict:
     emit({**row_of(f"verified-{args.draft}", natural, weight_bytes, bandwidth, reference, model,
                    ids), "warmup_s": time.perf_counter() - start})
 
+    streams = {}  # the latest forced stream per engine (by id: one reused by a later engine
+    # only gives that one a start its resyncs correct) and draft_block (k, or None: adaptive)
+
     def forced_row(engine, rate: float, label: str, draft_block: int | None = k) -> None:
         """A row at a forced acceptance ``rate``: per corruption pattern (``--seeds``; one
         at 1.0, where none corrupts) the best of two runs, after a warm-up; pooled_row."""
         results, resyncs, shielded = [], 0, 0
         for seed in range(1 if rate >= 1.0 else args.seeds):
-            forced = ForcedDrafts(engine, resync, ids, args.new, rate, natural.tokens,
-                                  seed=seed, draft_block=draft_block)
+            # each pattern starts from the stream the last one left (its resyncs' corrections
+            # are the verifier's own tokens too), not from the natural reply again
+            key = (id(engine), draft_block)
+            forced = ForcedDrafts(engine, resync, ids, args.new, rate,
+                                  streams.get(key, natural.tokens), seed=seed,
+                                  draft_block=draft_block)
             if not seed:
                 forced.run()  # warm-up
             results.append(min((forced.run() for _ in range(2)),
                                key=lambda r: r.decode_seconds))
             resyncs += forced.resyncs
             shielded += forced.shielded
+            streams[key] = forced.stream
         emit({**pooled_row(f"verified-{args.draft} @{rate}{label}", results, natural,
                            weight_bytes, bandwidth, reference, model, ids),
               "resyncs": resyncs, "shielded": shielded})
