@@ -348,9 +348,14 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
 
+    def verified_engine(vocab: int | None = args.draft_vocab):
+        """A verified engine as this run's (the A/Bs' second engines too: each differs from
+        the first in its one switch, --draft-vocab included)."""
+        return build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+                            compile_step=True, draft_vocab=draft_vocab(vocab, peaked))
+
     start = time.perf_counter()
-    engine = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                          compile_step=True, draft_vocab=draft_vocab(args.draft_vocab, peaked))
+    engine = verified_engine()
     natural = timed_generate(engine, ids, args.new, "verified", draft_block=k)
     emit({**row_of(f"verified-{args.draft}", natural, weight_bytes, bandwidth, reference, model,
                    ids), "warmup_s": time.perf_counter() - start})
@@ -439,17 +444,15 @@ def bench_shape(shape, args, bandwidth) -> dict:
             verifier.runner, verifier.graph_key(k, k + 1, window, sampled=False), 1)
         exact_kernels(verifier, k, window, kernels)
     if args.ab_block_op:  # the same verify block with the tape written by the torch forms
-        verify_without_block_op(model, ids, args, k, window, parts, kernels)
+        verify_without_block_op(verified_engine, ids, args, k, window, parts, kernels)
     for ab in SWITCH_ABS:  # second engines with one module flag flipped
         if getattr(args, ab.flag.removeprefix("--").replace("-", "_")):
-            with_switch(ab.owner, ab.name, ab.value, ab.label, model, args, k, parts,
-                        forced_row, verify=ab.verify, window=window, exact=ab.exact)
+            with_switch(ab.owner, ab.name, ab.value, ab.label, verified_engine, args, k,
+                        parts, forced_row, verify=ab.verify, window=window, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
-        with_short_tile(model, args, k, window, parts, forced_row)
+        with_short_tile(model, verified_engine, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True,
-                             draft_vocab=draft_vocab(args.ab_draft_vocab, peaked))
+        other = verified_engine(args.ab_draft_vocab)
         second_engine_rows(other, f"vocab{args.ab_draft_vocab}", args, k, parts, forced_row)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
@@ -473,7 +476,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
 
 
 
-def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
+def verify_without_block_op(verified_engine, ids, args, k: int, window, parts: dict,
                             kernels: dict) -> None:
     """A second verified engine with unimax.layers.GatedDeltaNetMixer.block_op off (the
     recording forward's conv, gates and tape copies as the torch forms, not ops.block_mixer's
@@ -482,8 +485,7 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
     was = unimax.layers.GatedDeltaNetMixer.block_op
     unimax.layers.GatedDeltaNetMixer.block_op = False
     try:
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True)
+        other = verified_engine()
         other.generate(ids, 4 * (k + 1), mode="verified", draft_block=k)  # captures the block
         verifier = other.verifier
         key = verifier.graph_key(k, k + 1, window, sampled=False)
@@ -495,8 +497,9 @@ def verify_without_block_op(model, ids, args, k: int, window, parts: dict,
         unimax.layers.GatedDeltaNetMixer.block_op = was
 
 
-def with_switch(owner, name: str, value, label: str, model, args, k: int, parts: dict,
-                forced_row, verify: bool = False, window=None, exact: bool = False) -> None:
+def with_switch(owner, name: str, value, label: str, verified_engine, args, k: int,
+                parts: dict, forced_row, verify: bool = False, window=None,
+                exact: bool = False) -> None:
     """A second verified engine built, captured and run with ``owner.name`` set to ``value``
     (restored after): its forced rows and draft step (``verify``: its verify block too, in
     the KV bucket ``window``) beside the first engine's, in the same process, under
@@ -505,13 +508,13 @@ def with_switch(owner, name: str, value, label: str, model, args, k: int, parts:
     the second engine runs and the first engine's graphs keep what they were built with.
     ``exact``: its exact step and exact run too (exact_parts)."""
     with mock.patch.object(owner, name, value):
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True)
+        other = verified_engine()
         second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
                            window=window, exact=exact)
 
 
-def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> None:
+def with_short_tile(model, verified_engine, args, k: int, window, parts: dict,
+                    forced_row) -> None:
     """A second verified engine whose few-token recurrence (blocks and rewinds) runs at the
     launch setting ``args.ab_short_tile`` (e.g. short@4x1x8, the choice timed per call at the
     block alone) where the first runs the verifier's choice (ops.short_recurrence.
@@ -526,8 +529,7 @@ def with_short_tile(model, args, k: int, window, parts: dict, forced_row) -> Non
     short.parse(args.ab_short_tile)  # (names a bad setting before the engine is built)
     short.CHOICES[key] = args.ab_short_tile
     try:
-        other = build_engine(model, decode="fp8", draft=args.draft, block_size=k,
-                             compile_step=True)
+        other = verified_engine()
         second_engine_rows(other, args.ab_short_tile.replace("@", "_"), args, k, parts,
                            forced_row, verify=True, window=window)
     finally:
