@@ -67,6 +67,16 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
+        if preset.device != "auto" and preset.device != "cpu":  # cuda, cuda:N: said, not met
+            # (before, the app announced a CPU run here and the load then failed on the device)
+            build = "" if torch.version.cuda else (
+                "; this PyTorch is a CPU build: a CUDA build comes from "
+                "https://pytorch.org/get-started/locally/")
+            print(f"error: preset {preset.name} asks for device: {preset.device}, but no CUDA "
+                  f"GPU is visible here{build}. Run it on a machine with an NVIDIA GPU, or "
+                  "in a copy of the preset set device: cpu (slow for real models)",
+                  file=sys.stderr)
+            return 2
         print("[unimax] no CUDA GPU here: running on the CPU (FP8 is emulated, graphs are off; "
               "fine for a smoke run, slow for real models)", flush=True)
     import uvicorn

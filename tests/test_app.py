@@ -50,6 +50,26 @@ def test_bad_preset_and_model_path(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cuda_build", [None, "12.8"])
+def test_a_gpu_preset_without_a_gpu_says_so_before_loading(tmp_path, capsys, monkeypatch,
+                                                             cuda_build):
+    """The shipped GPU presets say device: cuda; on a machine without one the app names that
+    (and a CPU-only PyTorch) in one line, where it used to announce a CPU run and then fail to
+    load on the device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    preset = tmp_path / "gpu.yaml"
+    preset.write_text("model: tiny-random\ndevice: cuda\n")
+    assert app_main(["--preset", str(preset), "--port", str(free_port())]) == 2
+    out = capsys.readouterr()
+    assert "running on the CPU" not in out.out
+    err = out.err.strip()
+    assert "asks for device: cuda" in err and "device: cpu" in err and len(err.splitlines()) == 1
+    assert ("CPU build" in err) == (cuda_build is None)
+
+
 def test_upload_size_is_capped(client):
     """Gradio's upload route took 20 MiB: the app caps it (app.MAX_UPLOAD)."""
     import httpx  # gradio's own HTTP client
