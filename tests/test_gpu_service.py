@@ -1,0 +1,66 @@
+"""GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the app's engine service as a shipped GPU preset runs
+it (device cuda, BF16, compile_step auto, verified mode's full FP8 draft, every mode warmed up
+and its graphs captured as app.py does at start-up), on the shipped demo model: each mode
+answers, and verified replies are the exact model's greedy tokens (up to BF16 near-ties) with
+most drafts accepted. The other GPU tests build engines directly; this is what app.py serves.
+A file of its own, so that bench/gpu_tests.sh runs it in a process beside the others."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import unimax
+from helpers import ROOT, require_fla
+from unimax.modes import MODES
+from unimax.presets import load_preset
+from unimax.reference import first_divergence, is_near_tie
+from unimax.service import EngineService, GenerationSettings
+
+pytestmark = pytest.mark.gpu
+
+QUESTIONS = ["What does json.dumps do?", "What does os.path.join do?"]
+
+
+def test_a_gpu_preset_serves_every_mode_on_gpu():
+    require_fla()
+    shipped = load_preset(ROOT / "presets" / "qwen3.5-0.8b-l4.yaml")
+    assert (shipped.device, shipped.draft, shipped.compile_step) == ("cuda", "full", "auto")
+    preset = dataclasses.replace(shipped, model="unimax-demo", max_context=1024,
+                                 state_memory_mib=256, host_state_memory_mib=512)
+    service = EngineService(preset).start()
+    try:
+        started = time.perf_counter()
+        service.warm_up()
+        print(f"warm-up of {', '.join(MODES)}: "
+              f"{time.perf_counter() - started:.0f} s")
+        verified = service._engine("verified")
+        assert not verified.state_safe_draft  # the full draft
+        assert verified.draft_length.calibrated  # the graphs' replay times
+        model = service.model
+        for i, question in enumerate(QUESTIONS):
+            messages = [{"role": "user", "content": question}]
+            prompt = service.render(messages)
+            for mode in MODES:
+                conversation = f"{mode}-{i}"
+                handle = service.submit(conversation, messages, mode,
+                                        GenerationSettings(max_new_tokens=64))
+                events = list(handle.events(timeout=300))
+                done = events[-1]
+                assert done.kind == "done", (mode, done.text)
+                assert done.data["reply"].strip(), mode
+                stats = done.data["stats"]
+                print(mode, question, repr(done.data["reply"][:60]), stats["decode_tok_s"],
+                      stats.get("acceptance_rate"))
+                if mode != "verified":
+                    continue
+                # the kept state's tokens: the prompt and the reply (its stop id included)
+                reply = list(service.store.conversations[conversation][-1].tokens[len(prompt):])
+                x = torch.tensor([prompt], device=model.device)
+                reference = unimax.exact_greedy_tokens(model, x, len(reply))[0].tolist()
+                divergence = first_divergence(model, x, reply, reference)
+                assert is_near_tie(divergence), (question, divergence)
+                assert stats["acceptance_rate"] > 0.5, stats
+    finally:
+        service.stop()
