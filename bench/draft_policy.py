@@ -87,7 +87,7 @@ def main() -> None:
              "rewind": raw.get("rewind", 0.0)}
     base = parts["bf16_step_ms"]
     k_max = max(costs["draft"])
-    fixed = sorted({0, 1, 2, 4, 6, 8, k_max} & set(range(k_max + 1)))
+    fixed = sorted({0, 1, 2, 4, 5, 6, 8, k_max} & set(range(k_max + 1)))
     print(f"{shape}: x BF16-only (step {base:.3f} ms), {args.new}-token replies, "
           f"{args.replies} each")
     print("acceptance " + " ".join(f"{'k=' + str(k):>7}" for k in fixed)
