@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        if preset.device != "auto" and preset.device != "cpu":  # cuda, cuda:N: said, not met
+        if preset.device not in ("auto", "cpu"):  # cuda or cuda:N, asked for and not here
             # (before, the app announced a CPU run here and the load then failed on the device)
             build = "" if torch.version.cuda else (
                 "; this PyTorch is a CPU build: a CUDA build comes from "
