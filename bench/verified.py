@@ -109,6 +109,15 @@ def draft_vocab(size: int | None, peaked: list[int]) -> list[int] | None:
     return sorted(set(peaked) | set(range(max(size - len(set(peaked)), 0))))[:size]
 
 
+# What a checked block teaches the draft-length policy (unimax.draft_length.DraftLength.observe
+# writes these): ForcedDrafts takes a shielded block's lesson back by restoring them.
+EVIDENCE = ("agreed", "checked", "next_probe")
+
+
+def evidence(policy) -> tuple:
+    return tuple(getattr(policy, name) for name in EVIDENCE)
+
+
 class ForcedDrafts:
     """Drafts at a known acceptance: each block's real draft runs (same work), then its tokens
     are replaced on the device by the tokens the verifier is expected to emit, each position
@@ -155,9 +164,10 @@ class ForcedDrafts:
             # rejection is the bench's, not the rate's. Its time counts; its evidence is taken
             # back from the draft-length policy, which would otherwise fall to k = 0 after a
             # near tie at "acceptance 1.0" (twenty-seventh session: mean k 0.12 at 1.0).
-            policy.agreed, policy.checked, policy.next_probe = self.before
+            for name, value in zip(EVIDENCE, self.before, strict=True):
+                setattr(policy, name, value)
             self.shielded += 1
-        self.before = (policy.agreed, policy.checked, policy.next_probe)
+        self.before = evidence(policy)
         self.shield = diverged and self.engine.pipelined
         if diverged:
             torch.cuda.synchronize()
@@ -197,8 +207,7 @@ class ForcedDrafts:
         graph.run_block = run_block
         self.reply, self.excluded_s = [], 0.0  # (resyncs and shielded add up over runs: a
         # warm-up's resyncs leave the stream fixed for the timed runs, and the row says so)
-        policy = self.engine.draft_length
-        self.before, self.shield = (policy.agreed, policy.checked, policy.next_probe), False
+        self.before, self.shield = evidence(self.engine.draft_length), False
         self._upload()
         try:
             result = self.engine.generate(self.ids, self.new, mode="verified",
