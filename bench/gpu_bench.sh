@@ -32,10 +32,12 @@
 #                                           only (to fit one call with --kernels);
 #                                           "verified 8 gdn-4b --pdl": every fused GEMV with
 #                                           programmatic dependent launch ("--pdl fp8": the
-#                                           FP8 weights' only, the draft's);
-#                                           "verified 8 gdn-4b --fixed-only --ab-pdl-fp8": and
-#                                           a second verified engine with "--pdl fp8", its
-#                                           forced rows and draft step beside the first's;
+#                                           FP8 weights' only, the draft's; "--pdl off": none;
+#                                           by default "auto", each decoder's timed choice);
+#                                           "verified 8 gdn-4b --fixed-only --pdl off
+#                                           --ab-pdl-fp8": and a second verified engine with
+#                                           "--pdl fp8", its forced rows and draft step beside
+#                                           the first's;
 #                                           "verified 8 gdn-8b": the ~8B shape
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with

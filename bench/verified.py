@@ -73,7 +73,8 @@ SWITCH_ABS = (
     SwitchAB("--ab-pdl-fp8", unimax.ops.fused_gemv, "PDL", "fp8", "pdl_fp8",
              "also a second verified engine with PDL for FP8 weights only (the draft's "
              "GEMVs; the verifier's and BF16-only's stay plain), its forced rows and draft "
-             "step beside the first's"),
+             "step beside the first's (whose PDL is --pdl's: auto by default; --pdl off for "
+             "plain against PDL)"),
     SwitchAB("--ab-rewind", unimax.verifier, "ONE_PASS_REWIND", False, "rewind_in_steps",
              "also a verified engine whose rewind runs as a snapshot, a recurrence and copies "
              "(unimax.verifier.ONE_PASS_REWIND off: the states read and written three more "
@@ -322,6 +323,13 @@ def exact_kernels(verifier, k: int, window, kernels: dict, suffix: str = "") -> 
 
 
 @torch.inference_mode()
+def pdl_of(engine) -> dict:
+    """The engine's decoder's PDL choice (unimax.graph.MaxTurboGraphDecoder.choose_pdl): the
+    setting kept and each timed setting's ms a block (none timed: PDL set, or no PDL here)."""
+    graph = engine.decode_graph
+    return {"kept": graph.pdl, "block_ms": graph.pdl_ms}
+
+
 def bench_shape(shape, args, bandwidth) -> dict:
     config = SHAPES[shape]
     model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
@@ -353,6 +361,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
         block.beta_in_kernel = False
     bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
     parts["bf16_step_ms"] = bf16_block / k
+    parts["pdl"] = {"bf16": pdl_of(bf16)}
     kernels = {}
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
@@ -430,6 +439,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     verifier = engine.verifier
     window = engine.exact_cache.window_for(512 + args.new)
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
+    parts["pdl"]["draft"] = pdl_of(engine)
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
     for b in verifier.span_blocks[:-1]:  # the shorter compiled forwards (block > 8), where
@@ -558,6 +568,7 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
         forced_row(other, rate, f" {name.replace('_', '-')}")
     base = parts["bf16_step_ms"]
     parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
+    parts["pdl"][f"draft_{name}"] = pdl_of(other)
     parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / base
     if verify:
         ms = replay_ms(other.verifier.runner,
@@ -609,11 +620,14 @@ def main() -> None:
                         help="also a second verified engine without the block op, its verify "
                              "block timed beside the first's (parts: verify_K_ms_without_"
                              "block_op)")
-    parser.add_argument("--pdl", nargs="?", const="all", choices=["all", "fp8"],
-                        help="every fused GEMV (BF16-only's step, the draft, the verifier's "
-                             "one-token forwards) with programmatic dependent launch, or "
-                             "(--pdl fp8) those over FP8 weights only: the draft's "
-                             "(unimax.ops.fused_gemv.PDL; off by default)")
+    parser.add_argument("--pdl", nargs="?", const="all", default="auto",
+                        choices=["auto", "off", "all", "fp8"],
+                        help="programmatic dependent launch of the fused GEMVs "
+                             "(unimax.ops.fused_gemv.PDL): auto (the default, as the app): "
+                             "each decoder times its largest block with and without and keeps "
+                             "the faster (the choices print as 'pdl'); off; all: every fused "
+                             "GEMV (BF16-only's step, the draft, the verifier's one-token "
+                             "forwards); fp8: those over FP8 weights only (the draft's)")
     parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER)")
@@ -644,7 +658,8 @@ def main() -> None:
     args = parser.parse_args()
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     unimax.layers.GatedDeltaNetMixer.block_op = not args.no_block_op
-    unimax.ops.fused_gemv.PDL = {None: False, "all": True, "fp8": "fp8"}[args.pdl]
+    unimax.ops.fused_gemv.PDL = {"auto": "auto", "off": False, "all": True,
+                                 "fp8": "fp8"}[args.pdl]
     unimax.ops.fused_gemv.PDL_TRIGGER = args.pdl_trigger
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
@@ -679,6 +694,7 @@ def main() -> None:
         p = data["parts"]
         print("parts (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in p.items()
                                          if isinstance(value, float)))
+        print(f"pdl: {json.dumps(p.get('pdl'))}")
         print("kernel choices: " + "; ".join(f"{key}: {name}" for key, name in sorted(
             data.get("choices", {}).items())))
         for name, table in data.get("kernels", {}).items():

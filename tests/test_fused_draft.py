@@ -521,7 +521,7 @@ def test_pdl_is_asked_for_by_weight_dtype(monkeypatch):
         assert (fused_gemv.pdl_wanted(fp8), fused_gemv.pdl_wanted(bf16)) == wanted, setting
         assert fused_gemv.pdl_launch(bf16, fp8) == {}  # (a CPU tensor: never launched so)
     monkeypatch.setattr(fused_gemv, "PDL", "bf16")
-    with pytest.raises(ValueError, match="PDL must be False, True or 'fp8', got 'bf16'"):
+    with pytest.raises(ValueError, match="PDL must be False, True, 'fp8' or 'auto', got 'bf16'"):
         fused_gemv.pdl_wanted(fp8)
     monkeypatch.setattr(fused_gemv, "PDL", "fp8")
     monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "middle")

@@ -73,7 +73,7 @@ def model():
 
 
 def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
-    """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL, off by default):
+    """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL set on):
     in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second
     PDL GEMV (residual add), launched early by the first, waits for that one: both outputs
     equal the PDL-free kernels' bit for bit (the same tiles and sums) after the inputs change,
@@ -120,6 +120,7 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (kernel, trigger)
     monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "start")
+    monkeypatch.setattr(fused_gemv, "PDL", False)  # (not "auto", the default: timed)
     x = prompt(60, seed=3)
     plain = build_engine(model, decode="bf16", block_size=8, compile_step=True)
     expected = plain.generate_fast(x, 24)
@@ -133,3 +134,36 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     monkeypatch.setattr(fused_gemv, "PDL", "fp8")
     pdl = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
     assert torch.equal(pdl.generate_fast(x, 24), expected)
+
+
+def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
+    """PDL "auto" (the default): the BF16 fast step's decoder and the full-FP8 draft's each
+    time their largest block plain and with PDL on their fused GEMVs (every one for BF16, the
+    FP8 ones for the draft), keep the faster graph under its time, and decode the tokens the
+    plain decoder decodes; a verified reply with the chosen draft equals the exact model's
+    greedy tokens. (The choice's logic: tests/test_pdl_auto.py.)"""
+    import unimax.ops.fused_gemv as fused_gemv
+    from unimax import exact_greedy_tokens
+    from unimax.graph import pdl_candidate
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    x = prompt(60, seed=4)
+    for decode, draft, candidate in (("bf16", "tail", True), ("fp8", "full", "fp8")):
+        monkeypatch.setattr(fused_gemv, "PDL", False)
+        plain = build_engine(model, decode=decode, draft=draft, block_size=8, compile_step=True)
+        expected = plain.generate_fast(x, 24)
+        assert plain.decode_graph.pdl is False and plain.decode_graph.pdl_ms == {}
+        monkeypatch.setattr(fused_gemv, "PDL", "auto")
+        auto = build_engine(model, decode=decode, draft=draft, block_size=8, compile_step=True)
+        assert pdl_candidate(auto.decode_model) == candidate
+        got = auto.generate_fast(x, 24)
+        graph = auto.decode_graph
+        print(decode, draft, "PDL timed (ms a block of 8):", graph.pdl_ms, "kept", graph.pdl)
+        assert set(graph.pdl_ms) == {"False", str(candidate)}
+        assert graph.pdl in (False, candidate)
+        assert graph.runner.replay_ms[(8, False)] == graph.pdl_ms[str(graph.pdl)] == min(
+            graph.pdl_ms.values())
+        assert torch.equal(got, expected), (decode, graph.pdl)
+    tokens, _ = auto.generate_verified(x, 24)
+    assert torch.equal(tokens, exact_greedy_tokens(model, x, 24))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
+from .ops import fused_gemv
 from .ops.timing import gc_paused, median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
@@ -52,6 +53,11 @@ class GraphRunner:
             self.graphs[key], replay_ms = self.capture(fn, writes, buffers)
             if replay_ms is not None:
                 self.replay_ms[key] = replay_ms
+
+    def forget(self, key) -> None:
+        """Drop ``key``'s graph (the next run captures it again)."""
+        self.graphs.pop(key, None)
+        self.replay_ms.pop(key, None)
 
     def capture(self, fn, writes, buffers) -> tuple[torch.cuda.CUDAGraph, float | None]:
         start = time.perf_counter()
@@ -129,6 +135,19 @@ def trial_run(writes: list[RecurrentCache], buffers: list[torch.Tensor] = ()):
             buffer.copy_(saved_buffer)
 
 
+def pdl_candidate(model) -> bool | str:
+    """What PDL "auto" times against plain launches in a decoder of ``model`` (a view):
+    "fp8" where its fused blocks hold FP8 GEMVs (a draft: those only), True where they hold
+    BF16 ones only (the BF16 fast step), False where no block is fused (nothing to launch
+    early: ops.fused_gemv's launches alone take PDL)."""
+    from .fp8 import FP8Linear
+    from .fused_draft import fusable
+
+    kinds = {isinstance(module, FP8Linear) for block in getattr(model, "layers", ())
+             if getattr(block, "fused", False) for module in block.modules() if fusable(module)}
+    return "fp8" if True in kinds else bool(kinds)
+
+
 class MaxTurboGraphDecoder:
     """Decodes with ``model`` (the exact model or a quantized view) from its own cache.
 
@@ -165,6 +184,11 @@ class MaxTurboGraphDecoder:
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
         self.runner = GraphRunner(self.device, use_graphs, timed=True)
+        # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where
+        # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
+        # choice's replay times by setting ({} where nothing was timed)
+        self.pdl: bool | str | None = None
+        self.pdl_ms: dict[str, float] = {}
         # torch.compile (inductor) fuses the step's many small elementwise kernels; the graphs
         # are still captured here, around the compiled step.
         self._step = torch.compile(self._step_eager, dynamic=False) if compile else \
@@ -197,6 +221,10 @@ class MaxTurboGraphDecoder:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
     def _block(self, n: int, sampled: bool, record: bool = False) -> None:
+        with fused_gemv.auto_pdl(self.pdl or False):
+            self._block_steps(n, sampled, record)
+
+    def _block_steps(self, n: int, sampled: bool, record: bool) -> None:
         token = self.static_token
         for i in range(n):
             logits = self._step(token)
@@ -222,9 +250,40 @@ class MaxTurboGraphDecoder:
         return (n, "record") if record else (n, sampled)
 
     @torch.inference_mode()
+    def choose_pdl(self) -> None:
+        """Where ops.fused_gemv.PDL is "auto", graphs are on and the GPU has programmatic
+        dependent launch (compute capability 9+; not an L4): capture the greedy block of
+        block_size steps with plain launches and with PDL on this model's fused GEMVs
+        (``pdl_candidate``), keep the faster graph and use its setting for every block
+        captured after. Once per decoder (``pdl`` None until then); elsewhere plain launches.
+
+        Why timed: PDL's sign depends on the shape and the run. On the H200 it made the 0.8B
+        draft step 5-7% faster and the 4B one 4% slower (twenty-ninth session), where an earlier
+        run had the 4B draft 3.8% faster (bench/RESULTS.md)."""
+        if self.pdl is not None:
+            return
+        self.pdl = False
+        candidate = pdl_candidate(self.model)
+        if not (candidate and self.use_graphs and fused_gemv.PDL == "auto"
+                and fused_gemv.pdl_possible(self.device)):
+            return
+        key = self._key(self.block_size, False, False)
+        found = {}
+        for setting in (False, candidate):  # (a tie keeps plain launches)
+            self.pdl = setting
+            self.runner.forget(key)
+            self.runner.prepare(key, lambda: self._block(self.block_size, False),
+                                writes=[self.cache], buffers=self._buffers(False))
+            found[setting] = (self.runner.graphs[key], self.runner.replay_ms[key])
+        self.pdl = min(found, key=lambda setting: found[setting][1])
+        self.runner.graphs[key], self.runner.replay_ms[key] = found[self.pdl]
+        self.pdl_ms = {str(setting): ms for setting, (_, ms) in found.items()}
+
+    @torch.inference_mode()
     def capture_blocks(self, sampled: bool = False, record: bool = False) -> None:
         """Capture the block graphs of every size 1..block_size now (start-up), not at first
         use in the middle of a reply. ``record``: the sampled blocks of verified sampling."""
+        self.choose_pdl()
         for n in range(1, self.block_size + 1):
             self.runner.prepare(self._key(n, sampled, record),
                                 lambda n=n: self._block(n, sampled or record, record),
@@ -241,6 +300,8 @@ class MaxTurboGraphDecoder:
         record = record and sampled
         if sampled:
             self.uniforms[:n].uniform_(generator=self.generator)
+        if self.use_graphs:
+            self.choose_pdl()  # (before this decoder's first graph; once)
         seen = self.cache.seen_tokens
         self.runner.run(self._key(n, sampled, record), lambda: self._block(n, sampled, record),
                         writes=[self.cache], buffers=self._buffers(record))

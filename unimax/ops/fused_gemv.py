@@ -25,7 +25,10 @@ twin, is those forms: unimax.norms).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -58,8 +61,13 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # The same run had the start signal 3.8% faster on the 4B draft step (FP8 weights) and 5%
 # slower on the BF16 step, where the eleventh session had the draft 8% slower: PDL = "fp8",
 # programmatic launch for the FP8 weights' GEMVs only (the draft's), is the form to A/B end to
-# end (bench/verified.py --ab-pdl-fp8). Off until a verified run shows it.
-PDL: bool | str = False  # or True (every fused GEMV), or "fp8" (FP8 weights only)
+# end (bench/verified.py --ab-pdl-fp8). Measured so (twenty-ninth session): the 0.8B draft step
+# 5-7% faster and verified 4-6% faster end to end, the 4B draft step 4% slower. So the sign
+# depends on the shape and the run: PDL "auto" (the default) leaves the choice to each graph
+# decoder, which times its largest block with and without at capture and keeps the faster
+# (unimax.graph.MaxTurboGraphDecoder.choose_pdl); "auto" asks for nothing outside a decoder's
+# blocks (the verifier, prompts). False, True and "fp8" set it for every launch.
+PDL: bool | str = "auto"  # or False, True (every fused GEMV), or "fp8" (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
 PDL_TRIGGER = "start"  # or "end"
 # The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K
@@ -348,23 +356,48 @@ def tma_offered(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return TMA and tma_problem(weight, x) is None
 
 
+PDL_SETTINGS = (False, True, "fp8")
+_AUTO = threading.local()  # what PDL "auto" means on this thread now (auto_pdl; else False)
+
+
+@contextlib.contextmanager
+def auto_pdl(setting: bool | str) -> Iterator[None]:
+    """Within the block, PDL "auto" means ``setting`` (one of PDL_SETTINGS) on this thread:
+    a graph decoder runs (and so captures) its blocks in its own choice."""
+    if setting not in PDL_SETTINGS:
+        raise ValueError(f"auto_pdl: setting must be False, True or 'fp8', got {setting!r}")
+    saved = getattr(_AUTO, "setting", False)
+    _AUTO.setting = setting
+    try:
+        yield
+    finally:
+        _AUTO.setting = saved
+
+
 def pdl_wanted(weight: torch.Tensor) -> bool:
-    """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight``."""
-    if PDL not in (False, True, "fp8"):
-        raise ValueError(f"fused_gemv.PDL must be False, True or 'fp8', got {PDL!r}")
+    """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight`` ("auto": what
+    the ``auto_pdl`` block around the launch says, else no)."""
+    if PDL not in (*PDL_SETTINGS, "auto"):
+        raise ValueError(f"fused_gemv.PDL must be False, True, 'fp8' or 'auto', got {PDL!r}")
     if PDL_TRIGGER not in ("start", "end"):
         raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
-    if PDL == "fp8":
+    setting = getattr(_AUTO, "setting", False) if PDL == "auto" else PDL
+    if setting == "fp8":
         return weight.element_size() == 1
-    return bool(PDL)
+    return bool(setting)
+
+
+def pdl_possible(device: torch.device) -> bool:
+    """Whether a launch on ``device`` can be programmatic (``pdl_launch``'s condition)."""
+    return device.type == "cuda" and not _interpreted() and \
+        torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
     """The launch's PDL arguments: on (``pdl_wanted``) only on CUDA devices of compute
     capability 9+ (an L4, 8.9, has no programmatic dependent launch), never in the
     interpreter (no PTX)."""
-    on = pdl_wanted(weight) and x.is_cuda and not _interpreted() and \
-        torch.cuda.get_device_capability(x.device)[0] >= 9
+    on = pdl_wanted(weight) and pdl_possible(x.device)
     if not on:
         return {}
     return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True}

@@ -1,0 +1,155 @@
+"""PDL "auto" (ops.fused_gemv.PDL, the default): each graph decoder times its largest block with
+plain launches and with programmatic dependent launch of its fused GEMVs, keeps the faster
+graph, and captures every later block in that setting (unimax.graph.MaxTurboGraphDecoder.
+choose_pdl). On the CPU there are no graphs and no PDL: a runner that really runs each body
+once (through GraphRunner's own prepare and forget) stands in for capture, and "times" a body
+by the PDL setting its launches asked for. The real thing on the GPU:
+tests/test_gpu_tma.py::test_pdl_auto_is_timed_per_decoder_on_gpu."""
+
+import pytest
+import torch
+
+import unimax.ops.fused_gemv as fused_gemv
+from unimax import GDNConfig, GDNForCausalLM
+from unimax.fast_step import gemv_view
+from unimax.fp8 import quantize_view
+from unimax.graph import GraphRunner, MaxTurboGraphDecoder, pdl_candidate, trial_run
+
+CONFIG = GDNConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_k_heads=2,
+                   num_v_heads=4, head_k_dim=16, head_v_dim=16, intermediate_size=128)
+FP8_WEIGHT = torch.zeros(2, 2).to(torch.float8_e4m3fn)
+BF16_WEIGHT = torch.zeros(2, 2, dtype=torch.bfloat16)
+BLOCK = 4
+
+
+def asked_now() -> bool | str:
+    """The PDL setting a fused GEMV launched here now would take (from what it asks for an FP8
+    and a BF16 weight)."""
+    fp8, bf16 = fused_gemv.pdl_wanted(FP8_WEIGHT), fused_gemv.pdl_wanted(BF16_WEIGHT)
+    return {(False, False): False, (True, False): "fp8", (True, True): True}[(fp8, bf16)]
+
+
+class Replayable:
+    def __init__(self, setting):
+        self.setting = setting
+
+    def replay(self) -> None:
+        pass
+
+
+class StandInRunner(GraphRunner):
+    """A GraphRunner whose capture runs the body once, eagerly, leaving no trace (as capture's
+    warm-ups), and whose "graph" remembers the PDL setting the body's launches asked for; its
+    replay time is ``times[setting]``. ``captures``: (key, setting) in order."""
+
+    def __init__(self, times: dict, decoder: MaxTurboGraphDecoder):
+        super().__init__(torch.device("cpu"), use_graphs=False, timed=True)
+        self.use_graphs = True
+        self.times, self.captures, self.asked = times, [], []
+        step = decoder._step
+
+        def spied(token):
+            self.asked.append(asked_now())
+            return step(token)
+
+        decoder._step = spied
+        self.key_now = None
+
+    def prepare(self, key, fn, writes, buffers=()) -> None:
+        self.key_now = key
+        super().prepare(key, fn, writes, buffers)
+
+    def capture(self, fn, writes, buffers):
+        self.asked.clear()
+        with trial_run(writes, buffers):
+            fn()
+        assert len(set(self.asked)) == 1, self.asked  # (every step of a block alike)
+        setting = self.asked[0]
+        self.captures.append((self.key_now, setting))
+        return Replayable(setting), self.times[setting]
+
+
+def decoder_with(monkeypatch, times: dict, full: bool = True, possible: bool = True):
+    model = GDNForCausalLM.random(CONFIG, device="cpu", dtype=torch.bfloat16, seed=0)
+    view = gemv_view(quantize_view(model, "full") if full else model)
+    decoder = MaxTurboGraphDecoder(view, block_size=BLOCK, use_graphs=False)
+    decoder.runner = StandInRunner(times, decoder)
+    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: possible)
+    return decoder, decoder.runner
+
+
+@pytest.mark.parametrize("faster", [False, "fp8"])
+def test_auto_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faster):
+    """The full-FP8 draft: its largest block captured plain, then with PDL on its FP8 GEMVs;
+    the faster graph kept (with its time), the other dropped; the smaller blocks captured once
+    each, in the kept setting."""
+    times = {False: 2.0, "fp8": 1.5} if faster else {False: 1.5, "fp8": 2.0}
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    decoder, runner = decoder_with(monkeypatch, times)
+    decoder.capture_blocks()
+    largest = (BLOCK, False)
+    assert decoder.pdl == faster
+    assert decoder.pdl_ms == {"False": times[False], "fp8": times["fp8"]}
+    assert runner.graphs[largest].setting == faster
+    assert runner.replay_ms[largest] == times[faster]
+    assert runner.captures == [(largest, False), (largest, "fp8")] + [
+        ((n, False), faster) for n in range(1, BLOCK)]
+    # eager blocks (no graph for their key) run in the choice too, and outside a decoder's
+    # blocks "auto" asks for nothing
+    runner.asked.clear()
+    decoder._block(2, False)
+    assert set(runner.asked) == {faster}
+    assert asked_now() is False
+
+
+def test_auto_times_the_bf16_step_with_pdl_on_every_gemv(monkeypatch):
+    """A BF16 fast step (its blocks' GEMVs BF16): "auto" times True (every fused GEMV) against
+    plain launches; the first block a reply runs chooses, before its own capture."""
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    decoder, runner = decoder_with(monkeypatch, {False: 1.0, True: 0.9}, full=False)
+    decoder.run_block(2)
+    assert decoder.pdl is True and decoder.pdl_ms == {"False": 1.0, "True": 0.9}
+    assert runner.captures == [((BLOCK, False), False), ((BLOCK, False), True),
+                               ((2, False), True)]
+
+
+@pytest.mark.parametrize("setting", [False, "fp8"])
+def test_a_set_pdl_or_no_pdl_on_the_device_times_nothing(monkeypatch, setting):
+    """PDL set (False, True or "fp8": a bench's A/B) is used as set, untimed; so is "auto"
+    where the device has no programmatic launch (an L4, a CPU): plain launches."""
+    monkeypatch.setattr(fused_gemv, "PDL", setting)
+    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5})
+    decoder.capture_blocks()
+    assert decoder.pdl is False and decoder.pdl_ms == {}
+    assert runner.captures == [((n, False), setting) for n in range(1, BLOCK + 1)]
+
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5}, possible=False)
+    decoder.capture_blocks()
+    assert decoder.pdl is False and decoder.pdl_ms == {}
+    assert runner.captures == [((n, False), False) for n in range(1, BLOCK + 1)]
+
+
+def test_the_candidate_follows_the_fused_gemvs():
+    """What "auto" times against plain launches: the FP8 GEMVs of a fused FP8 view (full draft
+    or tail), every GEMV of a fused BF16 view, nothing where no block is fused (the exact
+    model, an unfused view)."""
+    model = GDNForCausalLM.random(CONFIG, device="cpu", dtype=torch.bfloat16, seed=0)
+    assert pdl_candidate(gemv_view(quantize_view(model, "full"))) == "fp8"
+    assert pdl_candidate(gemv_view(quantize_view(model, "tail"))) == "fp8"
+    assert pdl_candidate(gemv_view(model)) is True
+    assert pdl_candidate(gemv_view(model, fuse=False)) is False
+    assert pdl_candidate(model) is False
+
+
+def test_auto_pdl_names_a_bad_setting(monkeypatch):
+    with pytest.raises(ValueError, match="setting must be False, True or 'fp8', got 'auto'"):
+        with fused_gemv.auto_pdl("auto"):
+            pass
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    with fused_gemv.auto_pdl("fp8"):
+        assert asked_now() == "fp8"
+        with fused_gemv.auto_pdl(True):
+            assert asked_now() is True
+        assert asked_now() == "fp8"
+    assert asked_now() is False
