@@ -300,8 +300,7 @@ class MaxTurboGraphDecoder:
         record = record and sampled
         if sampled:
             self.uniforms[:n].uniform_(generator=self.generator)
-        if self.use_graphs:
-            self.choose_pdl()  # (before this decoder's first graph; once)
+        self.choose_pdl()  # (before this decoder's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
         self.runner.run(self._key(n, sampled, record), lambda: self._block(n, sampled, record),
                         writes=[self.cache], buffers=self._buffers(record))
