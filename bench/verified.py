@@ -291,6 +291,7 @@ def replay_ms(runner, key) -> float | None:
     return None if graph is None else median_device_seconds(graph.replay, 20, warmup=3) * 1e3
 
 
+@torch.inference_mode()  # (its captures compile the verifier's steps where no row has yet)
 def exact_parts(verifier, k: int, window, parts: dict, suffix: str = "") -> None:
     """What a token costs where the policy falls back to k = 0 (drafts too poor to pay), into
     ``parts`` (keys ending in ``suffix``): one exact step as a block of its own (snapshot,
@@ -452,9 +453,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
     # (the rollback runs inside each verify graph; timed alone here, as its own graph, in the
     # form the verify block runs: one pass writing the draft's cache too, or the plain form)
     copy_to = verifier.draft_cache if verifier.one_pass else None
-    verifier.runner.prepare(("rewind", length), lambda: model.rewind_unchecked(
-        verifier.cache, verifier.snapshot, verifier.tape, length, copy_to=copy_to),
-                            writes=[verifier.cache, verifier.snapshot, verifier.draft_cache])
+    with torch.inference_mode():
+        verifier.runner.prepare(("rewind", length), lambda: model.rewind_unchecked(
+            verifier.cache, verifier.snapshot, verifier.tape, length, copy_to=copy_to),
+                                writes=[verifier.cache, verifier.snapshot, verifier.draft_cache])
     parts["rewind_ms"] = replay_ms(verifier.runner, ("rewind", length))
     exact_parts(verifier, k, window, parts)
     if args.kernels:
