@@ -230,3 +230,19 @@ def test_short_blocks_run_the_smallest_span_block_that_holds_them(model, compile
     assert {span for k, span in spans if k > 8} == {17}
     if compiled:  # every forward the verifier ran was one of the three compiled lengths
         assert set(rows) == {1, 9, 17}
+
+
+def test_near_tie_judge_takes_one_ulp_where_the_exact_paths_agree():
+    """A divergence one BF16 ulp apart is a tie even where the two exact paths agree (a
+    third computation, the verifier's block forward, rounds its own way); two ulps there, or
+    a gap past twice the paths' difference, are not."""
+    from unimax.reference import is_near_tie
+
+    def divergence(gap, ulps, paths):
+        return {"index": 3, "gap": gap, "gap_over_std": 0.01, "gap_bf16_ulps": ulps,
+                "exact_paths_differ_by": paths}
+
+    assert is_near_tie(divergence(0.015625, 1.0, 0.0))
+    assert not is_near_tie(divergence(0.03125, 2.0, 0.0))
+    assert is_near_tie(divergence(0.25, 4.0, 0.125))
+    assert not is_near_tie(divergence(0.5, 8.0, 0.125))

@@ -61,7 +61,11 @@ def is_near_tie(divergence: dict | None) -> bool:
     """No divergence, or one where the reference's two logits were closer than twice what its
     two exact paths (one-token steps, one forward) differ by at that position: a disagreement
     two correct BF16 computations of the model can have (different kernels, a k-token block
-    against one-token steps). A bug shows as a gap far past that."""
+    against one-token steps), or no more than one BF16 ulp apart: where the two exact paths
+    happen to agree (differ by 0), a third, the verifier's block forward, may still round one
+    ulp the other way (thirtieth session, the GPU tests' tiny model: a gap of one ulp, paths
+    equal). A bug shows as a gap far past that."""
     if divergence is None:
         return True
-    return divergence["gap"] <= 2 * divergence["exact_paths_differ_by"]
+    return (divergence["gap"] <= 2 * divergence["exact_paths_differ_by"]
+            or divergence["gap_bf16_ulps"] <= 1.0)
