@@ -323,12 +323,11 @@ def exact_kernels(verifier, k: int, window, kernels: dict, suffix: str = "") -> 
         verifier.runner, verifier.run_key(k, window, sampled=False), k)
 
 
-@torch.inference_mode()
-def pdl_of(engine) -> dict:
-    """The engine's decoder's PDL choice (unimax.graph.MaxTurboGraphDecoder.choose_pdl): the
-    setting kept and each timed setting's ms a block (none timed: PDL set, or no PDL here)."""
-    graph = engine.decode_graph
-    return {"kept": graph.pdl, "block_ms": graph.pdl_ms}
+def pdl_of(owner) -> dict:
+    """A decoder's or verifier's PDL choice (unimax.graph.MaxTurboGraphDecoder.choose_pdl,
+    unimax.verifier.Verifier.choose_pdl): the setting kept and each timed setting's ms a block
+    (none timed: PDL set, no PDL here, or an eager verifier)."""
+    return {"kept": owner.pdl, "block_ms": owner.pdl_ms}
 
 
 def bench_shape(shape, args, bandwidth) -> dict:
@@ -362,7 +361,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
         block.beta_in_kernel = False
     bf16_block = replay_ms(bf16.decode_graph.runner, (k, False))
     parts["bf16_step_ms"] = bf16_block / k
-    parts["pdl"] = {"bf16": pdl_of(bf16)}
+    parts["pdl"] = {"bf16": pdl_of(bf16.decode_graph)}
     kernels = {}
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
@@ -440,7 +439,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
     verifier = engine.verifier
     window = engine.exact_cache.window_for(512 + args.new)
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
-    parts["pdl"]["draft"] = pdl_of(engine)
+    parts["pdl"]["draft"] = pdl_of(engine.decode_graph)
+    parts["pdl"]["verifier"] = pdl_of(engine.verifier)
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
     for b in verifier.span_blocks[:-1]:  # the shorter compiled forwards (block > 8), where
@@ -570,7 +570,7 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
         forced_row(other, rate, f" {name.replace('_', '-')}")
     base = parts["bf16_step_ms"]
     parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
-    parts["pdl"][f"draft_{name}"] = pdl_of(other)
+    parts["pdl"][f"draft_{name}"] = pdl_of(other.decode_graph)
     parts[f"draft_over_bf16_{name}"] = parts[f"draft_step_ms_{name}"] / base
     if verify:
         ms = replay_ms(other.verifier.runner,

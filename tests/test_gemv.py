@@ -359,17 +359,22 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "
        "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
        "stride_wn": "i32", "stride_ym": "i32", "HAS_SCALE": "constexpr", "BLOCK_M": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_F32": "constexpr",
-       "SPLIT": "constexpr", "SWIGLU": "constexpr"}
-for arch in (90, 89):  # H100/H200, L4
-    for rows, split, swiglu in ((16, 1, False), (16, 4, False), (16, 1, True), (32, 1, False),
-                                (32, 4, False), (32, 1, True)):  # (SwiGLU: ops.gemv_swiglu)
-        consts = {"HAS_SCALE": False, "BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 256,
-                  "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu}
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                             target=GPUTarget("cuda", arch, 32),
-                             options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-        print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
-              ptx.count("atom.global"), ptx.count("ex2.approx"), rows)
+       "SPLIT": "constexpr", "SWIGLU": "constexpr", "PDL": "constexpr", "PDL_LATE": "constexpr"}
+cases = [(arch, rows, split, swiglu, False, False) for arch in (90, 89)  # H100/H200, L4
+         for rows, split, swiglu in ((16, 1, False), (16, 4, False), (16, 1, True),
+                                     (32, 1, False), (32, 4, False), (32, 1, True))]
+# programmatic dependent launch (Hopper): plain, split-K and SwiGLU, the signal early and late
+cases += [(90, 16, 1, False, True, False), (90, 32, 4, False, True, False),
+          (90, 16, 1, True, True, True)]
+for arch, rows, split, swiglu, pdl, late in cases:  # (SwiGLU: ops.gemv_swiglu)
+    consts = {"HAS_SCALE": False, "BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 256,
+              "DOT_F32": False, "SPLIT": split, "SWIGLU": swiglu, "PDL": pdl, "PDL_LATE": late}
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                         target=GPUTarget("cuda", arch, 32),
+                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    print(arch, split, int(swiglu), int("wgmma" in ptx or "mma.sync" in ptx),
+          ptx.count("atom.global"), ptx.count("ex2.approx"), rows, int(pdl),
+          ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"))
 """
 
 
@@ -377,11 +382,13 @@ def test_dotsplit_compiles_for_hopper_and_ada():
     """The tensor-core kernel compiles for sm_90 and sm_89 with and without split-K, with its
     SwiGLU epilogue, at 16 and 32 rows (ops.gemv.dot_rows; no GPU): on the tensor cores each
     way; atomics (the per-tile counters) only with slices; an exponential (the sigmoid) only
-    with the epilogue."""
+    with the epilogue; with programmatic dependent launch (PDL, sm_90) one wait and one
+    signal to the next kernel, without none."""
     out = run_with_triton(DOT_PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 12 and {row[-1] for row in rows} == {"16", "32"}, out
-    for arch, split, swiglu, mma, atomics, exps, _ in rows:
+    assert len(rows) == 15 and {row[6] for row in rows} == {"16", "32"}, out
+    for arch, split, swiglu, mma, atomics, exps, _, pdl, waits, signals in rows:
         assert mma == "1", (arch, split, swiglu)
         assert (int(atomics) > 0) == (split == "4"), (arch, split, atomics)
         assert (int(exps) > 0) == (swiglu == "1"), (arch, swiglu, exps)
+        assert (waits, signals) == (("1", "1") if pdl == "1" else ("0", "0")), out

@@ -136,12 +136,55 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     assert torch.equal(pdl.generate_fast(x, 24), expected)
 
 
+def test_dot_gemm_pdl_on_gpu(monkeypatch):
+    """The verifier's tensor-core GEMMs (ops.gemv "dot", "dotsplit", the SwiGLU epilogue) with
+    programmatic dependent launch: in a captured graph a GEMM writes x, a PDL GEMM of 9 rows
+    waits for it, a second PDL GEMM, launched early by the first, waits for that one: the
+    outputs equal the plain launches' bit for bit after the inputs change, the signal at the
+    start or the end."""
+    import unimax.ops.fused_gemv as fused_gemv
+    import unimax.ops.gemv as gemv_ops
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k, n = 2560, 9216
+    a = torch.randn(9, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(4096, k, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    w1 = (torch.randn(2 * n, k, device="cuda", generator=gen) / 50).to(torch.bfloat16)
+    w2 = (torch.randn(k, n, device="cuda", generator=gen) / 100).to(torch.bfloat16)
+    for first, second, trigger in (("dot", "dot", "start"), ("dot", "dotsplit", "start"),
+                                   ("swiglu", "dotsplit", "end"), ("dot", "dot", "end")):
+        monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+
+        def body(first=first, second=second):
+            x = a @ b  # the GEMM the first PDL GEMM must wait for
+            h = gemv_ops.gemv(x, w1, kernel="dot", swiglu=True) if first == "swiglu" else \
+                gemv_ops.gemv(x, w1[:n], kernel="dot")
+            return h, gemv_ops.gemv(h, w2, kernel=second)
+
+        monkeypatch.setattr(fused_gemv, "PDL", True)
+        assert fused_gemv.pdl_launch(a, w1)["launch_pdl"]  # (the PDL form really launches)
+        body()  # (warm-up: compile and autotune outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = body()
+        a.mul_(-1.5)  # new inputs: a replay that read x or h early would show the old ones
+        monkeypatch.setattr(fused_gemv, "PDL", False)
+        want = body()
+        graph.replay()
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (first, second, trigger)
+
+
 def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     """PDL "auto" (the default): the BF16 fast step's decoder and the full-FP8 draft's each
     time their largest block plain and with PDL on their fused GEMVs (every one for BF16, the
     FP8 ones for the draft), keep the faster graph under its time, and decode the tokens the
-    plain decoder decodes; a verified reply with the chosen draft equals the exact model's
-    greedy tokens. (The choice's logic: tests/test_pdl_auto.py.)"""
+    plain decoder decodes; the compiled verifier times its full block plain and with PDL on
+    its Triton GEMMs and GEMVs, and a verified reply with both choices equals the all-plain
+    engine's, bit for bit, and exact greedy up to a near tie. (The choices' logic:
+    tests/test_pdl_auto.py.)"""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax import exact_greedy_tokens
     from unimax.graph import pdl_candidate
@@ -166,11 +209,20 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
         assert graph.runner.replay_ms[(8, False)] == graph.pdl_ms[str(graph.pdl)] == min(
             graph.pdl_ms.values())
         assert torch.equal(got, expected), (decode, graph.pdl)
-    # the verified reply with the kept draft equals the plain draft's (the verifier is the same
-    # exact model), and exact greedy but where they meet a near tie: with this prompt every
-    # PDL setting, plain launches too, leaves the one-token reference at token 3 by one BF16
-    # ulp, where its two exact paths agree (bench/pdl_exactness.py, thirtieth session)
+    # the verified reply with the kept draft and verifier equals the plain engine's (the same
+    # sums in the same order), and exact greedy but where they meet a near tie: with this
+    # prompt every PDL setting, plain launches too, leaves the one-token reference at token 3
+    # by one BF16 ulp, where its two exact paths agree (bench/pdl_exactness.py, thirtieth
+    # session)
     tokens, _ = auto.generate_verified(x, 24)
+    verifier = auto.verifier
+    print("verifier PDL timed (ms a block of 8):", verifier.pdl_ms, "kept", verifier.pdl)
+    assert set(verifier.pdl_ms) == {"False", "True"} and verifier.pdl in (False, True)
+    full = verifier.graph_key(8, verifier.span(8, 0), None, False)
+    assert verifier.runner.replay_ms[full] == verifier.pdl_ms[str(verifier.pdl)] == min(
+        verifier.pdl_ms.values())
+    monkeypatch.setattr(fused_gemv, "PDL", False)
     assert torch.equal(tokens, plain.generate_verified(x, 24)[0])
+    assert plain.verifier.pdl is False
     reference = exact_greedy_tokens(model, x, 24)[0].tolist()
     assert is_near_tie(first_divergence(model, x, tokens[0].tolist(), reference))

@@ -1,6 +1,7 @@
 """PDL "auto" (ops.fused_gemv.PDL, the default): each graph decoder times its largest block with
 plain launches and with programmatic dependent launch of its fused GEMVs, keeps the faster
 graph, and captures every later block in that setting (unimax.graph.MaxTurboGraphDecoder.
+choose_pdl); the verifier does the same with its full verify block (unimax.verifier.Verifier.
 choose_pdl). On the CPU there are no graphs and no PDL: a runner that really runs each body
 once (through GraphRunner's own prepare and forget) stands in for capture, and "times" a body
 by the PDL setting its launches asked for. The real thing on the GPU:
@@ -39,20 +40,21 @@ class Replayable:
 
 class StandInRunner(GraphRunner):
     """A GraphRunner whose capture runs the body once, eagerly, leaving no trace (as capture's
-    warm-ups), and whose "graph" remembers the PDL setting the body's launches asked for; its
-    replay time is ``times[setting]``. ``captures``: (key, setting) in order."""
+    warm-ups), and whose "graph" remembers the PDL setting the body's launches asked for (seen
+    at each call of ``owner.attribute``: the forward its blocks run); its replay time is
+    ``times[setting]``. ``captures``: (key, setting) in order."""
 
-    def __init__(self, times: dict, decoder: MaxTurboGraphDecoder):
+    def __init__(self, times: dict, owner, attribute: str = "_step"):
         super().__init__(torch.device("cpu"), use_graphs=False, timed=True)
         self.use_graphs = True
         self.times, self.captures, self.asked = times, [], []
-        step = decoder._step
+        forward = getattr(owner, attribute)
 
-        def spied(token):
+        def spied(*args, **kwargs):
             self.asked.append(asked_now())
-            return step(token)
+            return forward(*args, **kwargs)
 
-        decoder._step = spied
+        setattr(owner, attribute, spied)
         self.key_now = None
 
     def prepare(self, key, fn, writes, buffers=()) -> None:
@@ -153,3 +155,64 @@ def test_auto_pdl_names_a_bad_setting(monkeypatch):
             assert asked_now() is True
         assert asked_now() == "fp8"
     assert asked_now() is False
+
+
+def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: bool = True):
+    """A verified engine's verifier (full-FP8 draft) on a stand-in runner; ``compiled``: its
+    forwards stand for compiled ones (the eager forward under the compiled one's name: on the
+    GPU those run the Triton GEMMs PDL applies to)."""
+    from unimax import build_engine
+
+    model = GDNForCausalLM.random(CONFIG, device="cpu", dtype=torch.bfloat16, seed=0)
+    verifier = build_engine(model, decode="fp8", draft="full", block_size=BLOCK).verifier
+    if compiled:
+        verifier.compiled = verifier.forward
+    verifier.runner = StandInRunner(times, verifier, "compiled" if compiled else "forward")
+    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: possible)
+    return verifier, verifier.runner
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_the_verifier_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faster):
+    """The verifier's full block captured plain, then with PDL on its compiled forwards'
+    kernels; the faster graph kept with its time (the draft-length policy's cost), and every
+    other graph, exact runs too, captured once in the kept setting."""
+    times = {False: 2.0, True: 1.5} if faster else {False: 1.5, True: 2.0}
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    verifier, runner = verifier_with(monkeypatch, times)
+    verifier.capture()
+    full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
+    assert verifier.pdl is faster and verifier.pdl_ms == {"False": times[False],
+                                                          "True": times[True]}
+    assert runner.graphs[full].setting is faster and runner.replay_ms[full] == times[faster]
+    assert runner.captures[:2] == [(full, False), (full, True)]
+    rest = runner.captures[2:]
+    assert {key for key, _ in rest} == set(runner.graphs) - {full}
+    assert {setting for _, setting in rest} == {faster}
+    assert {key[0] for key, _ in rest} == {"exact", "verify"} and len(rest) == 2 * BLOCK - 1
+    assert verifier.block_costs_ms()[BLOCK] == times[faster]
+    assert asked_now() is False  # (outside the verifier's blocks "auto" asks for nothing)
+
+
+def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
+    """Without a capture at start-up, the first block a reply launches chooses first."""
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.9})
+    verifier.launch(2)
+    full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
+    assert verifier.pdl is True
+    assert runner.captures == [(full, False), (full, True),
+                               (verifier.graph_key(2, verifier.span(2, 0), None, False), True)]
+
+
+@pytest.mark.parametrize("case", ["eager", "set", "no pdl"])
+def test_the_verifier_times_nothing_without_a_choice(monkeypatch, case):
+    """Eager forwards (cuBLAS: no kernel of ours to launch early), PDL set, or a device without
+    programmatic launch: nothing timed, every graph captured once, plain ("auto") or as set."""
+    monkeypatch.setattr(fused_gemv, "PDL", True if case == "set" else "auto")
+    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.5},
+                                     compiled=case != "eager", possible=case != "no pdl")
+    verifier.capture()
+    assert verifier.pdl is False and verifier.pdl_ms == {}
+    assert len(runner.captures) == len({key for key, _ in runner.captures})
+    assert {setting for _, setting in runner.captures} == {case == "set"}

@@ -148,6 +148,33 @@ def pdl_candidate(model) -> bool | str:
     return "fp8" if True in kinds else bool(kinds)
 
 
+def pdl_timable(candidate: bool | str, runner: GraphRunner) -> bool:
+    """Whether PDL "auto" has a choice to time: a candidate setting, graphs (a timed runner)
+    and a GPU with programmatic dependent launch; ops.fused_gemv.PDL left "auto"."""
+    return bool(candidate) and runner.use_graphs and runner.timed and \
+        fused_gemv.PDL == "auto" and fused_gemv.pdl_possible(runner.device)
+
+
+def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
+                     capture: Callable[[bool | str], None]) -> tuple[bool | str, dict]:
+    """PDL "auto"'s choice for one owner of graphs (a decoder, the verifier): ``capture(s)``
+    captures ``key`` into ``runner`` with its blocks in setting s; captured plain and then in
+    ``candidate``, the faster graph stays under ``key`` with its time (a tie, or a time that
+    could not be taken, keeps plain launches). Returns (the setting kept, each setting's ms)."""
+    found = {}
+    for setting in (False, candidate):
+        runner.forget(key)
+        capture(setting)
+        found[setting] = (runner.graphs[key], runner.replay_ms.get(key))
+    times = {setting: ms for setting, (_, ms) in found.items()}
+    kept = False if None in times.values() else min(times, key=times.get)
+    runner.forget(key)
+    runner.graphs[key] = found[kept][0]
+    if times[kept] is not None:
+        runner.replay_ms[key] = times[kept]
+    return kept, {str(setting): ms for setting, ms in times.items()}
+
+
 class MaxTurboGraphDecoder:
     """Decodes with ``model`` (the exact model or a quantized view) from its own cache.
 
@@ -255,7 +282,8 @@ class MaxTurboGraphDecoder:
         dependent launch (compute capability 9+; not an L4): capture the greedy block of
         block_size steps with plain launches and with PDL on this model's fused GEMVs
         (``pdl_candidate``), keep the faster graph and use its setting for every block
-        captured after. Once per decoder (``pdl`` None until then); elsewhere plain launches.
+        captured after (``timed_pdl_choice``). Once per decoder (``pdl`` None until then);
+        elsewhere plain launches.
 
         Why timed: PDL's sign depends on the shape and the run. On the H200 it made the 0.8B
         draft step 5-7% faster and the 4B one 4% slower (twenty-ninth session), where an earlier
@@ -264,20 +292,16 @@ class MaxTurboGraphDecoder:
             return
         self.pdl = False
         candidate = pdl_candidate(self.model)
-        if not (candidate and self.use_graphs and fused_gemv.PDL == "auto"
-                and fused_gemv.pdl_possible(self.device)):
+        if not pdl_timable(candidate, self.runner):
             return
         key = self._key(self.block_size, False, False)
-        found = {}
-        for setting in (False, candidate):  # (a tie keeps plain launches)
+
+        def capture(setting):
             self.pdl = setting
-            self.runner.forget(key)
             self.runner.prepare(key, lambda: self._block(self.block_size, False),
                                 writes=[self.cache], buffers=self._buffers(False))
-            found[setting] = (self.runner.graphs[key], self.runner.replay_ms[key])
-        self.pdl = min(found, key=lambda setting: found[setting][1])
-        self.runner.graphs[key], self.runner.replay_ms[key] = found[self.pdl]
-        self.pdl_ms = {str(setting): ms for setting, (_, ms) in found.items()}
+
+        self.pdl, self.pdl_ms = timed_pdl_choice(self.runner, key, candidate, capture)
 
     @torch.inference_mode()
     def capture_blocks(self, sampled: bool = False, record: bool = False) -> None:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from .cache import CacheCopier, RecurrentCache
-from .graph import GraphRunner, MaxTurboGraphDecoder
+from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
+from .ops import fused_gemv
 from .ops.short_recurrence import choose_for_blocks
 from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
@@ -152,6 +153,11 @@ class Verifier:
         self.result_host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
         self.result_ready = torch.cuda.Event() if cuda else None
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
+        # Programmatic dependent launch of the compiled forwards' Triton GEMMs and GEMVs
+        # (ops.fused_gemv.PDL "auto"), chosen by timing as each decoder chooses its own
+        # (``choose_pdl``): None until then, the setting kept, each setting's ms a block
+        self.pdl: bool | None = None
+        self.pdl_ms: dict[str, float] = {}
         self.forward = exact_model.forward_unchecked
         self.compiled = None
         if compile:
@@ -182,6 +188,16 @@ class Verifier:
         return b + 1 if room else k + 1
 
     def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
+        """A block of k drafts (``_check``), its launches in the PDL setting chosen."""
+        with fused_gemv.auto_pdl(self.pdl or False):
+            self._check(k, sampled, span)
+
+    def _exact_steps(self, n: int, sampled: bool = False) -> None:
+        """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen."""
+        with fused_gemv.auto_pdl(self.pdl or False):
+            self._exact_run(n, sampled)
+
+    def _check(self, k: int, sampled: bool, span: int | None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
         the agreeing prefix; sampled: the speculative rule, its token in every prediction
         slot. Reads the draft (and its distributions) from the decoder's static buffers.
@@ -218,7 +234,7 @@ class Verifier:
         (self.resync_draft_conv if one_pass else self.resync_draft)()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
-    def _exact_steps(self, n: int, sampled: bool = False) -> None:
+    def _exact_run(self, n: int, sampled: bool) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
         pay) in one graph and one host sync instead of n, as BF16-only decoding does its
         blocks. Each step feeds the token the step before predicted (``sampled``: drew from
@@ -251,6 +267,7 @@ class Verifier:
         (``span``), and on hybrids unpadded in the last bucket, where the buffers' end can
         leave no room for the padding; exact runs of 2..block_size steps (``sampled``: the
         verified-sampling graphs too). The caches are left as they were."""
+        self.choose_pdl()
         windows = self.cache.windows()
         writes = [self.cache, self.snapshot, self.decoder.cache]
         for window in windows:  # hybrid models: one set per KV bucket
@@ -269,6 +286,37 @@ class Verifier:
                         self.runner.prepare(self.graph_key(k, span, window, s),
                                             lambda k=k, s=s, span=span: self._verify(k, s, span),
                                             writes=writes, buffers=self._buffers())
+
+    @torch.inference_mode()
+    def choose_pdl(self) -> None:
+        """Where ops.fused_gemv.PDL is "auto", graphs are on, the forwards are compiled (their
+        linears Triton kernels: ops.gemv's tensor-core GEMMs, the fused GEMVs of the one-token
+        forward) and the GPU has programmatic dependent launch: capture the greedy block of
+        block_size drafts (the first KV bucket) plain and with PDL on every one of those
+        kernels, keep the faster (graph.timed_pdl_choice) and capture every later graph, exact
+        runs too, in that setting. Once per verifier (``pdl`` None until then).
+
+        Why: the verify block is what keeps 0.8B verified mode under BF16-only, 1.55-1.78 BF16
+        steps for 9 rows on the H200 (4B: 1.30), its time per layer, not per byte; PDL made the
+        0.8B decoders' blocks 6-8% faster (bench/RESULTS.md, thirtieth session)."""
+        if self.pdl is not None:
+            return
+        self.pdl = False
+        candidate = self.compiled is not None  # (eager forwards: cuBLAS, nothing to launch early)
+        if not pdl_timable(candidate, self.runner):
+            return
+        window, k = self.cache.windows()[0], self.block_size
+        span = self.span(k, 0)
+        key = self.graph_key(k, span, window, False)
+
+        def capture(setting):
+            self.pdl = setting
+            with self.cache.attending(window):
+                self.runner.prepare(key, lambda: self._verify(k, False, span),
+                                    writes=[self.cache, self.snapshot, self.decoder.cache],
+                                    buffers=self._buffers())
+
+        self.pdl, self.pdl_ms = timed_pdl_choice(self.runner, key, True, capture)
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
@@ -302,6 +350,7 @@ class Verifier:
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
         distributions; its sampling settings and seeded generator are the reply's). Returns
         what ``collect`` needs."""
+        self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "

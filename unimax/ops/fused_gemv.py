@@ -65,9 +65,13 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # 5-7% faster and verified 4-6% faster end to end, the 4B draft step 4% slower. So the sign
 # depends on the shape and the run: PDL "auto" (the default) leaves the choice to each graph
 # decoder, which times its largest block with and without at capture and keeps the faster
-# (unimax.graph.MaxTurboGraphDecoder.choose_pdl); "auto" asks for nothing outside a decoder's
-# blocks (the verifier, prompts). False, True and "fp8" set it for every launch.
-PDL: bool | str = "auto"  # or False, True (every fused GEMV), or "fp8" (FP8 weights only)
+# (unimax.graph.MaxTurboGraphDecoder.choose_pdl), and so does the compiled verifier with its
+# full verify block, where the setting also covers ops.gemv's tensor-core GEMMs (thirtieth
+# session: at 0.8B BF16-only kept PDL, 6-8% faster, and the verify block, untouched by it, is
+# what keeps verified mode under BF16-only; unimax.verifier.Verifier.choose_pdl). "auto" asks
+# for nothing outside those blocks (prompts). False, True and "fp8" set it for every launch.
+PDL: bool | str = "auto"  # or False, True (every fused GEMV and tensor-core GEMM), or "fp8"
+# (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
 PDL_TRIGGER = "start"  # or "end"
 # The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K

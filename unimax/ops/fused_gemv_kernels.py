@@ -10,7 +10,7 @@ and the kernel it replaces (a launch of ~1.5-2.5 us on the H200, for a few kilob
 import triton
 import triton.language as tl
 
-from .gemv_kernels import split_k_sum, tile_products
+from .gemv_kernels import launch_dependents, split_k_sum, tile_products, wait_for_the_kernel_before
 
 # Prologues (the PRO constexpr; fused_gemv.PROLOGUES names them)
 NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU, SIGMOID_GATE = 0, 1, 2, 3, 4, 5
@@ -19,23 +19,6 @@ NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU, SIGMOID_GATE = 0, 1, 2, 3, 4, 5
 @triton.jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def launch_dependents():
-    """PTX griddepcontrol.launch_dependents: the kernel after this one, if launched with
-    programmatic dependent launch, may start now (on SMs this kernel's programs free up); it
-    still waits (below) for this kernel to finish before reading what it writes."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def wait_for_the_kernel_before():
-    """PTX griddepcontrol.wait: with programmatic dependent launch the kernel before may still
-    be running; once this returns it has finished and everything it wrote is visible."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -223,7 +223,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, y, y, m, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=dot_rows(m),
-                     SWIGLU=swiglu, **fixed, **tile_args(tile))
+                     SWIGLU=swiglu, **fixed, **_pdl_launch(x, weight), **tile_args(tile))
     else:  # dotsplit: the workspace and counters for its slices (see DOTSPLIT_TILES)
         *tile, split = tile or DOTSPLIT_TILE
         tiles = -(-n // tile[0])
@@ -234,8 +234,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         launch[(tiles, split)](x, weight, scale if scaled else x, y, work, _counters(x.device),
                                m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                                HAS_SCALE=scaled, BLOCK_M=dot_rows(m), SPLIT=split, **fixed,
-                               **tile_args(tuple(tile)))
+                               **_pdl_launch(x, weight), **tile_args(tuple(tile)))
     return y
+
+
+def _pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The tensor-core forms' PDL launch arguments: the fused GEMVs' setting
+    (ops.fused_gemv.PDL, and in "auto" what the block around the launch chose; none on the CPU,
+    in the interpreter or below compute capability 9). (Imported here: fused_gemv imports this
+    module.)"""
+    from .fused_gemv import pdl_launch
+
+    return pdl_launch(x, weight)
 
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------

@@ -55,6 +55,23 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_y
 
 
 @triton.jit
+def launch_dependents():
+    """PTX griddepcontrol.launch_dependents: the kernel after this one, if launched with
+    programmatic dependent launch, may start now (on SMs this kernel's programs free up); it
+    still waits (below) for this kernel to finish before reading what it writes."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_for_the_kernel_before():
+    """PTX griddepcontrol.wait: with programmatic dependent launch the kernel before may still
+    be running; once this returns it has finished and everything it wrote is visible."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
                 SPLIT: tl.constexpr):
     """Split-K in one launch: each of a tile's SPLIT programs stores its partial sums (fp32,
@@ -76,10 +93,26 @@ def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
 
 
 @triton.jit
+def dot_w_tile(w_ptr, rn, rk, N, K, stride_wn):
+    return tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                   mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def dot_x_tile(x_ptr, rm, rk, M, K, stride_xm):
+    return tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                   mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
 def dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32: tl.constexpr):
     """acc + x (BLOCK_M, BLOCK_K) @ W[rn, rk]^T on the tensor cores."""
-    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+    return tile_dot(acc, x, dot_w_tile(w_ptr, rn, rk, N, K, stride_wn), DOT_F32)
+
+
+@triton.jit
+def tile_dot(acc, x, w, DOT_F32: tl.constexpr):
+    """acc + x (BLOCK_M, BLOCK_K) @ w^T, w a tile of W (BLOCK_N, BLOCK_K)."""
     # FP8 values are exact in BF16: the product is the weights' own, accumulated fp32.
     # (Triton's CPU interpreter multiplies BF16 dots wrongly: it takes fp32 there.)
     if DOT_F32:
@@ -100,7 +133,8 @@ def swiglu_rounded(gate, up, dtype: tl.constexpr):
 def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                stride_ym, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-               SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False):
+               SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False,
+               PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
     """y = x @ W^T (* s): all M <= BLOCK_M rows of x against a tile of W's rows per program.
 
     ``SPLIT`` > 1 (split-K, "dotsplit": the verifier's K-long, narrow linears, whose N / BLOCK_N
@@ -112,7 +146,14 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
     ``SWIGLU`` (SPLIT 1; ops.gemv_swiglu): W is an MLP's [gate; up] (2N, K) and y (M, N) is
     silu(x @ gate^T) * (x @ up^T): each program takes the same rows of both halves, so the
     activation is its epilogue, not a kernel of its own. Each product is rounded to y's dtype
-    first, as the GEMM's output would be, then ``swiglu_rounded``."""
+    first, as the GEMM's output would be, then ``swiglu_rounded``.
+
+    ``PDL`` (launched with programmatic dependent launch, compute capability 9+; the verifier's
+    blocks where its timing chose it, unimax.verifier.Verifier.choose_pdl): the program loads
+    its first tile of W (weights: nothing before writes them) before it waits for the kernel
+    before, and lets the next kernel launch at its start (``PDL_LATE``: at the end of its
+    loop), as the fused GEMVs do (fused_gemv_kernels.fused_gemv_kernel). The same sums in the
+    same order as without."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
@@ -124,14 +165,30 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
         end = tl.minimum(start + span, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL:  # the first tile taken out of the loop, its W loaded before the wait (a split's
+        # empty last slice, past K: masked to zeros, as the loop would add nothing)
+        if not PDL_LATE:
+            launch_dependents()
+        rk = start + tl.arange(0, BLOCK_K)
+        w = dot_w_tile(w_ptr, rn, rk, N, K, stride_wn)
+        w_up = w
+        if SWIGLU:
+            w_up = dot_w_tile(w_ptr + N * stride_wn, rn, rk, N, K, stride_wn)
+        wait_for_the_kernel_before()
+        x = dot_x_tile(x_ptr, rm, rk, M, K, stride_xm)
+        acc = tile_dot(acc, x, w, DOT_F32)
+        if SWIGLU:
+            acc_up = tile_dot(acc_up, x, w_up, DOT_F32)
+        start += BLOCK_K
     for k0 in range(start, end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        x = dot_x_tile(x_ptr, rm, rk, M, K, stride_xm)
         acc = dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
         if SWIGLU:  # (the up rows: N rows further on)
             acc_up = dot_tile(acc_up, x, w_ptr + N * stride_wn, rn, rk, N, K, stride_wn,
                               DOT_F32)
+    if PDL and PDL_LATE:
+        launch_dependents()
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT > 1:
         tl.static_assert(not SWIGLU, "SWIGLU takes SPLIT 1")
