@@ -72,6 +72,40 @@ def model():
     return gpu_model()
 
 
+def pdl_problem(rows: int, seed: int):
+    """The PDL kernel tests' inputs (skipped below compute capability 9): a generator, K and N
+    at the 4B MLP's sizes, and a GEMM's operands a (rows, 4096) @ b (4096, K) whose output
+    the first PDL kernel must wait for."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k, n = 2560, 9216
+    a = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(4096, k, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    return gen, k, n, a, b
+
+
+def assert_pdl_graph_matches_plain(monkeypatch, body, a, weight, label) -> None:
+    """``body()`` (reading ``a``, writing through kernels of ops.fused_gemv's PDL setting)
+    captured in a graph with PDL on, then ``a`` changed: the replay equals the PDL-free
+    kernels' outputs bit for bit (a kernel that read its input before the one writing it had
+    finished would show the old values)."""
+    import unimax.ops.fused_gemv as fused_gemv
+
+    monkeypatch.setattr(fused_gemv, "PDL", True)
+    assert fused_gemv.pdl_launch(a, weight)["launch_pdl"]  # (the PDL form really launches)
+    body()  # (warm-up: compile and autotune outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = body()
+    a.mul_(-1.5)
+    monkeypatch.setattr(fused_gemv, "PDL", False)
+    want = body()
+    graph.replay()
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), label
+
+
 def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL set on):
     in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second
@@ -83,12 +117,7 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
     import unimax.ops.fused_gemv as fused_gemv
     from unimax.fp8 import quantize_rows
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    k, n = 2560, 9216
-    a = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    b = (torch.randn(4096, k, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    gen, k, n, a, b = pdl_problem(rows=1, seed=6)
     norm = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
     w1, w2 = torch.randn(n, k, device="cuda", generator=gen), torch.randn(k, n, device="cuda",
                                                                           generator=gen)
@@ -107,18 +136,7 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
             return h, fused_gemv.fused_gemv(h, q2, s2, k, n, "none", None, None, x, 1e-6, 0.0,
                                             kernel=kernel)
 
-        monkeypatch.setattr(fused_gemv, "PDL", True)
-        assert fused_gemv.pdl_launch(a, q1)["launch_pdl"]  # (the PDL form really launches)
-        body()  # (warm-up: compile and autotune outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = body()
-        a.mul_(-1.5)  # new inputs: a replay that read x or h early would show the old ones
-        monkeypatch.setattr(fused_gemv, "PDL", False)
-        want = body()
-        graph.replay()
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), (kernel, trigger)
+        assert_pdl_graph_matches_plain(monkeypatch, body, a, q1, (kernel, trigger))
     monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "start")
     monkeypatch.setattr(fused_gemv, "PDL", False)  # (not "auto", the default: timed)
     x = prompt(60, seed=3)
@@ -145,12 +163,7 @@ def test_dot_gemm_pdl_on_gpu(monkeypatch):
     import unimax.ops.fused_gemv as fused_gemv
     import unimax.ops.gemv as gemv_ops
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    k, n = 2560, 9216
-    a = torch.randn(9, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    b = (torch.randn(4096, k, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    gen, k, n, a, b = pdl_problem(rows=9, seed=7)
     w1 = (torch.randn(2 * n, k, device="cuda", generator=gen) / 50).to(torch.bfloat16)
     w2 = (torch.randn(k, n, device="cuda", generator=gen) / 100).to(torch.bfloat16)
     for first, second, trigger in (("dot", "dot", "start"), ("dot", "dotsplit", "start"),
@@ -163,18 +176,7 @@ def test_dot_gemm_pdl_on_gpu(monkeypatch):
                 gemv_ops.gemv(x, w1[:n], kernel="dot")
             return h, gemv_ops.gemv(h, w2, kernel=second)
 
-        monkeypatch.setattr(fused_gemv, "PDL", True)
-        assert fused_gemv.pdl_launch(a, w1)["launch_pdl"]  # (the PDL form really launches)
-        body()  # (warm-up: compile and autotune outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = body()
-        a.mul_(-1.5)  # new inputs: a replay that read x or h early would show the old ones
-        monkeypatch.setattr(fused_gemv, "PDL", False)
-        want = body()
-        graph.replay()
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), (first, second, trigger)
+        assert_pdl_graph_matches_plain(monkeypatch, body, a, w1, (first, second, trigger))
 
 
 def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
