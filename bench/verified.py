@@ -441,6 +441,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
     parts["pdl"]["draft"] = pdl_of(engine.decode_graph)
     parts["pdl"]["verifier"] = pdl_of(engine.verifier)
+    parts["pdl"]["verifier_run"] = {"kept": engine.verifier.pdl_run,
+                                    "block_ms": engine.verifier.pdl_run_ms}
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
     for b in verifier.span_blocks[:-1]:  # the shorter compiled forwards (block > 8), where

@@ -183,10 +183,10 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     """PDL "auto" (the default): the BF16 fast step's decoder and the full-FP8 draft's each
     time their largest block plain and with PDL on their fused GEMVs (every one for BF16, the
     FP8 ones for the draft), keep the faster graph under its time, and decode the tokens the
-    plain decoder decodes; the compiled verifier times its full block plain and with PDL on
-    its Triton GEMMs and GEMVs, and a verified reply with both choices equals the all-plain
-    engine's, bit for bit, and exact greedy up to a near tie. (The choices' logic:
-    tests/test_pdl_auto.py.)"""
+    plain decoder decodes; the compiled verifier times its full block and its exact run plain
+    and with PDL on its Triton GEMMs and GEMVs, and a verified reply with both choices equals
+    the all-plain engine's, bit for bit, and exact greedy up to a near tie. (The choices'
+    logic: tests/test_pdl_auto.py.)"""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax import exact_greedy_tokens
     from unimax.graph import pdl_candidate
@@ -218,11 +218,14 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     # session)
     tokens, _ = auto.generate_verified(x, 24)
     verifier = auto.verifier
-    print("verifier PDL timed (ms a block of 8):", verifier.pdl_ms, "kept", verifier.pdl)
-    assert set(verifier.pdl_ms) == {"False", "True"} and verifier.pdl in (False, True)
-    full = verifier.graph_key(8, verifier.span(8, 0), None, False)
-    assert verifier.runner.replay_ms[full] == verifier.pdl_ms[str(verifier.pdl)] == min(
-        verifier.pdl_ms.values())
+    print("verifier PDL timed (ms a block of 8):", verifier.pdl_ms, "kept", verifier.pdl,
+          "an exact run of 8:", verifier.pdl_run_ms, "kept", verifier.pdl_run)
+    for key, ms, kept in ((verifier.graph_key(8, verifier.span(8, 0), None, False),
+                           verifier.pdl_ms, verifier.pdl),
+                          (verifier.run_key(8, None, False), verifier.pdl_run_ms,
+                           verifier.pdl_run)):
+        assert set(ms) == {"False", "True"} and kept in (False, True)
+        assert verifier.runner.replay_ms[key] == ms[str(kept)] == min(ms.values())
     monkeypatch.setattr(fused_gemv, "PDL", False)
     assert torch.equal(tokens, plain.generate_verified(x, 24)[0])
     assert plain.verifier.pdl is False

@@ -42,7 +42,8 @@ class StandInRunner(GraphRunner):
     """A GraphRunner whose capture runs the body once, eagerly, leaving no trace (as capture's
     warm-ups), and whose "graph" remembers the PDL setting the body's launches asked for (seen
     at each call of ``owner.attribute``: the forward its blocks run); its replay time is
-    ``times[setting]``. ``captures``: (key, setting) in order."""
+    ``times[setting]`` (``times(key)[setting]`` where times is a function of the graph's key).
+    ``captures``: (key, setting) in order."""
 
     def __init__(self, times: dict, owner, attribute: str = "_step"):
         super().__init__(torch.device("cpu"), use_graphs=False, timed=True)
@@ -68,7 +69,8 @@ class StandInRunner(GraphRunner):
         assert len(set(self.asked)) == 1, self.asked  # (every step of a block alike)
         setting = self.asked[0]
         self.captures.append((self.key_now, setting))
-        return Replayable(setting), self.times[setting]
+        times = self.times(self.key_now) if callable(self.times) else self.times
+        return Replayable(setting), times[setting]
 
 
 def decoder_with(monkeypatch, times: dict, full: bool = True, possible: bool = True):
@@ -175,23 +177,43 @@ def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: boo
 @pytest.mark.parametrize("faster", [False, True])
 def test_the_verifier_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faster):
     """The verifier's full block captured plain, then with PDL on its compiled forwards'
-    kernels; the faster graph kept with its time (the draft-length policy's cost), and every
-    other graph, exact runs too, captured once in the kept setting."""
+    kernels, then its exact run of block_size steps the same way; the faster graph of each
+    kept with its time (the draft-length policy's costs), and every other graph captured once
+    in its kind's setting."""
     times = {False: 2.0, True: 1.5} if faster else {False: 1.5, True: 2.0}
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
     verifier, runner = verifier_with(monkeypatch, times)
     verifier.capture()
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
-    assert verifier.pdl is faster and verifier.pdl_ms == {"False": times[False],
-                                                          "True": times[True]}
-    assert runner.graphs[full].setting is faster and runner.replay_ms[full] == times[faster]
-    assert runner.captures[:2] == [(full, False), (full, True)]
-    rest = runner.captures[2:]
-    assert {key for key, _ in rest} == set(runner.graphs) - {full}
+    run = verifier.run_key(BLOCK, None, False)
+    measured = {"False": times[False], "True": times[True]}
+    assert verifier.pdl is faster and verifier.pdl_ms == measured
+    assert verifier.pdl_run is faster and verifier.pdl_run_ms == measured
+    for key in (full, run):
+        assert runner.graphs[key].setting is faster and runner.replay_ms[key] == times[faster]
+    assert runner.captures[:4] == [(full, False), (full, True), (run, False), (run, True)]
+    rest = runner.captures[4:]
+    assert {key for key, _ in rest} == set(runner.graphs) - {full, run}
     assert {setting for _, setting in rest} == {faster}
-    assert {key[0] for key, _ in rest} == {"exact", "verify"} and len(rest) == 2 * BLOCK - 1
+    assert {key[0] for key, _ in rest} == {"exact", "verify"} and len(rest) == 2 * BLOCK - 2
     assert verifier.block_costs_ms()[BLOCK] == times[faster]
+    assert verifier.block_costs_ms()[0] == times[faster] / BLOCK  # (per step of the run)
     assert asked_now() is False  # (outside the verifier's blocks "auto" asks for nothing)
+
+
+def test_the_verifiers_blocks_and_one_token_forwards_choose_apart(monkeypatch):
+    """Blocks with drafts (tensor-core GEMMs) faster with PDL, exact runs (fused GEMVs)
+    faster plain: each kind keeps its own, and a k = 0 block, one exact step, goes with the
+    exact runs."""
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    verifier, runner = verifier_with(monkeypatch, lambda key: {False: 1.0, True: 0.9} if key[
+        0] == "verify" else {False: 0.9, True: 1.0})
+    verifier.capture()
+    assert verifier.pdl is True and verifier.pdl_run is False
+    settings = dict(runner.captures[4:])
+    assert all(setting is (key[0] == "verify" and key[1] > 0)
+               for key, setting in settings.items()), settings
+    assert verifier.graph_key(0, 1, None, False) in settings
 
 
 def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
@@ -200,8 +222,9 @@ def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
     verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.9})
     verifier.launch(2)
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
-    assert verifier.pdl is True
-    assert runner.captures == [(full, False), (full, True),
+    run = verifier.run_key(BLOCK, None, False)
+    assert verifier.pdl is True and verifier.pdl_run is True
+    assert runner.captures == [(full, False), (full, True), (run, False), (run, True),
                                (verifier.graph_key(2, verifier.span(2, 0), None, False), True)]
 
 
@@ -214,5 +237,6 @@ def test_the_verifier_times_nothing_without_a_choice(monkeypatch, case):
                                      compiled=case != "eager", possible=case != "no pdl")
     verifier.capture()
     assert verifier.pdl is False and verifier.pdl_ms == {}
+    assert verifier.pdl_run is False and verifier.pdl_run_ms == {}
     assert len(runner.captures) == len({key for key, _ in runner.captures})
     assert {setting for _, setting in runner.captures} == {case == "set"}

@@ -155,9 +155,13 @@ class Verifier:
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
         # Programmatic dependent launch of the compiled forwards' Triton GEMMs and GEMVs
         # (ops.fused_gemv.PDL "auto"), chosen by timing as each decoder chooses its own
-        # (``choose_pdl``): None until then, the setting kept, each setting's ms a block
+        # (``choose_pdl``): None until then, the setting kept for blocks with drafts (``pdl``)
+        # and for one-token forwards (``pdl_run``: exact runs, k = 0 blocks), each setting's
+        # ms a block
         self.pdl: bool | None = None
+        self.pdl_run: bool | None = None
         self.pdl_ms: dict[str, float] = {}
+        self.pdl_run_ms: dict[str, float] = {}
         self.forward = exact_model.forward_unchecked
         self.compiled = None
         if compile:
@@ -188,13 +192,15 @@ class Verifier:
         return b + 1 if room else k + 1
 
     def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
-        """A block of k drafts (``_check``), its launches in the PDL setting chosen."""
-        with fused_gemv.auto_pdl(self.pdl or False):
+        """A block of k drafts (``_check``), its launches in the PDL setting chosen (k = 0,
+        one exact step: the one-token forwards' setting)."""
+        with fused_gemv.auto_pdl((self.pdl_run if k == 0 else self.pdl) or False):
             self._check(k, sampled, span)
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
-        """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen."""
-        with fused_gemv.auto_pdl(self.pdl or False):
+        """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
+        for one-token forwards."""
+        with fused_gemv.auto_pdl(self.pdl_run or False):
             self._exact_run(n, sampled)
 
     def _check(self, k: int, sampled: bool, span: int | None) -> None:
@@ -292,31 +298,44 @@ class Verifier:
         """Where ops.fused_gemv.PDL is "auto", graphs are on, the forwards are compiled (their
         linears Triton kernels: ops.gemv's tensor-core GEMMs, the fused GEMVs of the one-token
         forward) and the GPU has programmatic dependent launch: capture the greedy block of
-        block_size drafts (the first KV bucket) plain and with PDL on every one of those
-        kernels, keep the faster (graph.timed_pdl_choice) and capture every later graph, exact
-        runs too, in that setting. Once per verifier (``pdl`` None until then).
+        block_size drafts, and the exact run of block_size steps, each plain and with PDL on
+        every one of those kernels (the first KV bucket), keep the faster of each
+        (graph.timed_pdl_choice) and capture every later graph in its kind's setting: blocks
+        with drafts in ``pdl``, one-token forwards (exact runs, k = 0 blocks) in ``pdl_run``.
+        Once per verifier (``pdl`` None until then).
 
         Why: the verify block is what keeps 0.8B verified mode under BF16-only, 1.55-1.78 BF16
         steps for 9 rows on the H200 (4B: 1.30), its time per layer, not per byte; PDL made the
-        0.8B decoders' blocks 6-8% faster (bench/RESULTS.md, thirtieth session)."""
+        0.8B decoders' blocks 6-8% faster (bench/RESULTS.md, thirtieth session). Two choices,
+        since the one-token forwards run the fused GEMVs, whose PDL made 4B steps slower and
+        0.8B ones faster, and the blocks with drafts the tensor-core GEMMs."""
         if self.pdl is not None:
             return
-        self.pdl = False
+        self.pdl = self.pdl_run = False
         candidate = self.compiled is not None  # (eager forwards: cuBLAS, nothing to launch early)
         if not pdl_timable(candidate, self.runner):
             return
         window, k = self.cache.windows()[0], self.block_size
         span = self.span(k, 0)
-        key = self.graph_key(k, span, window, False)
+        writes = [self.cache, self.snapshot, self.decoder.cache]
 
-        def capture(setting):
-            self.pdl = setting
+        def capture(key, body):
             with self.cache.attending(window):
-                self.runner.prepare(key, lambda: self._verify(k, False, span),
-                                    writes=[self.cache, self.snapshot, self.decoder.cache],
-                                    buffers=self._buffers())
+                self.runner.prepare(key, body, writes=writes, buffers=self._buffers())
 
-        self.pdl, self.pdl_ms = timed_pdl_choice(self.runner, key, True, capture)
+        def capture_block(setting):
+            self.pdl = setting
+            capture(self.graph_key(k, span, window, False), lambda: self._verify(k, False, span))
+
+        def capture_run(setting):
+            self.pdl_run = setting
+            capture(self.run_key(k, window, False), lambda: self._exact_steps(k))
+
+        self.pdl, self.pdl_ms = timed_pdl_choice(
+            self.runner, self.graph_key(k, span, window, False), True, capture_block)
+        if k > 1:  # (exact runs are 2..block_size steps)
+            self.pdl_run, self.pdl_run_ms = timed_pdl_choice(
+                self.runner, self.run_key(k, window, False), True, capture_run)
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool):
