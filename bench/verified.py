@@ -323,10 +323,13 @@ def exact_kernels(verifier, k: int, window, kernels: dict, suffix: str = "") -> 
         verifier.runner, verifier.run_key(k, window, sampled=False), k)
 
 
-def pdl_of(owner) -> dict:
+def pdl_of(owner, run: bool = False) -> dict:
     """A decoder's or verifier's PDL choice (unimax.graph.MaxTurboGraphDecoder.choose_pdl,
-    unimax.verifier.Verifier.choose_pdl): the setting kept and each timed setting's ms a block
-    (none timed: PDL set, no PDL here, or an eager verifier)."""
+    unimax.verifier.Verifier.choose_pdl; ``run``: the verifier's for its exact runs): the
+    setting kept and each timed setting's ms a block (none timed: PDL set, no PDL here, or an
+    eager verifier)."""
+    if run:
+        return {"kept": owner.pdl_run, "block_ms": owner.pdl_run_ms}
     return {"kept": owner.pdl, "block_ms": owner.pdl_ms}
 
 
@@ -441,8 +444,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
     parts["pdl"]["draft"] = pdl_of(engine.decode_graph)
     parts["pdl"]["verifier"] = pdl_of(engine.verifier)
-    parts["pdl"]["verifier_run"] = {"kept": engine.verifier.pdl_run,
-                                    "block_ms": engine.verifier.pdl_run_ms}
+    parts["pdl"]["verifier_run"] = pdl_of(engine.verifier, run=True)
     parts[f"verify_{k}_ms"] = replay_ms(verifier.runner,
                                         verifier.graph_key(k, k + 1, window, sampled=False))
     for b in verifier.span_blocks[:-1]:  # the shorter compiled forwards (block > 8), where
@@ -626,12 +628,13 @@ def main() -> None:
                              "block_op)")
     parser.add_argument("--pdl", nargs="?", const="all", default="auto",
                         choices=["auto", "off", "all", "fp8"],
-                        help="programmatic dependent launch of the fused GEMVs "
-                             "(unimax.ops.fused_gemv.PDL): auto (the default, as the app): "
-                             "each decoder times its largest block with and without and keeps "
-                             "the faster (the choices print as 'pdl'); off; all: every fused "
-                             "GEMV (BF16-only's step, the draft, the verifier's one-token "
-                             "forwards); fp8: those over FP8 weights only (the draft's)")
+                        help="programmatic dependent launch of the fused GEMVs and the "
+                             "verifier's tensor-core GEMMs (unimax.ops.fused_gemv.PDL): auto "
+                             "(the default, as the app): each decoder, and the compiled "
+                             "verifier for its blocks and its exact runs apart, times a block "
+                             "with and without and keeps the faster (the choices print as "
+                             "'pdl'); off; all: every one of those kernels; fp8: the GEMVs "
+                             "over FP8 weights only (the draft's)")
     parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER)")

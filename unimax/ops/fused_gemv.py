@@ -67,10 +67,10 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # decoder, which times its largest block with and without at capture and keeps the faster
 # (unimax.graph.MaxTurboGraphDecoder.choose_pdl), and so does the compiled verifier with its
 # full verify block and, apart, its exact run; there the setting also covers ops.gemv's
-# tensor-core GEMMs (thirtieth
-# session: at 0.8B BF16-only kept PDL, 6-8% faster, and the verify block, untouched by it, is
-# what keeps verified mode under BF16-only; unimax.verifier.Verifier.choose_pdl). "auto" asks
-# for nothing outside those blocks (prompts). False, True and "fp8" set it for every launch.
+# tensor-core GEMMs (thirtieth session: at 0.8B BF16-only kept PDL, 6-8% faster, and the
+# verify block, untouched by it, is what keeps verified mode under BF16-only;
+# unimax.verifier.Verifier.choose_pdl). "auto" asks for nothing outside those blocks
+# (prompts). False, True and "fp8" set it for every launch.
 PDL: bool | str = "auto"  # or False, True (every fused GEMV and tensor-core GEMM), or "fp8"
 # (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
