@@ -5,7 +5,8 @@ where a verified block's time goes.
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
-       [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta] [--kernels] [--json FILE]
+       [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
+       [--ab-fold-blocks] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -85,6 +86,11 @@ SWITCH_ABS = (
              "a second verified engine with the verify block's SwiGLU as a kernel of its own "
              "(ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced rows and verify block side by "
              "side", verify=True),
+    SwitchAB("--ab-fold-blocks", unimax.verifier, "FOLD_BLOCKS", True, "blocks_folded",
+             "a second verified engine whose verify blocks fold their norms, gates and "
+             "residual adds into the GEMMs (unimax.verifier.FOLD_BLOCKS: the tensor-core form "
+             "ops.fused_dot) as its one-token forwards do: forced rows and verify block side "
+             "by side", verify=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

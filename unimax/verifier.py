@@ -39,6 +39,7 @@ import torch
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
 from .ops import fused_gemv
+from .ops.gemv import GEMV_ROWS
 from .ops.short_recurrence import choose_for_blocks
 from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
@@ -51,6 +52,12 @@ from .speculative import speculative_step
 # its copy into the cache and the full resync: read four times and written four (4B: 67 MB
 # each time). Read when a Verifier is built (the A/B in bench/verified.py builds one of each).
 ONE_PASS_REWIND = True
+
+# The verifier's blocks of k + 1 rows fold as its one-token forwards do (unimax.fused_draft:
+# the norms and gates into the GEMMs' prologues, the residual adds into their stores, through
+# the tensor-core form ops.fused_dot), instead of the plain forms with inductor's norm kernels
+# between the GEMMs (four a GDN layer). Read when the view is built (exact_view).
+FOLD_BLOCKS = False
 
 # A block of k drafts runs a compiled forward of b + 1 rows, b the smallest span block >= k:
 # block_size itself and the powers of two from SHORTEST_SPAN_BLOCK up to it. A forward costs
@@ -94,9 +101,9 @@ def allow_recompiles(limit: int = 512) -> None:
 def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
     its one-token forwards (k = 0, exact runs) folded as BF16-only's step is
-    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows in the plain forms (a fused
-    tensor-core form for them lost on the H200: bench/RESULTS.md, ninth session) but for the
-    MLPs' gate-up GEMM, which takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
+    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows folded alike with ``FOLD_BLOCKS``
+    (through ops.fused_dot), else in the plain forms but for the MLPs' gate-up GEMM, which
+    takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
     is rounded as the block's torch forms round it, not inside the one-token recurrence
     kernel, so that the exact runs and the blocks round the gates alike."""
     from . import fused_draft
@@ -104,7 +111,9 @@ def exact_view(exact_model):
 
     view = gemv_view(exact_model, fuse=False)
     if fused_draft.FUSE and fused_draft.FUSE_BF16:
-        fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False)
+        fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False,
+                                fold_rows=(GEMV_ROWS if FOLD_BLOCKS
+                                           else fused_draft.FOLD_ROWS))
     return view
 
 

@@ -1,0 +1,120 @@
+"""The fused GEMVs' prologues and residual add (ops.fused_gemv) for a verifier block's rows, on
+the tensor cores: ``fused_dot(x, weight, scale, ..., kernel)``, M from PROGRAM_ROWS + 1 to
+GEMV_ROWS rows, W read once for all of them.
+
+Why: a verify block's GEMMs (ops.gemv's "dot" and "dotsplit") read the weights at the
+one-token GEMVs' speed, but between them run the norms the one-token forwards fold into their
+GEMVs: per GDN layer the residual add and RMSNorm twice and the gated norm's two kernels,
+~7 us a layer at 4B and ~5 at 0.8B on the H200, where the whole 0.8B block is ~58 us a layer
+(bench/RESULTS.md, thirty-first session). Here each GEMM reads x through the same prologue as
+the one-row forms, rounded where the torch forms round, and adds the residual as it stores.
+
+A first tensor-core form (ninth session) was exact but 3.5x slower than the GEMMs it replaced:
+it had no split-K, so the K-long narrow linears (out- and down-projections) ran a few dozen
+programs on 132 SMs. This one has dot_kernel's split-K and PDL, and takes its tile from a
+timed choice among the plain GEMM's own choice for the shape and a default of each form.
+Used where the verifier's view folds its blocks (unimax.verifier.FOLD_BLOCKS); the twin is
+fused_gemv's, the torch forms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .gemv import (
+    DOT_TILES,
+    DOTSPLIT_TILE,
+    DOTSPLIT_TILES,
+    GEMV_ROWS,
+    MAX_TILES,
+    PROGRAM_ROWS,
+    _counters,
+    _interpreted,
+    dot_rows,
+    dotsplit_fits,
+    parse_kernel,
+    tile_args,
+    tile_text,
+)
+
+FORMS = ("dot", "dotsplit")
+DOT_TILE = (64, 256, 4, 3)  # "dot" where none is named (one of DOT_TILES)
+
+
+@functools.cache
+def tiles_by_form(head: int) -> dict[str, tuple]:
+    """Each form's tiles (ops.gemv's), BLOCK_K at least one head (a gated prologue normalizes
+    whole heads within a slice)."""
+    def widen(tiles):
+        return tuple(dict.fromkeys((n, max(k, head), *rest) for n, k, *rest in tiles))
+    return {"dot": widen(DOT_TILES), "dotsplit": widen(DOTSPLIT_TILES)}
+
+
+def default_tile(form: str, head: int) -> tuple[int, ...]:
+    n, k, *rest = DOT_TILE if form == "dot" else DOTSPLIT_TILE
+    return (n, max(k, head), *rest)
+
+
+def fused_dot(x, weight, scale, out_features: int, in_features: int, prologue: str,
+              norm_weight=None, z=None, residual=None, eps: float = 1e-6, offset: float = 0.0,
+              kernel: str | None = None) -> torch.Tensor:
+    """The Triton kernel (CUDA, or Triton's interpreter) for PROGRAM_ROWS < M <= GEMV_ROWS
+    rows; the contract of fused_gemv's twin. ``kernel``: "dot" or "dotsplit" (K in slices,
+    reduced in the same launch), at their default tile or with "@tile" (one of
+    ``tiles_by_form(head)``)."""
+    from .fused_gemv import PROLOGUES, _head, check, pdl_launch
+
+    check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
+    m = x.shape[0]
+    if not PROGRAM_ROWS < m <= GEMV_ROWS:
+        raise ValueError(f"fused_dot: takes {PROGRAM_ROWS + 1} to {GEMV_ROWS} rows, got {m}")
+    head = _head(prologue, norm_weight)
+    form, tile = parse_kernel(kernel or "dot", tiles_by_form(head), "fused_dot")
+    *tile, split = (tile or default_tile(form, head)) if form == "dotsplit" else (
+        *(tile or default_tile(form, head)), 1)
+    tiles = -(-out_features // tile[0])
+    if split > 1 and tiles > MAX_TILES:
+        raise ValueError(f"fused_dot: dotsplit takes at most {MAX_TILES} output tiles, "
+                         f"got {tiles}")
+    import triton
+
+    from .fused_dot_kernels import fused_dot_kernel
+
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+            if split > 1 else y)
+    counters = _counters(x.device) if split > 1 else y
+    block_m = dot_rows(m)
+    fused_dot_kernel[(tiles, split)](
+        x, x if z is None else z, x if norm_weight is None else norm_weight, weight,
+        x if scale is None else scale, x if residual is None else residual, y, work, counters,
+        m, out_features, in_features, x.stride(0), 0 if z is None else z.stride(0),
+        weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), eps,
+        offset, PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
+        HAS_RES=residual is not None, BLOCK_M=block_m, DOT_F32=_interpreted(),
+        RK=triton.next_power_of_2(max(8192 // block_m, 1)) if not _interpreted() else 64,
+        SPLIT=split, **pdl_launch(x, weight), **tile_args(tuple(tile)))
+    return y
+
+
+def candidates(x: torch.Tensor, weight: torch.Tensor, scale, out_features: int,
+               in_features: int, head: int) -> tuple[str, ...]:
+    """What the per-shape choice times: the plain GEMM's own choice for this shape (ops.gemv,
+    timed there: its tile, BLOCK_K widened to a head), "dot" at DOT_TILE, and "dotsplit" at
+    DOTSPLIT_TILE where ``dotsplit_fits``. Three compiles per shape and prologue at most,
+    where timing every tile of both forms would be fourteen."""
+    from . import gemv
+
+    m = x.shape[0]
+    plain = gemv.choose(x.new_zeros(m, in_features), weight[:out_features, :in_features], None
+                        if scale is None else scale[:out_features])
+    names = [f"dot@{tile_text(default_tile('dot', head))}"]
+    if dotsplit_fits(m, out_features, in_features):
+        names.append(f"dotsplit@{tile_text(default_tile('dotsplit', head))}")
+    form, _, named = plain.partition("@")
+    if form in FORMS and named:
+        n, k, *rest = (int(v) for v in named.split("x"))
+        names.insert(0, f"{form}@{tile_text((n, max(k, head), *rest))}")
+    return tuple(dict.fromkeys(names))

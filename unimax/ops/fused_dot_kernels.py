@@ -1,0 +1,130 @@
+"""The Triton kernel behind unimax.ops.fused_dot: gemv_kernels.dot_kernel (all rows of a
+verifier block against a tile of W on the tensor cores, split-K and PDL as there) with the
+fused GEMVs' prologues folded into how it reads x and their residual add into its store
+(fused_gemv_kernels.py has the one-row forms; the prologue numbers are theirs).
+
+A prologue costs a program a few operations per element of its (BLOCK_M, BLOCK_K) slice of x
+against BLOCK_N x BLOCK_K weights; the RMS prologue also a pre-pass over the rows (from L2),
+for the norm's factor before the first product, as the torch form applies it. The kernel it
+replaces is a launch of ~1.5-2 us for a few kilobytes (four a GDN layer in a verify block).
+"""
+
+import triton
+import triton.language as tl
+
+from .fused_gemv_kernels import sigmoid
+from .gemv_kernels import (
+    dot_tile,
+    dot_w_tile,
+    launch_dependents,
+    split_k_sum,
+    tile_dot,
+    wait_for_the_kernel_before,
+)
+
+
+@triton.jit
+def rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, RK: tl.constexpr):
+    """1 / sqrt(mean(x[m]^2) + eps) in fp32 for every row of the block ((BLOCK_M,)), K in
+    slices of RK (a whole 16-row block at once would not fit a program's registers)."""
+    squares = tl.zeros((BLOCK_M, RK), dtype=tl.float32)
+    for k0 in range(0, K, RK):
+        rk = k0 + tl.arange(0, RK)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
+           PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """The rows rm of x's slice rk ((BLOCK_M, BLOCK_K)) as the linear's input: through the
+    prologue, rounded where the torch forms round, in their order of operations (the one-row
+    forms' x_math, a row at a time there). RMS: x * rstd * (offset + w). GATED_*: per head of
+    HEAD (BLOCK_K holds whole heads). SWIGLU: silu(x[:, rk]) * x[:, K + rk]. SIGMOID_GATE:
+    x * sigmoid(z)."""
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    if PRO == 1:
+        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd[:, None] * (offset + w[None, :])).to(x.dtype)
+    elif PRO == 2 or PRO == 3:
+        heads = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        r = tl.rsqrt(tl.sum(heads * heads, axis=2) / HEAD + eps)
+        w = tl.reshape(tl.load(nw_ptr + rk % HEAD).to(tl.float32), (1, BLOCK_K // HEAD, HEAD))
+        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        z = tl.reshape(z, (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
+        x = tl.reshape(heads * r[:, :, None] * w * gate, (BLOCK_M, BLOCK_K)).to(x.dtype)
+    elif PRO == 4:
+        up = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g * sigmoid(g)).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    elif PRO == 5:
+        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask, other=0.0)
+        gate = sigmoid(z.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def fused_dot_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N,
+                     K, stride_xm, stride_zm, stride_wn, stride_rm, stride_ym, eps, offset,
+                     PRO: tl.constexpr, HEAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, RK: tl.constexpr,
+                     SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
+                     PDL_LATE: tl.constexpr = False):
+    """y[rm, rn] = (prologue(x[rm]) @ W[rn]^T) * s[rn] (+ r[rm, rn]) for M <= BLOCK_M rows.
+
+    dot_kernel's loop, with x read through x_tile; ``SPLIT`` > 1 (split-K) and ``PDL`` as
+    there: under PDL the first W tile is loaded before the wait, the RMS pre-pass (it reads x,
+    which the kernel before writes) after it. The linear's output is rounded to y's dtype,
+    then the residual added and rounded once more, as the unfused forms round."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(1)
+    start = 0
+    end = K
+    if SPLIT > 1:  # (each slice whole tiles; the last may be short, or empty)
+        span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+        start = part * span
+        end = tl.minimum(start + span, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if PDL:
+        if not PDL_LATE:
+            launch_dependents()
+        rk = start + tl.arange(0, BLOCK_K)
+        w = dot_w_tile(w_ptr, rn, rk, N, K, stride_wn)
+        wait_for_the_kernel_before()
+        if PRO == 1:
+            rstd = rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M, RK)
+        x = x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps,
+                   offset, PRO, HEAD, BLOCK_M, BLOCK_K)
+        acc = tile_dot(acc, x, w, DOT_F32)
+        start += BLOCK_K
+    elif PRO == 1:
+        rstd = rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M, RK)
+    for k0 in range(start, end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
+                   PRO, HEAD, BLOCK_M, BLOCK_K)
+        acc = dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
+    if PDL and PDL_LATE:
+        launch_dependents()
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT > 1:
+        acc, inside = split_k_sum(acc, ws_ptr, cnt_ptr, tl.program_id(0), part,
+                                  rm[:, None] * N + rn[None, :], M * N, inside, SPLIT)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)  # the linear's output, rounded as the unfused one is
+    if HAS_RES:  # then the residual add, rounded once more
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=inside)
