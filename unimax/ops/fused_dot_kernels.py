@@ -37,36 +37,51 @@ def rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, RK: tl.con
 
 
 @triton.jit
-def x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
-           PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_K: tl.constexpr):
-    """The rows rm of x's slice rk ((BLOCK_M, BLOCK_K)) as the linear's input: through the
-    prologue, rounded where the torch forms round, in their order of operations (the one-row
-    forms' x_math, a row at a time there). RMS: x * rstd * (offset + w). GATED_*: per head of
-    HEAD (BLOCK_K holds whole heads). SWIGLU: silu(x[:, rk]) * x[:, K + rk]. SIGMOID_GATE:
-    x * sigmoid(z)."""
+def x_loads(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, PRO: tl.constexpr,
+            HEAD: tl.constexpr):
+    """The loads x_math needs for the rows rm of x's slice rk: x, and per prologue the norm's
+    weight (RMS, GATED_*), z (GATED_*, SIGMOID_GATE) or the up half (SWIGLU); x where a
+    prologue needs less. Apart from the math so that the loop issues the next slice's loads
+    before this slice's products (see fused_dot_kernel)."""
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    a = x
+    b = x
     if PRO == 1:
-        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * rstd[:, None] * (offset + w[None, :])).to(x.dtype)
+        a = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)[None, :].broadcast_to(x.shape)
+    elif PRO == 2 or PRO == 3:
+        a = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask, other=0.0)
+        b = tl.load(nw_ptr + rk % HEAD)[None, :].broadcast_to(x.shape)
+    elif PRO == 4:
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0)
+    elif PRO == 5:
+        a = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask, other=0.0)
+    return x, a, b
+
+
+@triton.jit
+def x_math(x, a, b, rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A (BLOCK_M, BLOCK_K) slice of x as the linear's input, from x_loads' values: through
+    the prologue, rounded where the torch forms round, in their order of operations (the
+    one-row forms' x_math, a row at a time there). RMS: x * rstd * (offset + w). GATED_*: per
+    head of HEAD (BLOCK_K holds whole heads). SWIGLU: silu(x[:, rk]) * x[:, K + rk].
+    SIGMOID_GATE: x * sigmoid(z)."""
+    if PRO == 1:
+        x = (x.to(tl.float32) * rstd[:, None] * (offset + a.to(tl.float32))).to(x.dtype)
     elif PRO == 2 or PRO == 3:
         heads = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
         r = tl.rsqrt(tl.sum(heads * heads, axis=2) / HEAD + eps)
-        w = tl.reshape(tl.load(nw_ptr + rk % HEAD).to(tl.float32), (1, BLOCK_K // HEAD, HEAD))
-        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        z = tl.reshape(z, (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        w = tl.reshape(b.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        z = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
         gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
         x = tl.reshape(heads * r[:, :, None] * w * gate, (BLOCK_M, BLOCK_K)).to(x.dtype)
     elif PRO == 4:
-        up = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0)
         g = x.to(tl.float32)
         silu = (g * sigmoid(g)).to(x.dtype)
-        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        x = (silu.to(tl.float32) * a.to(tl.float32)).to(x.dtype)
     elif PRO == 5:
-        z = tl.load(z_ptr + rm[:, None] * stride_zm + rk[None, :], mask=mask, other=0.0)
-        gate = sigmoid(z.to(tl.float32)).to(x.dtype)
+        gate = sigmoid(a.to(tl.float32)).to(x.dtype)
         x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
     return x
 
@@ -104,17 +119,26 @@ def fused_dot_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, c
         wait_for_the_kernel_before()
         if PRO == 1:
             rstd = rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M, RK)
-        x = x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps,
-                   offset, PRO, HEAD, BLOCK_M, BLOCK_K)
+        x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, PRO, HEAD)
+        x = x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_M, BLOCK_K)
         acc = tile_dot(acc, x, w, DOT_F32)
         start += BLOCK_K
     elif PRO == 1:
         rstd = rows_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_M, RK)
+    # x's slices a tile ahead: a slice that goes through a prologue's math before its
+    # products is not a tl.dot operand Triton's pipeliner prefetches, so each iteration would
+    # wait a full round trip for it (bench/fused_dot.py: 4B down-projection 17 -> 37 us with
+    # the SwiGLU prologue, split-K; 183 without): the next slice's loads are issued before
+    # this slice's math and products. (Past the slice: masked by K alone, wasted, harmless.)
+    x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, rm, start + tl.arange(0, BLOCK_K), M, K,
+                      stride_xm, stride_zm, PRO, HEAD)
     for k0 in range(start, end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = x_tile(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, rstd, eps, offset,
-                   PRO, HEAD, BLOCK_M, BLOCK_K)
-        acc = dot_tile(acc, x, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
+        x_next, a_next, b_next = x_loads(x_ptr, z_ptr, nw_ptr, rm, rk + BLOCK_K, M, K,
+                                         stride_xm, stride_zm, PRO, HEAD)
+        xin = x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_M, BLOCK_K)
+        acc = dot_tile(acc, xin, w_ptr, rn, rk, N, K, stride_wn, DOT_F32)
+        x, a, b = x_next, a_next, b_next
     if PDL and PDL_LATE:
         launch_dependents()
     inside = (rm[:, None] < M) & (rn[None, :] < N)
