@@ -56,7 +56,10 @@ ONE_PASS_REWIND = True
 # The verifier's blocks of k + 1 rows fold as its one-token forwards do (unimax.fused_draft:
 # the norms and gates into the GEMMs' prologues, the residual adds into their stores, through
 # the tensor-core form ops.fused_dot), instead of the plain forms with inductor's norm kernels
-# between the GEMMs (four a GDN layer). Read when the view is built (exact_view).
+# between the GEMMs (four a GDN layer). Read when the view is built (exact_view). Off: exact
+# (GPU tests) but slower, a 4B verify block 3.35 -> 5.22 ms (H200, thirty-first session,
+# bench/verified.py --ab-fold-blocks; before its tile-ahead loads, which took the four 4B
+# linears' excess over the plain GEMMs from +43 to +16 us a layer: ops.fused_dot).
 FOLD_BLOCKS = False
 
 # A block of k drafts runs a compiled forward of b + 1 rows, b the smallest span block >= k:
