@@ -86,9 +86,7 @@ def fused_dot(x, weight, scale, out_features: int, in_features: int, prologue: s
     if split > 1 and tiles > MAX_TILES:
         raise ValueError(f"fused_dot: dotsplit takes at most {MAX_TILES} output tiles, "
                          f"got {tiles}")
-    import triton
-
-    from .fused_dot_kernels import fused_dot_kernel
+    from .fused_dot_kernels import fused_dot_kernel  # (Triton: CUDA or its interpreter)
 
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     work = (torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
@@ -102,7 +100,7 @@ def fused_dot(x, weight, scale, out_features: int, in_features: int, prologue: s
         weight.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), eps,
         offset, PRO=PROLOGUES.index(prologue), HEAD=head, HAS_SCALE=scale is not None,
         HAS_RES=residual is not None, BLOCK_M=block_m, DOT_F32=_interpreted(),
-        RK=triton.next_power_of_2(max(8192 // block_m, 1)) if not _interpreted() else 64,
+        RK=64 if _interpreted() else 8192 // block_m,  # (the RMS pre-pass's slice: 8192 fp32)
         SPLIT=split, **pdl_launch(x, weight), **tile_args(tuple(tile)))
     return y
 
