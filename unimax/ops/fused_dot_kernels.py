@@ -13,9 +13,11 @@ import triton
 import triton.language as tl
 
 from .fused_gemv_kernels import sigmoid
+from .fused_gemv_kernels import x_math as row_math
 from .gemv_kernels import (
     dot_tile,
     dot_w_tile,
+    k_slice,
     launch_dependents,
     split_k_sum,
     tile_dot,
@@ -63,26 +65,18 @@ def x_loads(x_ptr, z_ptr, nw_ptr, rm, rk, M, K, stride_xm, stride_zm, PRO: tl.co
 def x_math(x, a, b, rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """A (BLOCK_M, BLOCK_K) slice of x as the linear's input, from x_loads' values: through
-    the prologue, rounded where the torch forms round, in their order of operations (the
-    one-row forms' x_math, a row at a time there). RMS: x * rstd * (offset + w). GATED_*: per
-    head of HEAD (BLOCK_K holds whole heads). SWIGLU: silu(x[:, rk]) * x[:, K + rk].
-    SIGMOID_GATE: x * sigmoid(z)."""
-    if PRO == 1:
-        x = (x.to(tl.float32) * rstd[:, None] * (offset + a.to(tl.float32))).to(x.dtype)
-    elif PRO == 2 or PRO == 3:
+    the prologue, rounded where the torch forms round, in their order of operations. The
+    one-row forms' x_math (elementwise, rstd per row) but for GATED_*: per head of HEAD
+    (BLOCK_K holds whole heads), each row's heads apart."""
+    if PRO == 2 or PRO == 3:
         heads = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
         r = tl.rsqrt(tl.sum(heads * heads, axis=2) / HEAD + eps)
         w = tl.reshape(b.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
         z = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
         gate = z * sigmoid(z) if PRO == 2 else sigmoid(z)
         x = tl.reshape(heads * r[:, :, None] * w * gate, (BLOCK_M, BLOCK_K)).to(x.dtype)
-    elif PRO == 4:
-        g = x.to(tl.float32)
-        silu = (g * sigmoid(g)).to(x.dtype)
-        x = (silu.to(tl.float32) * a.to(tl.float32)).to(x.dtype)
-    elif PRO == 5:
-        gate = sigmoid(a.to(tl.float32)).to(x.dtype)
-        x = (x.to(tl.float32) * gate.to(tl.float32)).to(x.dtype)
+    else:
+        x = row_math(x, a, b, rstd[:, None], eps, offset, PRO, HEAD, BLOCK_K)
     return x
 
 
@@ -96,19 +90,14 @@ def fused_dot_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, c
                      PDL_LATE: tl.constexpr = False):
     """y[rm, rn] = (prologue(x[rm]) @ W[rn]^T) * s[rn] (+ r[rm, rn]) for M <= BLOCK_M rows.
 
-    dot_kernel's loop, with x read through x_tile; ``SPLIT`` > 1 (split-K) and ``PDL`` as
+    dot_kernel's loop, x read through x_loads and x_math; ``SPLIT`` > 1 (split-K) and ``PDL`` as
     there: under PDL the first W tile is loaded before the wait, the RMS pre-pass (it reads x,
     which the kernel before writes) after it. The linear's output is rounded to y's dtype,
     then the residual added and rounded once more, as the unfused forms round."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
-    start = 0
-    end = K
-    if SPLIT > 1:  # (each slice whole tiles; the last may be short, or empty)
-        span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
-        start = part * span
-        end = tl.minimum(start + span, K)
+    start, end = k_slice(K, part, SPLIT, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if PDL:

@@ -93,6 +93,19 @@ def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
 
 
 @triton.jit
+def k_slice(K, part, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[start, end) of K for slice ``part`` of SPLIT (split-K: whole BLOCK_K tiles each, the
+    last may be short, or empty); all of K where SPLIT is 1."""
+    start = part * 0
+    end = K
+    if SPLIT > 1:
+        span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+        start = part * span
+        end = tl.minimum(start + span, K)
+    return start, end
+
+
+@triton.jit
 def dot_w_tile(w_ptr, rn, rk, N, K, stride_wn):
     return tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -157,12 +170,7 @@ def dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, 
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
-    start = 0
-    end = K
-    if SPLIT > 1:  # (each slice whole tiles; the last may be short, or empty)
-        span = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
-        start = part * span
-        end = tl.minimum(start + span, K)
+    start, end = k_slice(K, part, SPLIT, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PDL:  # the first tile taken out of the loop, its W loaded before the wait (a split's
