@@ -51,18 +51,22 @@ FORMS = ("dot", "dotsplit")
 DOT_TILE = (64, 256, 4, 3)  # "dot" where none is named (one of DOT_TILES)
 
 
+def widen(tile: tuple[int, ...], head: int) -> tuple[int, ...]:
+    """``tile`` with BLOCK_K at least one head (a gated prologue normalizes whole heads within
+    a slice)."""
+    n, k, *rest = tile
+    return (n, max(k, head), *rest)
+
+
 @functools.cache
 def tiles_by_form(head: int) -> dict[str, tuple]:
-    """Each form's tiles (ops.gemv's), BLOCK_K at least one head (a gated prologue normalizes
-    whole heads within a slice)."""
-    def widen(tiles):
-        return tuple(dict.fromkeys((n, max(k, head), *rest) for n, k, *rest in tiles))
-    return {"dot": widen(DOT_TILES), "dotsplit": widen(DOTSPLIT_TILES)}
+    """Each form's tiles: ops.gemv's, ``widen``ed."""
+    return {form: tuple(dict.fromkeys(widen(tile, head) for tile in tiles))
+            for form, tiles in (("dot", DOT_TILES), ("dotsplit", DOTSPLIT_TILES))}
 
 
 def default_tile(form: str, head: int) -> tuple[int, ...]:
-    n, k, *rest = DOT_TILE if form == "dot" else DOTSPLIT_TILE
-    return (n, max(k, head), *rest)
+    return widen(DOT_TILE if form == "dot" else DOTSPLIT_TILE, head)
 
 
 def fused_dot(x, weight, scale, out_features: int, in_features: int, prologue: str,
@@ -80,8 +84,8 @@ def fused_dot(x, weight, scale, out_features: int, in_features: int, prologue: s
         raise ValueError(f"fused_dot: takes {PROGRAM_ROWS + 1} to {GEMV_ROWS} rows, got {m}")
     head = _head(prologue, norm_weight)
     form, tile = parse_kernel(kernel or "dot", tiles_by_form(head), "fused_dot")
-    *tile, split = (tile or default_tile(form, head)) if form == "dotsplit" else (
-        *(tile or default_tile(form, head)), 1)
+    tile = tile or default_tile(form, head)
+    *tile, split = tile if form == "dotsplit" else (*tile, 1)
     tiles = -(-out_features // tile[0])
     if split > 1 and tiles > MAX_TILES:
         raise ValueError(f"fused_dot: dotsplit takes at most {MAX_TILES} output tiles, "
@@ -119,8 +123,8 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, scale, out_features: int,
     names = [f"dot@{tile_text(default_tile('dot', head))}"]
     if dotsplit_fits(m, out_features, in_features):
         names.append(f"dotsplit@{tile_text(default_tile('dotsplit', head))}")
-    form, _, named = plain.partition("@")
-    if form in FORMS and named:
-        n, k, *rest = (int(v) for v in named.split("x"))
-        names.insert(0, f"{form}@{tile_text((n, max(k, head), *rest))}")
+    if plain.partition("@")[0] in FORMS:  # (not cuBLAS)
+        form, tile = parse_kernel(plain, gemv.TILES, "fused_dot")
+        if tile is not None:  # (None: autotuned, where the choice could not be timed)
+            names.insert(0, f"{form}@{tile_text(widen(tile, head))}")
     return tuple(dict.fromkeys(names))
