@@ -6,7 +6,7 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-apart] [--kernels] [--json FILE]
+       [--ab-fold-blocks] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -45,7 +45,6 @@ from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
-import unimax.ops.block_mixer  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
 import unimax.ops.gemv_swiglu  # noqa: E402
 import unimax.ops.in_proj_conv  # noqa: E402
@@ -92,12 +91,6 @@ SWITCH_ABS = (
              "residual adds into the GEMMs (unimax.verifier.FOLD_BLOCKS: the tensor-core form "
              "ops.fused_dot) as its one-token forwards do: forced rows and verify block side "
              "by side", verify=True),
-    SwitchAB("--ab-tape-apart", unimax.ops.block_mixer, "FUSE_RECURRENCE", False,
-             "tape_apart",
-             "a second verified engine whose verify blocks write the tape and run the "
-             "recurrence as two kernels per GDN layer (ops.block_mixer.FUSE_RECURRENCE off), "
-             "as before the thirty-second session: forced rows and verify block side by side",
-             verify=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

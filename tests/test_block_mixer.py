@@ -65,63 +65,6 @@ def test_tape_kernel_matches_its_twin_in_the_interpreter():
     assert out.count("ok") == 12, out
 
 
-RUN_CHILD = r"""
-import torch
-from unimax.ops.block_mixer import TILES, launch, launch_run
-from unimax.ops.short_recurrence import TILES as SHORT_TILES, launch_short
-
-torch.manual_seed(1)
-width = 4
-# (H, K, HV, V): value heads sharing key heads (GQA) and not; V wider than the tile's columns
-for h, dk, hv, dv in ((2, 16, 4, 16), (3, 8, 3, 32)):
-    conv_dim = 2 * h * dk + hv * dv
-    for tokens in (2, 9, 17):
-        for neg in (False, True):
-            proj = torch.randn(1, tokens, conv_dim + hv * dv + 2 * hv).bfloat16()
-            mixed = proj[..., :conv_dim]
-            b = proj[..., conv_dim + hv * dv: conv_dim + hv * dv + hv]
-            a = proj[..., conv_dim + hv * dv + hv:]
-            conv_state = torch.randn(1, conv_dim, width).bfloat16()
-            conv_weight = (0.5 * torch.randn(conv_dim, width)).bfloat16()
-            A_log, dt_bias = torch.randn(hv), torch.randn(hv)
-            state = torch.randn(1, hv, dk, dv)
-
-            def tape():  # one layer's view of a two-layer tape, as the cache holds it
-                t, bf16 = tokens + 2, torch.bfloat16
-                full = (torch.zeros(2, t, conv_dim, dtype=bf16),
-                        torch.zeros(2, t, h, dk, dtype=bf16),
-                        torch.zeros(2, t, h, dk, dtype=bf16),
-                        torch.zeros(2, t, hv, dv, dtype=bf16),
-                        torch.zeros(2, t, hv), torch.zeros(2, t, hv, dtype=bf16))
-                return tuple(x[1:2] for x in full)
-
-            args = (mixed, a, b, conv_state, conv_weight, A_log, dt_bias)
-            for tile in SHORT_TILES[:3] + SHORT_TILES[-1:]:
-                # apart: the tape's kernel, then the recurrence reading the tape
-                ref_tape = tape()
-                launch(*args, ref_tape, neg, TILES[0])
-                inputs = [x[:, :tokens] for x in ref_tape[1:]]
-                ref_o, _ = launch_short(*inputs, state.clone(), False, *tile)
-                got_tape = tape()
-                before = state.clone()
-                got_o = launch_run(*args, got_tape, state, neg, tile)
-                assert torch.equal(state, before)  # (the rewind writes the state)
-                for x, y in zip(got_tape, ref_tape):
-                    assert torch.equal(x, y)
-                    assert x[:, :tokens].any() and not x[:, tokens:].any()
-                assert torch.equal(got_o, ref_o), (h, hv, tokens, neg, tile)
-            print("ok", h, hv, tokens, neg)
-"""
-
-
-def test_tape_and_recurrence_kernel_equals_the_two_kernels_in_the_interpreter():
-    """The verify block's GDN middle as one kernel (``launch_run``) writes the tape the tape's
-    kernel writes and returns the outputs the recurrence's kernel computes from that tape, bit
-    for bit, at several launch settings, with and without key heads shared by value heads."""
-    out = run_with_triton(RUN_CHILD)
-    assert out.count("ok") == 12, out
-
-
 @torch.inference_mode()
 def test_recording_forward_through_the_op_writes_what_the_torch_forms_write(pure_or_hybrid,
                                                                           monkeypatch):
@@ -140,8 +83,8 @@ def test_recording_forward_through_the_op_writes_what_the_torch_forms_write(pure
         with monkeypatch.context() as m:
             m.setattr(block_mixer, "usable", lambda mixed: forced)
             calls = []
-            m.setattr("unimax.layers.gdn_block_run",
-                      spied(block_mixer.gdn_block_run, "op", calls))
+            m.setattr("unimax.layers.gdn_block_record",
+                      spied(block_mixer.gdn_block_record, "op", calls))
             with cache.recording(tape):
                 logits = model.forward_unchecked(block, cache)
         return logits, tape, cache, calls
@@ -165,8 +108,8 @@ def test_verified_through_the_op_equals_exact_greedy(pure_or_hybrid, monkeypatch
 
     monkeypatch.setattr(block_mixer, "usable", lambda mixed: True)
     calls = []
-    monkeypatch.setattr("unimax.layers.gdn_block_run",
-                        spied(block_mixer.gdn_block_run, "op", calls))
+    monkeypatch.setattr("unimax.layers.gdn_block_record",
+                        spied(block_mixer.gdn_block_record, "op", calls))
     model = pure_or_hybrid
     draft = quantize_view(model, "full")
     engine = unimax.UniMaxEngine(model, draft, unimax.MaxTurboGraphDecoder(draft, 4),
@@ -200,8 +143,8 @@ def test_verifier_view_compiles_in_one_graph_through_the_op(monkeypatch):
     recording forward leaves the logits and tape the eager one does."""
     monkeypatch.setattr(block_mixer, "usable", lambda mixed: True)
     calls = []
-    monkeypatch.setattr("unimax.layers.gdn_block_run",
-                        spied(block_mixer.gdn_block_run, "op", calls))
+    monkeypatch.setattr("unimax.layers.gdn_block_record",
+                        spied(block_mixer.gdn_block_record, "op", calls))
     out = verifier_recordings()
     assert calls  # (traced by the compile, called by the eager forward)
     for got, expected in zip(*out, strict=True):  # (inductor's norms round their own way)
@@ -218,12 +161,9 @@ def test_op_passes_opcheck():
     a = proj[..., conv_dim + hv * dv + hv:]
     tape = (torch.zeros(1, 6, conv_dim), torch.zeros(1, 6, h, dk), torch.zeros(1, 6, h, dk),
             torch.zeros(1, 6, hv, dv), torch.zeros(1, 6, hv), torch.zeros(1, 6, hv))
-    args = (mixed, a, b, torch.randn(1, conv_dim, 4), torch.randn(conv_dim, 4),
-            torch.randn(hv), torch.randn(hv), *tape)
-    torch.library.opcheck(block_mixer.gdn_block_record, (*args, False))
-    # the tape and the recurrence (its output returned; the state read, not written)
-    torch.library.opcheck(block_mixer.gdn_block_run,
-                          (*args, torch.randn(1, hv, dk, dv), False))
+    torch.library.opcheck(block_mixer.gdn_block_record,
+                          (mixed, a, b, torch.randn(1, conv_dim, 4), torch.randn(conv_dim, 4),
+                           torch.randn(hv), torch.randn(hv), *tape, False))
 
 
 COMPILE_CHILD = r"""
@@ -233,8 +173,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from unimax.ops.block_mixer import TILES
 from unimax.ops.short_recurrence import DEFAULT, constants, names, parse
-from unimax.ops.short_recurrence_kernel import (record_recurrence_kernel,
-                                                short_recurrence_kernel, tape_record_kernel)
+from unimax.ops.short_recurrence_kernel import short_recurrence_kernel, tape_record_kernel
 
 i32, bf16, f32 = "i32", "*bf16", "*fp32"
 strides = ("stride_qb", "stride_qt", "stride_kb", "stride_kt", "stride_vb", "stride_vt",
@@ -246,10 +185,6 @@ record = dict(mixed=bf16, a=bf16, b=bf16, conv_state=bf16, conv_weight=bf16, A_l
               tape_beta=bf16,
               **{n: i32 for n in ("stride_mt", "stride_at", "stride_bt", "stride_xt",
                                   "stride_qt", "stride_vt", "stride_gt")}, T=i32)
-run = dict(mixed=bf16, a=bf16, b=bf16, conv_state=bf16, conv_weight=bf16, A_log=f32,
-           dt_bias=f32, tape_x=bf16, stride_mt=i32, stride_at=i32, stride_bt=i32,
-           stride_xt=i32, q=bf16, k=bf16, v=bf16, g=f32, beta=bf16, o=bf16, h0=f32,
-           scale="fp32", stride_qt=i32, stride_vt=i32, stride_gt=i32)
 
 
 def compile(fn, sig, consts, arch, warps):
@@ -286,11 +221,6 @@ for arch in (90, 89):  # H100/H200, L4
                    for t, final, more in ((9, False, plain), (2, True, plain),
                                           (9, True, plain), (33, False, plain),
                                           (9, True, one_pass))]
-        # the verify block's tape and recurrence in one kernel (ops.block_mixer.launch_run)
-        layouts.append(reductions(compile(record_recurrence_kernel, run,
-                                          dict(H=16, HV=32, K=128, V=128, W=4,
-                                               NEG_EIGVAL=False, **constants(tile, 9, 128, 128)),
-                                          arch, tile[1]).asm["ttgir"]))
         print(arch, name, len(layouts[0]) > 0, all(x == layouts[0] for x in layouts))
     for bc, w in TILES:
         compiled = compile(tape_record_kernel, record,
@@ -302,12 +232,11 @@ for arch in (90, 89):  # H100/H200, L4
 
 
 def test_kernels_compile_for_hopper_and_ada_and_the_recurrence_has_one_layout():
-    """The kernels compile to PTX and a cubin for the H200 (sm_90) and the L4 (sm_89) at a 4B
+    """Both kernels compile to PTX and a cubin for the H200 (sm_90) and the L4 (sm_89) at a 4B
     layer's heads without a GPU (the interpreter does not compile). And the few-token
     recurrence at each launch setting reduces in the same register layouts for the
-    verify block (alone, and after the tape in one kernel: record_recurrence_kernel) and for
-    rewinds of any length, with or without the final state: the condition for a state
-    computed across any block boundary to round alike."""
+    verify block and for rewinds of any length, with or without the final state: the
+    condition for a state computed across any block boundary to round alike."""
     out = run_with_triton(COMPILE_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     assert rows == [row for arch in ("90", "89") for row in

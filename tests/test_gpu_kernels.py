@@ -2,8 +2,7 @@
 block's own kernels at a 4B layer's heads: the few-token recurrence (unimax.ops.short_recurrence)
 against fla's fused recurrent kernel, and bit for bit across block cuts; the one-pass rewind
 against the plain one; the recording mixer's
-tape as one kernel (unimax.ops.block_mixer) against its twin, and with the recurrence in one
-kernel against the two; the split-K tensor-core kernel
+tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor-core kernel
 for its narrow linears (unimax.ops.gemv's "dotsplit"); its gate-up GEMM with SwiGLU in the
 epilogue (unimax.ops.gemv_swiglu); the one-token in-projection with beta in its epilogue
 (unimax.ops.in_proj_conv). A file of its own: Triton
@@ -234,72 +233,6 @@ def test_block_mixer_matches_its_twin_on_gpu():
         block_mixer.launch(*args, again, False, block_mixer._tile(block_mixer.CHOICES[key]))
         assert all(torch.equal(x, y) for x, y in zip(got_tape, again, strict=True))
         print(tokens, "chose", block_mixer.CHOICES[key])
-
-
-def middle_layer_tape(tokens, conv_dim, heads, value_heads, dk, dv) -> tuple:
-    """A three-layer tape's middle layer's buffers (views, as the cache's LayerTape holds)."""
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    full = (torch.zeros(3, tokens, conv_dim, **bf16), torch.zeros(3, tokens, heads, dk, **bf16),
-            torch.zeros(3, tokens, heads, dk, **bf16),
-            torch.zeros(3, tokens, value_heads, dv, **bf16),
-            torch.zeros(3, tokens, value_heads, device="cuda"),
-            torch.zeros(3, tokens, value_heads, **bf16))
-    return tuple(x[1:2] for x in full)
-
-
-@torch.inference_mode()
-def test_tape_and_recurrence_in_one_kernel_on_gpu(monkeypatch):
-    """The verify block's GDN middle as one kernel (ops.block_mixer.gdn_block_run) at 4B heads
-    (16 key heads, 32 value heads) and at heads of one key head per value head, 2, 9 and 17
-    tokens, every launch setting of ours: the tape and the outputs bit for bit what the tape's
-    kernel and then the recurrence's kernel at that setting write and return, and the op with
-    the fusion on and off alike."""
-    from unimax.ops import block_mixer
-    from unimax.ops import short_recurrence as short
-
-    require_fla()
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    width = 4
-    for heads, value_heads, dk, dv in ((16, 32, 128, 128), (8, 8, 128, 128)):
-        conv_dim = 2 * heads * dk + value_heads * dv
-        for tokens in (2, 9, 17):
-            def randn(*shape):
-                return torch.randn(*shape, device="cuda", generator=gen)
-
-            proj = randn(1, tokens, conv_dim + value_heads * dv + 2 * value_heads).bfloat16()
-            mixed = proj[..., :conv_dim]
-            b = proj[..., conv_dim + value_heads * dv:][..., :value_heads]
-            a = proj[..., conv_dim + value_heads * dv + value_heads:]
-            args = (mixed, a, b, randn(1, conv_dim, width).bfloat16(),
-                    (0.5 * randn(conv_dim, width)).bfloat16(), randn(value_heads),
-                    randn(value_heads))
-            state = randn(1, value_heads, dk, dv)
-
-            def tape(shape=(tokens + 1, conv_dim, heads, value_heads, dk, dv)):
-                return middle_layer_tape(*shape)
-
-            for name in short.names()[1:]:
-                tile = short.parse(name)
-                ref_tape = tape()
-                block_mixer.launch(*args, ref_tape, False, block_mixer.TILES[1])
-                ref_o, _ = short.launch_short(*(x[:, :tokens] for x in ref_tape[1:]),
-                                              state, False, *tile)
-                got_tape = tape()
-                before = state.clone()
-                got_o = block_mixer.launch_run(*args, got_tape, state, False, tile)
-                assert torch.equal(state, before), (tokens, name)
-                for x, y in zip(got_tape, ref_tape, strict=True):
-                    assert torch.equal(x, y), (heads, tokens, name)
-                assert torch.equal(got_o, ref_o), (heads, tokens, name)
-            outs = []
-            for fused in (True, False):
-                monkeypatch.setattr(block_mixer, "FUSE_RECURRENCE", fused)
-                got_tape = tape()
-                outs.append((block_mixer.gdn_block_run(*args, *got_tape, state, False),
-                             got_tape))
-            (o1, t1), (o2, t2) = outs
-            assert torch.equal(o1, o2) and all(
-                torch.equal(x, y) for x, y in zip(t1, t2, strict=True)), (heads, tokens)
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from .config import GDNConfig
 from .fused_draft import fused_block_forward
 from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops import block_mixer
-from .ops.block_mixer import gdn_block_run
+from .ops.block_mixer import gdn_block_record
 from .ops.conv import LONG, causal_conv1d, causal_conv1d_long, causal_conv1d_step, conv_window_after
 from .ops.decode_step import decay, gdn_decode_step, write_strength
 from .ops.gated_delta import first_steps_only, gated_delta_rule
@@ -63,10 +63,12 @@ class GatedDeltaNetMixer(nn.Module):
         cfg = self.config
         batch, seq_len, _ = mixed.shape
         if self._block_record(mixed, state):
-            # the tape written and the recurrence run from it by one op, as the rewind reads it
-            o = gdn_block_run(mixed, a, b, state.conv_states[0], self.conv_weight, self.A_log,
-                              self.dt_bias, *state.tape.buffers, state.recurrent_states[0],
-                              cfg.allow_neg_eigval)
+            # the tape written by one op; the recurrence reads it there, as the rewind does
+            gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight, self.A_log,
+                             self.dt_bias, *state.tape.buffers, cfg.allow_neg_eigval)
+            o, _ = gated_delta_rule(*state.tape.recurrence_inputs(seq_len),
+                                    state.recurrent_states[0], backend=self.backend,
+                                    final_state=False)
             state.has_previous_state[0] = True
             return o, z
         if state is None:

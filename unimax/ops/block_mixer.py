@@ -1,9 +1,8 @@
 """What a recording GDN mixer writes to the verifier's tape over a verify block, as one op:
 the short convolution, the gates and the tape's copies, ``gdn_block_record(mixed, a, b,
 conv_state, conv_weight, A_log, dt_bias, *tape, neg_eigval)``, which fills the tape's first T
-tokens and returns nothing (the heads come from the tape's shapes); and with the recurrence
-on the tape's q, k, v, g and beta after it (ops.short_recurrence, as the rewind runs it),
-``gdn_block_run(..., *tape, initial_state, neg_eigval) -> o``, which the mixer calls.
+tokens and returns nothing (the heads come from the tape's shapes); the mixer then runs the
+recurrence on the tape's q, k, v, g and beta (ops.short_recurrence), as the rewind does.
 
 mixed (1, T, conv_dim) is the in-projection's [q | k | v] part before the convolution, a and b
 (1, T, HV) its raw decay and write-strength inputs (views of the projection's output); the
@@ -17,18 +16,14 @@ the gaps between launches, in a block of 778 launches and ~1.1 ms of small kerne
 (bench/RESULTS.md, thirteenth session). As this op it is one Triton kernel
 (ops/short_recurrence_kernel.py: ``tape_record_kernel``).
 
-Why the recurrence reads the tape back (the fourteenth session had a recurrence of the tape
-kernel's own): the state at any position must come out bit for bit the same whichever block
-boundary it was computed across: the verify block runs it from the block's start, the rewind
-from the block before's, and a different rounding makes the verified stream depend on where
-the blocks were cut (the forced-acceptance bench then saw its own expected tokens rejected: 22
-of 45 blocks at a forced acceptance of 1.0 on the H200). An fp32 sum's rounding follows the
-kernel's register layout, so one recurrence at one launch setting for the block and the rewind
-is what guarantees it (ops.short_recurrence keys its choice by the heads alone).
-``gdn_block_run``, what the mixer calls, launches the tape and that recurrence as one kernel
-(``record_recurrence_kernel``): each program writes the tape entries it reads, then loads them
-back with short_recurrence_kernel's own body (the same loads, layouts and sums as the rewind's),
-which saves the tape's launch per GDN layer; where fla's kernel runs the heads, the two ops.
+Why the recurrence is not in the kernel too (the fourteenth session had it there): the state
+at any position must come out bit for bit the same whichever block boundary it was computed
+across: the verify block runs it from the block's start, the rewind from the block before's,
+and a different rounding makes the verified stream depend on where the blocks were cut (the
+forced-acceptance bench then saw its own expected tokens rejected: 22 of 45 blocks at a forced
+acceptance of 1.0 on the H200). An fp32 sum's rounding follows the kernel's register layout,
+so one recurrence kernel at one launch setting for the block and the rewind is what guarantees
+it (ops.short_recurrence keys its choice by the heads alone).
 
 ``gdn_block_record_ref`` is the twin (the mixer's torch forms), which the op runs off CUDA.
 """
@@ -37,10 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from . import short_recurrence as short
 from .conv import causal_conv1d
 from .decode_step import decay, write_strength
-from .gated_delta import fla_ops, gated_delta_rule
+from .gated_delta import fla_ops
 from .gemv import _interpreted, timed_choice
 from .short_recurrence import _pow2
 
@@ -155,67 +149,6 @@ def gdn_block_record(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 def _(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape_x, tape_q, tape_k, tape_v,
       tape_g, tape_beta, neg_eigval):
     return None
-
-
-# Whether gdn_block_run launches the tape and the recurrence as one kernel where it can (our
-# recurrence chosen for the heads); off: the tape's kernel, then the recurrence's (A/B:
-# bench/verified.py --ab-tape-apart).
-FUSE_RECURRENCE = True
-
-
-def launch_run(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape, initial_state,
-               neg_eigval: bool, tile: tuple[int, int, int]) -> torch.Tensor:
-    """The tape and the recurrence in one kernel (``record_recurrence_kernel``) at one of
-    ops.short_recurrence's launch settings (CUDA, or Triton's interpreter); returns o."""
-    from .short_recurrence_kernel import record_recurrence_kernel
-
-    x, q, k, v, g, beta = tape
-    tokens = mixed.shape[1]
-    (num_k_heads, head_k_dim), (value_heads, head_v_dim) = q.shape[2:], v.shape[2:]
-    o = v.new_empty(1, tokens, value_heads, head_v_dim)
-    consts = short.constants(tile, tokens, head_k_dim, head_v_dim)
-    record_recurrence_kernel[(-(-head_v_dim // consts["BV"]), value_heads)](
-        mixed, a, b, conv_state, conv_weight, A_log, dt_bias, x, mixed.stride(1), a.stride(1),
-        b.stride(1), x.stride(1), q, k, v, g, beta, o, initial_state, head_k_dim ** -0.5,
-        q.stride(1), v.stride(1), g.stride(1), H=num_k_heads, HV=value_heads, K=head_k_dim,
-        V=head_v_dim, W=conv_weight.shape[1], NEG_EIGVAL=neg_eigval, num_warps=tile[1],
-        **consts)
-    return o
-
-
-@torch.library.custom_op("unimax::gdn_block_run",
-                         mutates_args=("tape_x", "tape_q", "tape_k", "tape_v", "tape_g",
-                                       "tape_beta"))
-def gdn_block_run(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  conv_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
-                  dt_bias: torch.Tensor, tape_x: torch.Tensor, tape_q: torch.Tensor,
-                  tape_k: torch.Tensor, tape_v: torch.Tensor, tape_g: torch.Tensor,
-                  tape_beta: torch.Tensor, initial_state: torch.Tensor,
-                  neg_eigval: bool) -> torch.Tensor:
-    """A recording mixer's middle over T tokens: ``gdn_block_record``'s tape, then the gated
-    delta rule from ``initial_state`` over the tape's first T tokens (the state is not
-    written: the rewind writes it). Returns o (1, T, HV, V). On CUDA where our recurrence
-    runs the heads (ops.short_recurrence's choice) one kernel does both; elsewhere the two
-    ops, as the mixer called them before."""
-    tape = (tape_x, tape_q, tape_k, tape_v, tape_g, tape_beta)
-    check(mixed, a, b, conv_state, conv_weight, tape)
-    inputs = tuple(t[:, :mixed.shape[1]] for t in tape[1:])
-    short.check(*inputs, initial_state)
-    if FUSE_RECURRENCE and mixed.is_cuda and not _interpreted() and fla_ops() is not None \
-            and tape_g.stride(1) == tape_beta.stride(1):
-        tile = short.parse(short.choose(*inputs, initial_state, False))
-        if tile is not None:
-            return launch_run(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape,
-                              initial_state, neg_eigval, tile)
-    gdn_block_record(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, *tape, neg_eigval)
-    o, _ = gated_delta_rule(*inputs, initial_state, final_state=False)
-    return o.contiguous()  # (as the fake's: the torch chunk form's comes back strided)
-
-
-@gdn_block_run.register_fake
-def _(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape_x, tape_q, tape_k, tape_v,
-      tape_g, tape_beta, initial_state, neg_eigval):
-    return tape_v.new_empty(1, mixed.shape[1], *tape_v.shape[2:])
 
 
 def usable(mixed: torch.Tensor) -> bool:

@@ -64,22 +64,8 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
     ht_copy too), so that one pass over the states replaces a snapshot and two copies. ht may
     be h0 itself: each program loads its own tile of h0 before it stores anything there, and
     no other program touches that tile."""
-    recurrence_program(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale, stride_qb,
-                       stride_qt, stride_kb, stride_kt, stride_vb, stride_vt, stride_gb,
-                       stride_gt, stride_bb, stride_bt, tl.program_id(0), tl.program_id(1), T, H,
-                       HV, K, V, BK, BV, TC, STORE_FINAL, SAVE_INITIAL, STORE_COPY, STORE_O)
-
-
-@triton.jit
-def recurrence_program(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
-                       stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
-                       stride_gb, stride_gt, stride_bb, stride_bt, i_v, i_nh,
-                       T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TC: tl.constexpr,
-                       STORE_FINAL: tl.constexpr, SAVE_INITIAL: tl.constexpr,
-                       STORE_COPY: tl.constexpr, STORE_O: tl.constexpr):
-    """short_recurrence_kernel's program (i_v, i_nh): one body for it and
-    record_recurrence_kernel, so that both compile the recurrence alike."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -180,85 +166,12 @@ def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
         b_t = tl.load(b + t[:, None] * stride_bt + rh[None, :], mask=mh, other=0.0)
         A = tl.load(A_log + rh, mask=rh < HV, other=0.0).to(tl.float32)
         bias = tl.load(dt_bias + rh, mask=rh < HV, other=0.0).to(tl.float32)
-        g, beta = gates_of(a_t, b_t, A[None, :], bias[None, :], NEG_EIGVAL)
+        x = a_t.to(tl.float32) + bias[None, :]
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
+        g = -tl.exp(A)[None, :] * softplus
+        beta = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
+        if NEG_EIGVAL:
+            beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
         gates = t[:, None] * stride_gt + rh[None, :]
         tl.store(tape_g + gates, g, mask=mh)
         tl.store(tape_beta + gates, beta, mask=mh)
-
-
-@triton.jit
-def gates_of(a_t, b_t, A, bias, NEG_EIGVAL: tl.constexpr):
-    """The mixer's gates from its raw a and b: g = -exp(A_log) softplus(a + dt_bias) in fp32,
-    beta = sigmoid(b) rounded to b's dtype (doubled with NEG_EIGVAL, rounded again): the torch
-    forms' arithmetic (ops.decode_step.decay, write_strength)."""
-    x = a_t.to(tl.float32) + bias
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
-    g = -tl.exp(A) * softplus
-    beta = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
-    if NEG_EIGVAL:
-        beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
-    return g, beta
-
-
-@triton.jit
-def record_channels(mixed, stride_mt, conv_state, conv_weight, tape_x, stride_xt, dst,
-                    stride_dt, t, ch, dst_ch, mask_t, mask_c, W: tl.constexpr):
-    """Tokens t of channels ch onto the tape: the raw conv input to tape_x, the conv with SiLU
-    to dst at dst_ch (tape_record_kernel's values)."""
-    m = mask_t[:, None] & mask_c[None, :]
-    y = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, ch, mask_t, mask_c, W)
-    raw = tl.load(mixed + t[:, None] * stride_mt + ch[None, :], mask=m, other=0.0)
-    tl.store(tape_x + t[:, None] * stride_xt + ch[None, :], raw, mask=m)
-    tl.store(dst + t[:, None] * stride_dt + dst_ch[None, :], y, mask=m)
-
-
-@triton.jit
-def record_recurrence_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias, tape_x,
-                             stride_mt, stride_at, stride_bt, stride_xt,
-                             q, k, v, g, beta, o, h0, scale,
-                             stride_qt, stride_vt, stride_gt,
-                             T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                             BV: tl.constexpr, TC: tl.constexpr, W: tl.constexpr,
-                             NEG_EIGVAL: tl.constexpr):
-    """A recording verify block's GDN middle in one launch (one sequence, no final state):
-    tape_record_kernel's tape, then short_recurrence_kernel's recurrence reading it. Each
-    program (i_v, value head) first writes every tape entry it will read: its key head's q and
-    k channels (the same values each program of that head writes: the races store equal bits),
-    its BV columns of v, and its head's g and beta, for all T tokens; then, past a barrier, it
-    runs recurrence_program, which loads them back from the tape. The reload, not the
-    registers the conv left them in, is what the recurrence reads: its L2 norms then sum in the
-    register layout of short_recurrence_kernel's loads, the rewind's kernel, so that a state
-    comes out bit for bit the same whichever block boundary it was computed across (see
-    ops.block_mixer). It saves the tape's launch per GDN layer (~4 us at 4B heads, and a gap).
-    Grid: (cdiv(V, BV), HV)."""
-    i_v = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    KD = H * K
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mask_k = rk < K
-    mask_v = rv < V
-    rt = tl.arange(0, TC)
-    A = tl.load(A_log + i_hv).to(tl.float32)
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    for c in tl.static_range(0, T, TC):
-        t = c + rt
-        mask_t = t < T
-        # q, then k: the key head's channels of mixed; then this program's columns of v
-        record_channels(mixed, stride_mt, conv_state, conv_weight, tape_x, stride_xt, q,
-                        stride_qt, t, i_h * K + rk, i_h * K + rk, mask_t, mask_k, W)
-        record_channels(mixed, stride_mt, conv_state, conv_weight, tape_x, stride_xt, k,
-                        stride_qt, t, KD + i_h * K + rk, i_h * K + rk, mask_t, mask_k, W)
-        record_channels(mixed, stride_mt, conv_state, conv_weight, tape_x, stride_xt, v,
-                        stride_vt, t, 2 * KD + i_hv * V + rv, i_hv * V + rv, mask_t, mask_v, W)
-        a_t = tl.load(a + t * stride_at + i_hv, mask=mask_t, other=0.0)
-        b_t = tl.load(b + t * stride_bt + i_hv, mask=mask_t, other=0.0)
-        g_t, beta_t = gates_of(a_t, b_t, A, bias, NEG_EIGVAL)
-        tl.store(g + t * stride_gt + i_hv, g_t, mask=mask_t)
-        tl.store(beta + t * stride_gt + i_hv, beta_t, mask=mask_t)
-    tl.debug_barrier()  # (this program's tape stores, visible to all its threads' loads)
-    recurrence_program(q, k, v, g, beta, o, h0, h0, h0, h0, scale, 0, stride_qt, 0, stride_qt,
-                       0, stride_vt, 0, stride_gt, 0, stride_gt, i_v, i_hv, T, H, HV, K, V, BK,
-                       BV, TC, False, False, False, True)
