@@ -23,7 +23,11 @@ and a different rounding makes the verified stream depend on where the blocks we
 forced-acceptance bench then saw its own expected tokens rejected: 22 of 45 blocks at a forced
 acceptance of 1.0 on the H200). An fp32 sum's rounding follows the kernel's register layout,
 so one recurrence kernel at one launch setting for the block and the rewind is what guarantees
-it (ops.short_recurrence keys its choice by the heads alone).
+it (ops.short_recurrence keys its choice by the heads alone). Nor is this op's work in the
+recurrence's kernel (thirty-second session, bench/RESULTS.md: each program writing the tape
+entries it reads, then reading them back through the recurrence's own loads, was exact but
+made the 4B verify block 4.04 ms against 3.47: the recurrence's one-warp programs of 8 value
+columns, 32 per key head, each redid that head's q and k convolution).
 
 ``gdn_block_record_ref`` is the twin (the mixer's torch forms), which the op runs off CUDA.
 """
