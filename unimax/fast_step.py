@@ -18,8 +18,8 @@ from torch import nn
 
 from . import fused_draft
 from .fp8 import shallow_view
-from .layers import SwiGLUMLP
-from .ops import gemv_swiglu
+from .layers import GatedDeltaNetMixer, SwiGLUMLP
+from .ops import gemv_swiglu, in_proj_tape
 from .ops.gemv import GEMV_ROWS, PROGRAM_ROWS, small_m_linear
 
 
@@ -70,9 +70,35 @@ class GemvSwiGLUMLP(SwiGLUMLP):
         return super().forward(x)
 
 
+class GemvRecordingMixer(GatedDeltaNetMixer):
+    """A view's GDN mixer (the same weights) whose in-projection writes the verifier's tape in
+    its GEMM's epilogue when it records a verify block (ops.in_proj_tape, where that op is
+    ``wanted``: the tape's kernel launch per layer gone); every other forward is the mixer's
+    own."""
+
+    def __init__(self, mixer: GatedDeltaNetMixer):
+        nn.Module.__init__(self)
+        self.__dict__.update(mixer.__dict__)  # (its settings, and its modules and parameters:)
+        for table in ("_modules", "_parameters", "_buffers"):  # (tables of its own, shared
+            setattr(self, table, dict(getattr(mixer, table)))  # entries: no weight copied)
+
+    def forward(self, x: torch.Tensor, state) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not (in_proj_tape.wanted(x2) and self._block_record(x, state)):
+            return super().forward(x, state)
+        cfg = self.config
+        projected = in_proj_tape.in_proj_tape(
+            x2, self.in_proj.weight, state.conv_states[0], self.conv_weight, self.A_log,
+            self.dt_bias, *state.tape.buffers, cfg.conv_dim, cfg.value_dim,
+            cfg.allow_neg_eigval)
+        parts = self._split(projected.reshape(*x.shape[:-1], -1))
+        return self._gated_out(*self._core(*parts, state, tape_written=True))
+
+
 def gemv_view(model, fuse: bool | None = None):
     """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
-    on the same weight, and each MLP whose gate-up became one for a GemvSwiGLUMLP; FP8 linears
+    on the same weight, each MLP whose gate-up became one for a GemvSwiGLUMLP and each GDN
+    mixer whose in-projection did for a GemvRecordingMixer; FP8 linears
     already run their own GEMV, and with ``fuse`` (default ``fused_draft.FUSE``) the blocks
     holding them fold their small kernels into those GEMVs (unimax.fused_draft; the BF16 GEMVs'
     blocks too with ``fused_draft.FUSE_BF16``; the exact model itself never)."""
@@ -85,6 +111,9 @@ def gemv_view(model, fuse: bool | None = None):
     for block in getattr(view, "layers", ()):  # BF16 MLPs: gate-up and SwiGLU as one op
         if type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.gate_up_proj, GemvLinear):
             block.mlp = GemvSwiGLUMLP(block.mlp)
+        if type(block.mixer) is GatedDeltaNetMixer and isinstance(block.mixer.in_proj,
+                                                                  GemvLinear):
+            block.mixer = GemvRecordingMixer(block.mixer)  # (its tape in the in-projection)
     if fused_draft.FUSE if fuse is None else fuse:
         fused_draft.fuse_blocks(view, bf16=fused_draft.FUSE_BF16)
     return view

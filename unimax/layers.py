@@ -59,13 +59,17 @@ class GatedDeltaNetMixer(nn.Module):
         folds the norms around it into the projections (``decode_core``: the one-op step)."""
         return self._core(*self._split(projected), state)
 
-    def _core(self, mixed, z, b, a, state: RecurrentLayerState | None):
+    def _core(self, mixed, z, b, a, state: RecurrentLayerState | None,
+              tape_written: bool = False):
         cfg = self.config
         batch, seq_len, _ = mixed.shape
         if self._block_record(mixed, state):
-            # the tape written by one op; the recurrence reads it there, as the rewind does
-            gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight, self.A_log,
-                             self.dt_bias, *state.tape.buffers, cfg.allow_neg_eigval)
+            # the tape written by one op (``tape_written``: by the in-projection's, the verifier
+            # view's ops.in_proj_tape); the recurrence reads it there, as the rewind does
+            if not tape_written:
+                gdn_block_record(mixed, a, b, state.conv_states[0], self.conv_weight,
+                                 self.A_log, self.dt_bias, *state.tape.buffers,
+                                 cfg.allow_neg_eigval)
             o, _ = gated_delta_rule(*state.tape.recurrence_inputs(seq_len),
                                     state.recurrent_states[0], backend=self.backend,
                                     final_state=False)

@@ -166,12 +166,27 @@ def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
         b_t = tl.load(b + t[:, None] * stride_bt + rh[None, :], mask=mh, other=0.0)
         A = tl.load(A_log + rh, mask=rh < HV, other=0.0).to(tl.float32)
         bias = tl.load(dt_bias + rh, mask=rh < HV, other=0.0).to(tl.float32)
-        x = a_t.to(tl.float32) + bias[None, :]
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
-        g = -tl.exp(A)[None, :] * softplus
-        beta = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
-        if NEG_EIGVAL:
-            beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
+        g = decay_of(a_t, A[None, :], bias[None, :])
+        beta = beta_of(b_t, NEG_EIGVAL)
         gates = t[:, None] * stride_gt + rh[None, :]
         tl.store(tape_g + gates, g, mask=mh)
         tl.store(tape_beta + gates, beta, mask=mh)
+
+
+@triton.jit
+def decay_of(a_t, A, bias):
+    """The mixer's log-decay from its raw a: -exp(A_log) softplus(a + dt_bias), in fp32 (the
+    torch forms' arithmetic, ops.decode_step.decay)."""
+    x = a_t.to(tl.float32) + bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold 20
+    return -tl.exp(A) * softplus
+
+
+@triton.jit
+def beta_of(b_t, NEG_EIGVAL: tl.constexpr):
+    """The mixer's write strength from its raw b: sigmoid(b) rounded to b's dtype (doubled
+    with NEG_EIGVAL, rounded again: ops.decode_step.write_strength)."""
+    beta = (1.0 / (1.0 + tl.exp(-b_t.to(tl.float32)))).to(b_t.dtype)
+    if NEG_EIGVAL:
+        beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
+    return beta
