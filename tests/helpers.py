@@ -191,6 +191,23 @@ def verifier_recordings(seed: int = 4, after=None) -> list[tuple]:
     return out
 
 
+def assert_verified_exact_on_gpu(model, seed: int, new: int = 64) -> None:
+    """Verified replies of the compiled engine (k = 8, full and tail FP8 drafts) to an 80-token
+    prompt are exact greedy up to BF16 near-ties against the one-token eager reference."""
+    import unimax
+    from unimax.reference import first_divergence, is_near_tie
+
+    for draft in ("full", "tail"):
+        x = gpu_prompt(80, seed=seed)
+        engine = unimax.build_engine(model, decode="fp8", draft=draft, block_size=8,
+                                     compile_step=True)
+        got, report = engine.generate_verified(x, new)
+        reference = unimax.exact_greedy_tokens(model, x, new)[0].tolist()
+        divergence = first_divergence(model, x, got[0].tolist(), reference)
+        assert is_near_tie(divergence), (draft, divergence)
+        print(draft, "acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
+
+
 def spied(fn, name, calls: list):
     """``fn`` that first appends ``name`` to ``calls``: which of several spied calls ran, in
     what order."""

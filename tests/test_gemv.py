@@ -9,9 +9,9 @@ import torch
 
 from helpers import run_with_triton
 from unimax import GDNForCausalLM
-from unimax.fast_step import GemvLinear, GemvSwiGLUMLP, gemv_view
+from unimax.fast_step import GemvLinear, GemvRecordingMixer, GemvSwiGLUMLP, gemv_view
 from unimax.fp8 import FP8Linear, quantize_rows, quantize_view
-from unimax.layers import SwiGLUMLP
+from unimax.layers import GatedDeltaNetMixer, SwiGLUMLP
 from unimax.ops.gemv import gemv_ref
 from unimax.tiny import TINY_CONFIG
 
@@ -128,7 +128,8 @@ def test_fp8_gemv_mode_keeps_bf16_activations():
 def test_gemv_view_shares_weights_and_keeps_fp8_linears():
     """The fast step's view: every plain linear becomes a GemvLinear on the same Parameter, FP8
     linears stay, an MLP whose gate-up is BF16 becomes a GemvSwiGLUMLP (tests/
-    test_gemv_swiglu.py), the model itself is untouched; off CUDA it computes exactly what the
+    test_gemv_swiglu.py) and a GDN mixer whose in-projection is a GemvRecordingMixer on the
+    same parameters, the model itself is untouched; off CUDA it computes exactly what the
     model does (F.linear)."""
     model = GDNForCausalLM.random(TINY_CONFIG, seed=0)
     ids = torch.randint(0, model.config.vocab_size, (1, 7))
@@ -141,6 +142,10 @@ def test_gemv_view_shares_weights_and_keeps_fp8_linears():
                 assert swapped.weight is original.weight, name
             elif type(original) is SwiGLUMLP and type(original.gate_up_proj) is torch.nn.Linear:
                 assert type(swapped) is GemvSwiGLUMLP, name
+            elif type(original) is GatedDeltaNetMixer and \
+                    type(original.in_proj) is torch.nn.Linear:
+                assert type(swapped) is GemvRecordingMixer, name  # (tests/test_in_proj_tape.py)
+                assert swapped.A_log is original.A_log, name
             else:
                 assert type(swapped) is type(original), name
         assert torch.equal(view(ids).logits, source(ids).logits)

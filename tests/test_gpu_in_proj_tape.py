@@ -7,9 +7,7 @@ bench/gpu_tests.sh runs it in a process of its own."""
 import pytest
 import torch
 
-from helpers import gpu_model, require_fla
-from helpers import gpu_prompt as prompt
-from unimax import build_engine
+from helpers import assert_verified_exact_on_gpu, gpu_model, require_fla
 
 pytestmark = pytest.mark.gpu
 
@@ -74,22 +72,12 @@ def test_verifier_with_the_tape_epilogue_is_exact_on_gpu(monkeypatch):
     """The compiled verifier with TAPE_EPILOGUE on: its blocks' in-projections go through the
     op (its timed choice made per block length), and verified replies (full and tail drafts)
     are exact greedy up to BF16 near-ties against the one-token eager reference."""
-    import unimax
     from unimax.ops import in_proj_tape
-    from unimax.reference import first_divergence, is_near_tie
 
     require_fla()
-    model = gpu_model()
     monkeypatch.setattr(in_proj_tape, "TAPE_EPILOGUE", True)
     known = set(in_proj_tape.CHOICES)
-    for draft in ("full", "tail"):
-        x = prompt(80, seed=23)
-        engine = build_engine(model, decode="fp8", draft=draft, block_size=8, compile_step=True)
-        got, report = engine.generate_verified(x, 64)
-        reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
-        divergence = first_divergence(model, x, got[0].tolist(), reference)
-        assert is_near_tie(divergence), (draft, divergence)
-        print(draft, "acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
+    assert_verified_exact_on_gpu(gpu_model(), seed=23)
     chosen = {key: in_proj_tape.CHOICES[key] for key in set(in_proj_tape.CHOICES) - known}
     assert chosen, "no verify block went through the op"
     print("choices", chosen)

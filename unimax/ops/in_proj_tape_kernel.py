@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from .gemv_kernels import dot_tile, dot_x_tile
-from .short_recurrence_kernel import beta_of, conv_silu, decay_of
+from .short_recurrence_kernel import beta_of, conv_silu, decay_of, store_qkv
 
 
 @triton.jit
@@ -48,13 +48,7 @@ def in_proj_tape_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         tl.store(tape_x + rm[:, None] * stride_xt + rn[None, :], y, mask=conv)
         tl.debug_barrier()
         out = conv_silu(tape_x, stride_xt, conv_state, conv_weight, rm, rn, mask_m, rn < CD, W)
-        row = rm[:, None] * stride_qt
-        is_q = rn < KD
-        is_k = (rn >= KD) & (rn < 2 * KD)
-        tl.store(tape_q + row + rn[None, :], out, mask=conv & is_q[None, :])
-        tl.store(tape_k + row + (rn - KD)[None, :], out, mask=conv & is_k[None, :])
-        tl.store(tape_v + rm[:, None] * stride_vt + (rn - 2 * KD)[None, :], out,
-                 mask=conv & (rn >= 2 * KD)[None, :])
+        store_qkv(tape_q, tape_k, tape_v, out, rm, rn, conv, stride_qt, stride_vt, KD)
     if (pid + 1) * BLOCK_N > B0:  # (a tile with gate columns: b's, then a's)
         head_b = rn - B0
         head_a = rn - B0 - HV

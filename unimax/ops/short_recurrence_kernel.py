@@ -152,13 +152,7 @@ def tape_record_kernel(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
     y = conv_silu(mixed, stride_mt, conv_state, conv_weight, t, ch, mask_t, mask_c, W)
     raw = tl.load(mixed + t[:, None] * stride_mt + ch[None, :], mask=m, other=0.0)
     tl.store(tape_x + t[:, None] * stride_xt + ch[None, :], raw, mask=m)
-    row = t[:, None] * stride_qt
-    is_q = ch < KD
-    is_k = (ch >= KD) & (ch < 2 * KD)
-    tl.store(tape_q + row + ch[None, :], y, mask=m & is_q[None, :])
-    tl.store(tape_k + row + (ch - KD)[None, :], y, mask=m & is_k[None, :])
-    tl.store(tape_v + t[:, None] * stride_vt + (ch - 2 * KD)[None, :], y,
-             mask=m & (ch >= 2 * KD)[None, :])
+    store_qkv(tape_q, tape_k, tape_v, y, t, ch, m, stride_qt, stride_vt, KD)
     if pid == 0:
         rh = tl.arange(0, BH)
         mh = mask_t[:, None] & (rh < HV)[None, :]
@@ -190,3 +184,14 @@ def beta_of(b_t, NEG_EIGVAL: tl.constexpr):
     if NEG_EIGVAL:
         beta = (beta.to(tl.float32) * 2.0).to(b_t.dtype)
     return beta
+
+
+@triton.jit
+def store_qkv(tape_q, tape_k, tape_v, y, t, ch, m, stride_qt, stride_vt, KD: tl.constexpr):
+    """The convolution's output y (tokens t, conv channels ch; where m) into the tape's q
+    (channels below KD), k (the next KD) or v (the rest)."""
+    row = t[:, None] * stride_qt
+    tl.store(tape_q + row + ch[None, :], y, mask=m & (ch < KD)[None, :])
+    tl.store(tape_k + row + (ch - KD)[None, :], y, mask=m & ((ch >= KD) & (ch < 2 * KD))[None, :])
+    tl.store(tape_v + t[:, None] * stride_vt + (ch - 2 * KD)[None, :], y,
+             mask=m & (ch >= 2 * KD)[None, :])
