@@ -122,9 +122,11 @@ def _tile(name: str) -> tuple[int, int]:
     return TILES[names().index(name)]
 
 
-@torch.library.custom_op("unimax::gdn_block_record",
-                         mutates_args=("tape_x", "tape_q", "tape_k", "tape_v", "tape_g",
-                                       "tape_beta"))
+# The tape's buffers as the ops that write them name their arguments (declared mutated)
+TAPE_ARGS = ("tape_x", "tape_q", "tape_k", "tape_v", "tape_g", "tape_beta")
+
+
+@torch.library.custom_op("unimax::gdn_block_record", mutates_args=TAPE_ARGS)
 def gdn_block_record(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      conv_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, tape_x: torch.Tensor, tape_q: torch.Tensor,

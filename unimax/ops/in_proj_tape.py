@@ -139,9 +139,7 @@ def wanted(x: torch.Tensor) -> bool:
             and block_mixer.usable(x))
 
 
-@torch.library.custom_op("unimax::in_proj_tape",
-                         mutates_args=("tape_x", "tape_q", "tape_k", "tape_v", "tape_g",
-                                       "tape_beta"))
+@torch.library.custom_op("unimax::in_proj_tape", mutates_args=block_mixer.TAPE_ARGS)
 def in_proj_tape(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                  conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                  tape_x: torch.Tensor, tape_q: torch.Tensor, tape_k: torch.Tensor,
