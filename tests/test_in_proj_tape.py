@@ -175,3 +175,20 @@ def test_op_names_bad_input():
         in_proj_tape.in_proj_tape(*_op_args(tokens=7))
     with pytest.raises(ValueError, match="must be one of apart"):
         in_proj_tape.run("dot@1x2x3", *_op_args()[:6], _op_args()[6:12], 64, 32, False)
+
+
+def test_candidates_are_apart_the_plain_gemms_tile_and_the_default(monkeypatch):
+    """The per-shape choice times "apart", the kernel at the plain GEMM's own tile for the shape
+    (where ops.gemv took "dot" at a tile) and at the default "dot" tile: nameable forms all."""
+    from unimax.ops import gemv
+
+    x, weight = torch.zeros(9, 24), torch.zeros(80, 24)
+    key = (9, 80, 24, weight.dtype)
+    for plain, want in (("dot@32x256x4x3", ("apart", "dot@32x256x4x3", "dot@64x256x4x3")),
+                        ("dot@64x256x4x3", ("apart", "dot@64x256x4x3")),
+                        ("cublas", ("apart", "dot@64x256x4x3")),
+                        ("dotsplit@32x256x4x3x4", ("apart", "dot@64x256x4x3"))):
+        monkeypatch.setitem(gemv.CHOICES, key, plain)
+        got = in_proj_tape.candidates(x, weight)
+        assert got == want, plain
+        assert set(got) <= set(in_proj_tape.names())

@@ -13,10 +13,10 @@ one of a head's programs redo its convolution: 4.04 against 3.47 ms a block, thi
 session, reverted).
 
 Which form runs is a timed choice per shape (ops.gemv.timed_choice, in graphs): the kernel at
-each tensor-core tile, or "apart", the plain small-M linear (its own choice) then the tape's
-op, which is where things stood. The forms' y and tape are the same function of x (the tape
-from y's rounded values, with tape_record_kernel's arithmetic); y's fp32 sums follow the
-tile, as the plain GEMM's do.
+the plain GEMM's tile for the shape and at a default tile (``candidates``), or "apart", the
+plain small-M linear (its own choice) then the tape's op, which is where things stood. The
+forms' y and tape are the same function of x (the tape from y's rounded values, with
+tape_record_kernel's arithmetic); y's fp32 sums follow the tile, as the plain GEMM's do.
 
 ``in_proj_tape_ref`` is the twin (F.linear, then the tape's torch forms), which the op runs
 off CUDA.
@@ -36,6 +36,7 @@ from .gemv import (
     dot_rows,
     small_m_linear,
     tile_args,
+    tile_text,
     tiled_names,
     timed_choice,
 )
@@ -113,6 +114,20 @@ def names() -> tuple[str, ...]:
     return ("apart",) + tiled_names(("dot",), TILES)
 
 
+def candidates(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
+    """What the per-shape choice times: "apart", the kernel at the plain GEMM's own tile for
+    this shape (ops.gemv's timed choice, where it took "dot" at a tile) and at ops.fused_dot's
+    default "dot" tile: two compiles per BLOCK_M at most, where every tile would be nine."""
+    from . import gemv
+    from .fused_dot import DOT_TILE
+
+    kernels = [f"dot@{tile_text(DOT_TILE)}"]
+    plain = gemv.choose(x, weight, None)
+    if plain.startswith("dot@"):
+        kernels.insert(0, plain)
+    return ("apart", *dict.fromkeys(kernels))
+
+
 def run(name: str, x, weight, conv_state, conv_weight, A_log, dt_bias, tape, conv_dim: int,
         value_dim: int, neg_eigval: bool) -> torch.Tensor:
     """One form by name: "apart" (the plain small-M linear, then the tape's op) or "dot@tile"
@@ -158,7 +173,7 @@ def in_proj_tape(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
         # not inside the timing's graphs, where a first-met choice takes its default
         run("apart", x, weight, *args, tape, conv_dim, value_dim, neg_eigval)
     name = CHOICES.get(key) or timed_choice(
-        CHOICES, key, names(), "apart", True,
+        CHOICES, key, candidates(x, weight), "apart", True,
         lambda name, w: run(name, x, w, *args, tape, conv_dim, value_dim, neg_eigval),
         (weight,))
     return run(name, x, weight, *args, tape, conv_dim, value_dim, neg_eigval)
