@@ -143,9 +143,16 @@ def engine_graph(model, variant: str):
 def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs and the verify
     block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token recurrence per heads;
-    the verifier's tape op per block-length bucket), by shape: which kernels the measured
-    figures ran."""
-    from unimax.ops import block_mixer, fused_gemv, gemv, gemv_swiglu, short_recurrence
+    the verifier's tape op per block-length bucket, and its in-projection with the tape in the
+    epilogue where on), by shape: which kernels the measured figures ran."""
+    from unimax.ops import (
+        block_mixer,
+        fused_gemv,
+        gemv,
+        gemv_swiglu,
+        in_proj_tape,
+        short_recurrence,
+    )
 
     def dt(dtype) -> str:
         return str(dtype).removeprefix("torch.")
@@ -160,7 +167,9 @@ def kernel_choices() -> dict[str, str]:
             for (t, _, h, k, hv, v, dtype, _), name in block_mixer.CHOICES.items()}
     swiglu = {f"swiglu M{m} {n}x{k} {dt(dtype)}": name
               for (m, n, k, dtype), name in gemv_swiglu.CHOICES.items()}
-    return {**plain, **fused, **short, **tape, **swiglu}
+    in_proj = {f"in_proj_tape M{m} {n}x{k} {dt(dtype)}": name
+               for (m, k, n, _, dtype, _), name in in_proj_tape.CHOICES.items()}
+    return {**plain, **fused, **short, **tape, **swiglu, **in_proj}
 
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
