@@ -43,8 +43,7 @@ for tokens in (5, 9, 17):
             mixed, b, a = in_proj_tape.split(want_y, conv_dim, value_dim)
             block_mixer.launch(mixed, a, b, *args, want, neg, block_mixer.TILES[0])
             got = tape()
-            y = in_proj_tape.launch(x, weight, *args, got, conv_dim, value_dim, neg, tile,
-                                    dot_f32=True)
+            y = in_proj_tape.launch(x, weight, *args, got, conv_dim, value_dim, neg, tile)
             assert torch.equal(y, want_y), (tokens, tile)
             for i, (g, w) in enumerate(zip(got, want)):
                 assert torch.equal(g, w), (tokens, neg, tile, i)
@@ -173,8 +172,9 @@ def test_op_names_bad_input():
         in_proj_tape.in_proj_tape(*_op_args(rows_extra=1))
     with pytest.raises(ValueError, match="in_proj_tape: the tape .* 7\\+ tokens"):  # (of 6)
         in_proj_tape.in_proj_tape(*_op_args(tokens=7))
-    with pytest.raises(ValueError, match="must be one of apart"):
-        in_proj_tape.run("dot@1x2x3", *_op_args()[:6], _op_args()[6:12], 64, 32, False)
+    for name in ("dot@1x2x3", "dotsplit@32x256x4x3x4", "dot"):  # (a bad tile, form, no tile)
+        with pytest.raises(ValueError, match="one of"):
+            in_proj_tape.run(name, *_op_args()[:6], _op_args()[6:12], 64, 32, False)
 
 
 def test_candidates_are_apart_the_plain_gemms_tile_and_the_default(monkeypatch):

@@ -34,6 +34,7 @@ from .gemv import (
     TILES,
     _interpreted,
     dot_rows,
+    parse_kernel,
     small_m_linear,
     tile_args,
     tile_text,
@@ -44,10 +45,9 @@ from .gemv import (
 # Whether the verifier view's recording mixers run this op (unimax.fast_step). Off until it
 # has run on a GPU: built in the thirty-second session after that session's device time was
 # spent, tested in Triton's interpreter and compiled for sm_90 and sm_89 only (the next
-# session: tests/test_gpu_kernels.py's test_in_proj_tape_on_gpu, then bench/verified.py
-# --ab-tape-epilogue).
+# session: tests/test_gpu_in_proj_tape.py, then bench/verified.py --ab-tape-epilogue).
 TAPE_EPILOGUE = False
-CHOICES: dict[tuple, str] = {}  # (M, N, K, conv_dim, dtype) -> "dot@tile" or "apart"
+CHOICES: dict[tuple, str] = {}  # (M, K, N, conv_dim, dtype, neg_eigval) -> a name
 
 
 def split(y: torch.Tensor, conv_dim: int, value_dim: int) -> tuple[torch.Tensor, ...]:
@@ -88,10 +88,9 @@ def in_proj_tape_ref(x, weight, conv_state, conv_weight, A_log, dt_bias, tape, c
 
 
 def launch(x, weight, conv_state, conv_weight, A_log, dt_bias, tape, conv_dim: int,
-           value_dim: int, neg_eigval: bool, tile: tuple[int, ...],
-           dot_f32: bool = False) -> torch.Tensor:
-    """The kernel at one of ops.gemv's "dot" tiles (CUDA, or Triton's interpreter with
-    ``dot_f32``: its BF16 dots are wrong there)."""
+           value_dim: int, neg_eigval: bool, tile: tuple[int, ...]) -> torch.Tensor:
+    """The kernel at one of ops.gemv's "dot" tiles (CUDA, or Triton's interpreter, whose BF16
+    dots are wrong: fp32 there, as ops.gemv's dot kernel takes)."""
     import triton
 
     from .in_proj_tape_kernel import in_proj_tape_kernel
@@ -106,7 +105,7 @@ def launch(x, weight, conv_state, conv_weight, A_log, dt_bias, tape, conv_dim: i
         conv_weight, A_log, dt_bias, tape_x, q, k, v, g, beta, tape_x.stride(1), q.stride(1),
         v.stride(1), g.stride(1), KD=q.shape[2] * q.shape[3], CD=conv_dim,
         B0=conv_dim + value_dim, HV=g.shape[2], W=conv_weight.shape[1], NEG_EIGVAL=neg_eigval,
-        BLOCK_M=dot_rows(m), DOT_F32=dot_f32, **args)
+        BLOCK_M=dot_rows(m), DOT_F32=_interpreted(), **args)
     return y
 
 
@@ -138,10 +137,10 @@ def run(name: str, x, weight, conv_state, conv_weight, A_log, dt_bias, tape, con
         block_mixer.gdn_block_record(mixed, a, b, conv_state, conv_weight, A_log, dt_bias,
                                      *tape, neg_eigval)
         return y
-    if name not in names():
+    form, tile = parse_kernel(name, TILES, "in_proj_tape")
+    if form != "dot" or tile is None:
         raise ValueError(f"in_proj_tape: kernel must be one of {', '.join(names())}, got "
                          f"{name!r}")
-    tile = TILES["dot"][tiled_names(("dot",), TILES).index(name)]
     return launch(x, weight, conv_state, conv_weight, A_log, dt_bias, tape, conv_dim,
                   value_dim, neg_eigval, tile)
 
