@@ -6,7 +6,7 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-epilogue] [--kernels] [--json FILE]
+       [--ab-fold-blocks] [--ab-tape-apart] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -92,12 +92,12 @@ SWITCH_ABS = (
              "residual adds into the GEMMs (unimax.verifier.FOLD_BLOCKS: the tensor-core form "
              "ops.fused_dot) as its one-token forwards do: forced rows and verify block side "
              "by side", verify=True),
-    SwitchAB("--ab-tape-epilogue", unimax.ops.in_proj_tape, "TAPE_EPILOGUE", True,
-             "tape_epilogue",
-             "a second verified engine whose verify blocks write the tape in the "
-             "in-projection's epilogue where its timing chooses (ops.in_proj_tape."
-             "TAPE_EPILOGUE on; off by default: the tape's kernel after the GEMM): forced rows "
-             "and verify block side by side", verify=True),
+    SwitchAB("--ab-tape-apart", unimax.ops.in_proj_tape, "TAPE_EPILOGUE", False,
+             "tape_apart",
+             "a second verified engine whose verify blocks run the tape's kernel after the "
+             "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
+             "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
+             "verify block side by side", verify=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

@@ -69,9 +69,10 @@ def middle_layer_tape(tokens, conv_dim, heads, value_heads, dk, dv) -> tuple:
 
 
 def test_verifier_with_the_tape_epilogue_is_exact_on_gpu(monkeypatch):
-    """The compiled verifier with TAPE_EPILOGUE on: its blocks' in-projections go through the
-    op (its timed choice made per block length), and verified replies (full and tail drafts)
-    are exact greedy up to BF16 near-ties against the one-token eager reference."""
+    """The compiled verifier with TAPE_EPILOGUE on (the default; set here so that the test
+    keeps checking it): its blocks' in-projections go through the op (its timed choice made per
+    block length), and verified replies (full and tail drafts) are exact greedy up to BF16
+    near-ties against the one-token eager reference."""
     from unimax.ops import in_proj_tape
 
     require_fla()
