@@ -384,14 +384,13 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
        "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
        "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr",
-       "RMS_LOOP": "constexpr", "BETA": "constexpr", "PREFETCH": "constexpr",
-       "LANES": "constexpr"}
+       "RMS_LOOP": "constexpr", "BETA": "constexpr"}
 
-def compiled(consts, arch=90, signature=sig, warps=4):
+def compiled(consts, arch=90, signature=sig):
     consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, "RMS_LOOP": False,
-              "BETA": 0, "PREFETCH": False, "LANES": 128, **consts}
+              "BETA": 0, **consts}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm
+                          target=GPUTarget("cuda", arch, 32)).asm
 
 def ptx(consts, arch=90):
     return compiled(consts, arch)["ptx"]
@@ -505,70 +504,6 @@ def test_fused_gemv_pdl_form_compiles_for_hopper():
                     ["1", "True", "True", "2", "True"],
                     ["4", "False", "False", "0", "-"], ["4", "True", "False", "2", "True"],
                     ["4", "True", "True", "2", "True"]], rows
-
-
-PREFETCH_CHILD = FUSED_KERNEL + r"""
-import re
-# (prologue, split, PDL, BLOCK_N, warps): rms and swiglu, split-K, PDL on and off, narrow and
-# wide tiles (16 rows over 128 threads: 8 pieces a row; 256 rows: one piece, two a thread)
-for pro, split, pdl, block_n, warps in ((1, 1, True, 16, 4), (4, 4, False, 16, 4),
-                                         (1, 1, False, 256, 4), (0, 1, True, 32, 8)):
-    counts = []
-    for prefetch in (False, True):
-        consts = {"PRO": pro, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
-                  "BLOCK_N": block_n, "BLOCK_K": 256, "F16": True, "PDL": pdl, "SPLIT": split,
-                  "PDL_LATE": False, "PREFETCH": prefetch, "LANES": 32 * warps}
-        asm = compiled(consts, 90, warps=warps)
-        lines = asm["ptx"].splitlines()
-        def first(pattern):
-            return next((i for i, line in enumerate(lines) if re.search(pattern, line)), -1)
-        fetch = first(r"cp\.async\.bulk\.prefetch\.L2\.global")
-        # before PDL's wait (if any) and W's first load
-        later = [i for i in (first("griddepcontrol.wait"), first(r"ld\.global")) if i >= 0]
-        counts.append((sum("cp.async.bulk.prefetch.L2" in line for line in lines),
-                       fetch >= 0 and all(fetch < i for i in later), len(asm["cubin"]) > 0))
-    print(pro, split, pdl, block_n, *counts[0], *counts[1])
-"""
-
-
-def test_fused_gemv_prefetch_form_compiles_for_hopper():
-    """The fused GEMV's L2 prefetch (ops.fused_gemv.PREFETCH), compiled for sm_90 without a
-    GPU (ptxas takes the bulk prefetch): with PREFETCH each thread issues one bulk prefetch
-    of its piece (two where a 256-row tile has one piece a row over 128 threads), before PDL's
-    wait and before W's first load, in the rows, split-K and PDL forms; without it, none.
-    (Its outputs equal the prefetch-free kernel's on the GPU: tests/test_gpu_prefetch.py.)"""
-    out = run_with_triton(PREFETCH_CHILD, interpret=False)
-    rows = [line.split() for line in out.strip().splitlines()]
-    assert rows == [["1", "1", "True", "16", "0", "False", "True", "1", "True", "True"],
-                    ["4", "4", "False", "16", "0", "False", "True", "1", "True", "True"],
-                    ["1", "1", "False", "256", "0", "False", "True", "2", "True", "True"],
-                    ["0", "1", "True", "32", "0", "False", "True", "1", "True", "True"]], rows
-
-
-def test_prefetch_is_asked_for_only_where_it_fits(monkeypatch):
-    """ops.fused_gemv.prefetch_launch: nothing while PREFETCH is off or the device cannot
-    (a CPU, an L4: pdl_possible), for the TMA forms, or where W's rows, K or base are not
-    16-byte aligned (the bulk prefetch's unit); else PREFETCH with the tile's threads."""
-    import unimax.ops.fused_gemv as fused_gemv
-
-    x = torch.zeros(1, 2560, dtype=torch.bfloat16)
-    fp8 = torch.zeros(64, 2560).to(torch.float8_e4m3fn)
-    tile = (16, 256, 8)
-    assert fused_gemv.prefetch_launch(x, fp8, False, tile) == {}  # (off by default)
-    monkeypatch.setattr(fused_gemv, "PREFETCH", True)
-    assert fused_gemv.prefetch_launch(x, fp8, False, tile) == {}  # (a CPU: no bulk prefetch)
-    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: True)
-    assert fused_gemv.prefetch_launch(x, fp8, False, tile) == {"PREFETCH": True, "LANES": 256}
-    assert fused_gemv.prefetch_launch(x, fp8, False, None) == {"PREFETCH": True, "LANES": 128}
-    assert fused_gemv.prefetch_launch(x, fp8, True, tile) == {}  # (TMA: W by descriptor)
-    odd = torch.zeros(64, 2568).to(torch.float8_e4m3fn)
-    assert fused_gemv.prefetch_launch(x, odd, False, tile) == {}  # (2568 bytes a row)
-    assert fused_gemv.prefetch_launch(x, odd[:, :2560], False, tile) == {}  # (row stride)
-    assert fused_gemv.prefetch_launch(x, fp8[:, 8:], False, tile) == {}  # (K, base)
-    bf16 = torch.zeros(64, 2568, dtype=torch.bfloat16)  # (5136 bytes a row: aligned)
-    assert fused_gemv.prefetch_launch(x, bf16, False, tile) == {"PREFETCH": True, "LANES": 256}
-    monkeypatch.setattr(fused_gemv, "PREFETCH", False)
-    assert fused_gemv.prefetch_launch(x, bf16, False, tile) == {}
 
 
 def test_pdl_is_asked_for_by_weight_dtype(monkeypatch):

@@ -75,13 +75,6 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 PDL: bool | str = "auto"  # or False, True (every fused GEMV and tensor-core GEMM), or "fp8"
 # (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
-# Each program's whole slice of W prefetched into L2 first (the kernel's PREFETCH; compute
-# capability 9+, the rows and split forms): their K loops are not pipelined, so each tile
-# waits out a DRAM round trip, ~4.2 us a GEMV over its bytes' time at 4B (thirty-second
-# session). Off until measured end to end (bench/verified.py --ab-prefetch, thirty-third
-# session: built after that session's first runs). Read at each launch, so when a graph is
-# captured.
-PREFETCH = False
 PDL_TRIGGER = "start"  # or "end"
 # The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K
 # loop, the sums scaled by the row's 1 / rms after it) where a program runs all of K with fp32
@@ -270,23 +263,9 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     channels = (0, 0) if beta is None else beta[:2]
     launch[grid](*pointers, out_features, in_features, *strides, eps, offset, *conv,
-                 *channels, **flags, **prefetch_launch(x, weight, tma, tile),
+                 *channels, **flags,
                  **pdl_launch(x, weight), **tile_args(tile))
     return y
-
-
-def prefetch_launch(x: torch.Tensor, weight: torch.Tensor, tma: bool, tile) -> dict:
-    """The launch's prefetch arguments (see PREFETCH): on only where asked, on CUDA devices of
-    compute capability 9+ (the bulk prefetch is Hopper's; never in the interpreter), for the
-    forms that load W by pointer (not TMA), with W's rows, K and base 16-byte aligned (the
-    bulk prefetch's unit). LANES: the program's threads (its tile's warps; the autotuner's
-    otherwise, 4 at most of whose warps take a piece)."""
-    size = weight.element_size()
-    if not (PREFETCH and not tma and pdl_possible(x.device) and weight.stride(1) == 1
-            and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size % 16 == 0
-            and weight.data_ptr() % 16 == 0):
-        return {}
-    return {"PREFETCH": True, "LANES": 32 * (tile[2] if tile else 4)}
 
 
 CONV_TILE = (16, 256, 4)  # the conv form's tile where none is named (one of GEMV_TILES)

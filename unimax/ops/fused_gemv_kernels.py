@@ -10,13 +10,7 @@ and the kernel it replaces (a launch of ~1.5-2.5 us on the H200, for a few kilob
 import triton
 import triton.language as tl
 
-from .gemv_kernels import (
-    launch_dependents,
-    prefetch_to_l2,
-    split_k_sum,
-    tile_products,
-    wait_for_the_kernel_before,
-)
+from .gemv_kernels import launch_dependents, split_k_sum, tile_products, wait_for_the_kernel_before
 
 # Prologues (the PRO constexpr; fused_gemv.PROLOGUES names them)
 NONE, RMS, GATED_SILU, GATED_SIGMOID, SWIGLU, SIGMOID_GATE = 0, 1, 2, 3, 4, 5
@@ -209,8 +203,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                       PDL_LATE: tl.constexpr = False, CONV_W: tl.constexpr = 0,
                       CONV_WP: tl.constexpr = 1, TMA: tl.constexpr = False,
                       STAGES: tl.constexpr = 1, RMS_LOOP: tl.constexpr = False,
-                      BETA: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
-                      LANES: tl.constexpr = 128):
+                      BETA: tl.constexpr = 0):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -262,12 +255,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     ``BETA`` > 0 (with the convolution: the in-projection of the verifier's one-token
     forwards): outputs B0 <= rn < B0 + NB are the mixer's b channels, stored as beta =
     sigmoid(b) rounded (``beta_epilogue``; doubled with BETA == 2), the mixer's own rounding,
-    which removes the sigmoid's launch per layer (``ops.in_proj_conv``).
-
-    ``PREFETCH`` (compute capability 9+, not with TMA): the program first asks for its whole
-    slice of W into L2 (``gemv_kernels.prefetch_to_l2``, LANES its threads), before PDL's
-    wait, so that the unpipelined K loop's loads wait on L2, not DRAM. The same loads and sums
-    as without."""
+    which removes the sigmoid's launch per layer (``ops.in_proj_conv``)."""
     row = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(2)
@@ -277,9 +265,6 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     rstd = 1.0
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # (RMS_LOOP: x's, summed per lane)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
-    if PREFETCH:
-        prefetch_to_l2(w_ptr, tl.program_id(0) * BLOCK_N, start, end, N, stride_wn, BLOCK_N,
-                       LANES)
     if PDL or PRO == 1:  # the first tile of W, loaded before anything that waits
         if PDL and not PDL_LATE:
             launch_dependents()

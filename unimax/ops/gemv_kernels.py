@@ -72,33 +72,6 @@ def wait_for_the_kernel_before():
 
 
 @triton.jit
-def prefetch_to_l2(w_ptr, first_row, start, end, N, stride_wn, BLOCK_N: tl.constexpr,
-                   LANES: tl.constexpr):
-    """PTX cp.async.bulk.prefetch.L2 (compute capability 9+): W's rows first_row ..
-    first_row + BLOCK_N - 1, columns start .. end - 1 (a program's whole slice of W) asked
-    of DRAM into L2 at once, nothing loaded into registers. The rows forms' K loops are not
-    pipelined (a plain tl.load feeding no tl.dot never is), so each tile's load waits out a
-    DRAM round trip before the next is issued: the short GEMVs' fixed cost (bench/RESULTS.md,
-    fifteenth and thirty-second sessions). Prefetched, those loads find their lines in L2 or
-    on their way; issued before PDL's wait, the slice streams in while the kernel before
-    finishes. One bulk prefetch a thread (LANES: the program's threads, 32 a warp): each row's
-    span cut into LANES // BLOCK_N pieces of whole 16-byte units (the caller checks that W's
-    rows, K and the base are 16-byte aligned: ops.fused_gemv.prefetch_launch). Rows past N
-    prefetch row N - 1; empty pieces issue nothing. No result depends on it."""
-    P: tl.constexpr = max(LANES // BLOCK_N, 1)
-    SIZE: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    lane = tl.arange(0, BLOCK_N * P)
-    rows = tl.minimum(first_row + lane // P, N - 1).to(tl.int64)
-    piece = tl.cdiv(end - start, P * 16) * 16  # (elements: 16 of them are whole 16-byte units)
-    offset = start + (lane % P) * piece
-    nbytes = (tl.minimum(piece, end - offset) * SIZE).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
-        " // dummy $0", "=r,l,r", [w_ptr + rows * stride_wn + offset, nbytes], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
 def split_k_sum(part_sum, ws_ptr, cnt_ptr, tile, part, slot, size, inside,
                 SPLIT: tl.constexpr):
     """Split-K in one launch: each of a tile's SPLIT programs stores its partial sums (fp32,
