@@ -44,8 +44,9 @@ from .gemv import (
 
 # Whether the verifier view's recording mixers run this op (unimax.fast_step). On since the
 # thirty-third session: its GPU tests passed (bit-equal to the GEMM + tape kernel at 4B, the
-# compiled verifier exact) and the A/B (bench/verified.py --ab-tape-epilogue, H200) had the
-# verify 8 block at 1.349 against 1.488 ms at 0.8B (gdn24) and 3.540 against 3.559 at 4B.
+# compiled verifier exact) and the A/B (bench/verified.py, then --ab-tape-epilogue, now
+# --ab-tape-apart; H200) had the verify 8 block at 1.349 against 1.488 ms at 0.8B (gdn24) and
+# 3.540 against 3.559 at 4B.
 # The per-shape timed choice still keeps "apart" wherever that is faster.
 TAPE_EPILOGUE = True
 CHOICES: dict[tuple, str] = {}  # (M, K, N, conv_dim, dtype, neg_eigval) -> a name
