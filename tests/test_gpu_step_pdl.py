@@ -6,7 +6,7 @@ A file of its own so that bench/gpu_tests.sh runs it in a process of its own."""
 import pytest
 import torch
 
-from helpers import gpu_model
+from helpers import gpu_model, require_fla
 from helpers import gpu_prompt as prompt
 from unimax import build_engine
 
@@ -14,8 +14,6 @@ pytestmark = pytest.mark.gpu
 
 
 def require_pdl() -> None:
-    from helpers import require_fla
-
     require_fla()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")

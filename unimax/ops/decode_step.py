@@ -39,6 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import fused_gemv
 from .conv import causal_conv1d_step
 from .gated_delta import fla_ops, recurrent_gated_delta_rule_ref
 
@@ -136,9 +137,8 @@ def step_pdl(device: torch.device, fp8_weights: bool) -> bool:
     GEMVs over the layer's weights (FP8 or not) launched programmatically on this device
     (ops.fused_gemv.pdl_wanted_for, pdl_possible: read per launch, so as a graph is captured,
     inside the decoders' timed PDL choice)."""
-    from .fused_gemv import pdl_possible, pdl_wanted_for
-
-    return STEP_PDL and pdl_wanted_for(fp8_weights) and pdl_possible(device)
+    return (STEP_PDL and fused_gemv.pdl_wanted_for(fp8_weights)
+            and fused_gemv.pdl_possible(device))
 
 
 def launch_step(q, k, v, a, beta, state, A_log, dt_bias, beta_sigmoid: bool = False,
