@@ -6,7 +6,7 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-apart] [--ab-step-pdl] [--kernels] [--json FILE]
+       [--ab-fold-blocks] [--ab-tape-apart] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -60,8 +60,7 @@ STARTED = time.perf_counter()
 class SwitchAB:
     """An A/B option: a second verified engine built and run with ``owner.name`` set to
     ``value`` (with_switch), its rows and parts labelled ``label``; ``verify``: its verify
-    block timed too; ``exact``: its exact step and exact run (exact_parts); ``bf16``: a
-    BF16-only engine built with it too (its row and step: the switch reaches both modes)."""
+    block timed too; ``exact``: its exact step and exact run (exact_parts)."""
     flag: str
     owner: object
     name: str
@@ -70,7 +69,6 @@ class SwitchAB:
     help: str
     verify: bool = False
     exact: bool = False
-    bf16: bool = False
 
 
 SWITCH_ABS = (
@@ -100,12 +98,6 @@ SWITCH_ABS = (
              "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
              "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
              "verify block side by side", verify=True),
-    SwitchAB("--ab-step-pdl", unimax.ops.decode_step, "STEP_PDL", True, "step_pdl",
-             "a second verified engine and a second BF16-only engine whose one-token steps "
-             "run the recurrence as our kernel with its PDL form where their GEMVs launch "
-             "programmatically (ops.decode_step.STEP_PDL on; off by default: fla's kernel, "
-             "launched plainly): rows, draft step, BF16 step and exact step side by side",
-             exact=True, bf16=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
@@ -460,18 +452,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
             emit({**row, "mean_k": mean_k(result)} if result.verify else row)
     del bf16
 
-    def bf16_again(label: str) -> None:
-        """BF16-only built again (under an A/B's switch): its row and step beside the first's,
-        in the same process."""
-        other = build_engine(model, decode="bf16", block_size=k, compile_step=True)
-        emit(row_of(f"bf16 {label.replace('_', '-')}",
-                    timed_generate(other, ids, args.new, "fast"), weight_bytes, bandwidth,
-                    reference, model, ids))
-        parts[f"bf16_step_ms_{label}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
-        parts["pdl"][f"bf16_{label}"] = pdl_of(other.decode_graph)
-        parts[f"bf16_step_over_bf16_{label}"] = (parts[f"bf16_step_ms_{label}"]
-                                                 / parts["bf16_step_ms"])
-
     verifier = engine.verifier
     window = engine.exact_cache.window_for(512 + args.new)
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
@@ -506,8 +486,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     for ab in SWITCH_ABS:  # second engines with one module flag flipped
         if getattr(args, ab.flag.removeprefix("--").replace("-", "_")):
             with_switch(ab.owner, ab.name, ab.value, ab.label, verified_engine, args, k,
-                        parts, forced_row, verify=ab.verify, window=window, exact=ab.exact,
-                        bf16=bf16_again if ab.bf16 else None)
+                        parts, forced_row, verify=ab.verify, window=window, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, verified_engine, args, k, window, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
@@ -558,18 +537,15 @@ def verify_without_block_op(verified_engine, ids, args, k: int, window, parts: d
 
 def with_switch(owner, name: str, value, label: str, verified_engine, args, k: int,
                 parts: dict, forced_row, verify: bool = False, window=None,
-                exact: bool = False, bf16=None) -> None:
+                exact: bool = False) -> None:
     """A second verified engine built, captured and run with ``owner.name`` set to ``value``
     (restored after): its forced rows and draft step (``verify``: its verify block too, in
     the KV bucket ``window``) beside the first engine's, in the same process, under
     ``label`` (second_engine_rows). The switches the A/Bs flip are read as graphs are
     captured or as the verifier's forward is traced (a guard), so the flag stays set while
     the second engine runs and the first engine's graphs keep what they were built with.
-    ``exact``: its exact step and exact run too (exact_parts); ``bf16(label)``: BF16-only
-    built and measured again under the switch."""
+    ``exact``: its exact step and exact run too (exact_parts)."""
     with mock.patch.object(owner, name, value):
-        if bf16 is not None:
-            bf16(label)
         other = verified_engine()
         second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
                            window=window, exact=exact)

@@ -171,8 +171,7 @@ class GatedDeltaNetMixer(nn.Module):
         beta = b if in_kernel or beta_done else write_strength(b, cfg.allow_neg_eigval)
         o = gdn_decode_step(mixed, a, beta, state.conv_states[0], self.conv_weight,
                             state.recurrent_states[0], self.A_log, self.dt_bias,
-                            cfg.num_k_heads, in_kernel, conv_done,
-                            self.in_proj.weight.element_size() == 1)
+                            cfg.num_k_heads, in_kernel, conv_done)
         state.has_previous_state[0] = True
         return o, z
 

@@ -20,13 +20,6 @@ computed inside (``A_log``, ``dt_bias``), reading q, k and v where the convoluti
 As a torch custom op it is one opaque call to inductor, which keeps the states' buffers (no
 clone, no copy back: the mutation is declared).
 
-``STEP_PDL`` (off until measured): where the step's GEMVs launch programmatically (ops.
-fused_gemv's PDL setting for the layer's weights: ``fp8_weights``), the recurrence is our
-kernel at one token (step_recurrence_kernel.py: fla's arithmetic and launch, with a PDL form),
-so the chain in-projection, recurrence, out-projection has no plain launch in it: fla's
-kernel, launched plainly, waits for the in-projection to finish and lets the out-projection
-start only when it ends, two of a layer's five boundaries without PDL's overlap.
-
 ``gdn_decode_step_ref`` is the plain twin (the mixer's torch forms), which the op runs off CUDA.
 beta stays an input: the mixer rounds sigmoid(b) to the activation dtype as transformers' Qwen3.5
 layer does, where fla's in-kernel sigmoid would keep fp32.
@@ -39,14 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import fused_gemv
 from .conv import causal_conv1d_step
 from .gated_delta import fla_ops, recurrent_gated_delta_rule_ref
-
-# Whether a step whose GEMVs launch programmatically runs its recurrence as our PDL kernel
-# (module docstring). Off: built in the thirty-third session after its device time; its GPU
-# tests (tests/test_gpu_step_pdl.py) and bench/verified.py --ab-step-pdl have not run yet.
-STEP_PDL = False
 
 
 def _split_heads(mixed: torch.Tensor, num_k_heads: int, value_heads: int, head_v_dim: int):
@@ -116,51 +103,15 @@ def fla_conv_step(mixed: torch.Tensor, conv_state: torch.Tensor,
 def fla_recurrent_step(y: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                        recurrent_state: torch.Tensor, A_log: torch.Tensor,
                        dt_bias: torch.Tensor, num_k_heads: int,
-                       beta_logits: bool = False, fp8_weights: bool = False) -> torch.Tensor:
+                       beta_logits: bool = False) -> torch.Tensor:
     """fla's fused recurrent kernel for one token of the convolved y (B, 1, conv_dim), the
-    state updated in place, the gate computed inside: o (B, 1, HV, V). Where the layer's
-    GEMVs launch programmatically and ``STEP_PDL`` asks (``step_pdl``), our kernel with its
-    PDL form instead, the same arithmetic."""
+    state updated in place, the gate computed inside: o (B, 1, HV, V)."""
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     q, k, v = _split_heads(y, num_k_heads, value_heads, head_v_dim)
     if y.shape[0] > 1:  # the kernel steps sequences by H * K: only one may read in place
         q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
-    if step_pdl(y.device, fp8_weights):
-        return launch_step(q, k, v, a, beta.contiguous(), recurrent_state, A_log, dt_bias,
-                           beta_sigmoid=beta_logits, pdl=True)
     return launch_recurrent(q, k, v, a, beta.contiguous(), recurrent_state, A_log, dt_bias,
                             beta_sigmoid=beta_logits)
-
-
-def step_pdl(device: torch.device, fp8_weights: bool) -> bool:
-    """Whether a step's recurrence launches as our PDL kernel: ``STEP_PDL`` on, and the step's
-    GEMVs over the layer's weights (FP8 or not) launched programmatically on this device
-    (ops.fused_gemv.pdl_wanted_for, pdl_possible: read per launch, so as a graph is captured,
-    inside the decoders' timed PDL choice)."""
-    return (STEP_PDL and fused_gemv.pdl_wanted_for(fp8_weights)
-            and fused_gemv.pdl_possible(device))
-
-
-def launch_step(q, k, v, a, beta, state, A_log, dt_bias, beta_sigmoid: bool = False,
-                pdl: bool = False) -> torch.Tensor:
-    """Our one-token kernel (step_recurrence_kernel.py) at fla's launch (BV 8, one warp), the
-    inputs as ``launch_recurrent`` takes them (one token); ``pdl``: its programmatic form."""
-    import triton
-
-    from .step_recurrence_kernel import step_recurrence_kernel
-
-    batch, tokens, num_k_heads, head_k_dim = q.shape
-    value_heads, head_v_dim = v.shape[2:]
-    if tokens != 1:
-        raise ValueError(f"launch_step: one token, got {tokens}")
-    o = v.new_empty(batch, 1, value_heads, head_v_dim)
-    block_v = min(8, triton.next_power_of_2(head_v_dim))
-    step_recurrence_kernel[(triton.cdiv(head_v_dim, block_v) * batch * value_heads,)](
-        q, k, v, a, beta, A_log, dt_bias, o, state, head_k_dim ** -0.5, H=num_k_heads,
-        HV=value_heads, K=head_k_dim, V=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
-        BV=block_v, BETA_SIGMOID=beta_sigmoid, PDL=pdl, num_warps=1, num_stages=3,
-        **({"launch_pdl": True} if pdl else {}))
-    return o
 
 
 def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
@@ -191,11 +142,11 @@ def launch_recurrent(q, k, v, a, beta, state, A_log, dt_bias, block_v: int = 8,
 
 
 def _fla_decode_step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
-                     num_k_heads: int, beta_logits: bool = False, conv_done: bool = False,
-                     fp8_weights: bool = False) -> torch.Tensor:
+                     num_k_heads: int, beta_logits: bool = False,
+                     conv_done: bool = False) -> torch.Tensor:
     y = mixed if conv_done else fla_conv_step(mixed, conv_state, conv_weight)
     return fla_recurrent_step(y, a, beta, recurrent_state, A_log, dt_bias, num_k_heads,
-                              beta_logits, fp8_weights)
+                              beta_logits)
 
 
 def check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k_heads: int):
@@ -232,25 +183,21 @@ def gdn_decode_step(mixed: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                     conv_state: torch.Tensor, conv_weight: torch.Tensor,
                     recurrent_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     num_k_heads: int, beta_logits: bool = False,
-                    conv_done: bool = False, fp8_weights: bool = False) -> torch.Tensor:
+                    conv_done: bool = False) -> torch.Tensor:
     """One token through a GDN mixer's convolution and recurrence; fla's kernels on CUDA.
     ``beta_logits``: beta holds b itself and the kernel takes sigmoid(b) (fp32, where the
     mixer rounds it to the activation dtype first): the draft's step (unimax.fused_draft), one
     kernel fewer per layer. ``conv_done``: mixed is already the convolution's output and
     conv_state already rolled (ops.in_proj_conv, which folds the convolution into the
-    in-projection): the recurrence only. ``fp8_weights``: the layer's linears are FP8 (the
-    draft's), for the PDL setting that covers FP8 GEMVs only (``step_pdl``)."""
+    in-projection): the recurrence only."""
     check_inputs(mixed, a, beta, conv_state, conv_weight, recurrent_state, num_k_heads)
-    if mixed.is_cuda and fla_ops() is not None:
-        return _fla_decode_step(mixed, a, beta, conv_state, conv_weight, recurrent_state,
-                                A_log, dt_bias, num_k_heads, beta_logits, conv_done,
-                                fp8_weights)
-    return gdn_decode_step_ref(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log,
-                               dt_bias, num_k_heads, beta_logits, conv_done)
+    step = _fla_decode_step if mixed.is_cuda and fla_ops() is not None else gdn_decode_step_ref
+    return step(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias,
+                num_k_heads, beta_logits, conv_done)
 
 
 @gdn_decode_step.register_fake
 def _(mixed, a, beta, conv_state, conv_weight, recurrent_state, A_log, dt_bias, num_k_heads,
-      beta_logits=False, conv_done=False, fp8_weights=False):
+      beta_logits=False, conv_done=False):
     value_heads, _, head_v_dim = recurrent_state.shape[1:]
     return mixed.new_empty(mixed.shape[0], 1, value_heads, head_v_dim)

@@ -383,19 +383,13 @@ def auto_pdl(setting: bool | str) -> Iterator[None]:
 def pdl_wanted(weight: torch.Tensor) -> bool:
     """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight`` ("auto": what
     the ``auto_pdl`` block around the launch says, else no)."""
-    if PDL_TRIGGER not in ("start", "end"):
-        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
-    return pdl_wanted_for(weight.element_size() == 1)
-
-
-def pdl_wanted_for(fp8: bool) -> bool:
-    """``pdl_wanted`` for a GEMV over FP8 weights (``fp8``) or not (the others' kernels in a
-    step, such as ops.decode_step's recurrence, follow their layer's weights)."""
     if PDL not in (*PDL_SETTINGS, "auto"):
         raise ValueError(f"fused_gemv.PDL must be False, True, 'fp8' or 'auto', got {PDL!r}")
+    if PDL_TRIGGER not in ("start", "end"):
+        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
     setting = getattr(_AUTO, "setting", False) if PDL == "auto" else PDL
     if setting == "fp8":
-        return fp8
+        return weight.element_size() == 1
     return bool(setting)
 
 
