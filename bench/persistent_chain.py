@@ -1,0 +1,276 @@
+"""What a persistent step kernel could save (GPU): a draft step's chain of FP8 GEMVs as one
+launch per GEMV against one launch for the whole chain, its phases separated by grid barriers.
+
+What is left of issue 11 is fixed cost per kernel: every GEMV pays ~2.5-4.5 us of launch, DRAM
+ramp and tail over its bytes' time (bench/small_reads.py, bench/gemv_parts.py), and a 4B draft
+step runs 128 of them; every remedy inside one GEMV has lost (docs/design.md). The remedy left
+is fewer kernels: a persistent kernel that runs a whole step, its programs meeting at a grid
+barrier wherever one linear needs the last one's whole output. Before anyone builds that (a
+multi-session project: the recurrence, norms and prologues inside it too), this bench asks
+what its skeleton costs, with the same plain FP8 GEMV tile in every variant so that only the
+boundaries differ:
+
+- ``launch``: one launch per GEMV (grid: one program per output tile), captured in a graph, as
+  the engine's steps run today;
+- ``persistP``: one launch, P programs per SM, each phase's tiles grid-strided, an atomic
+  counter barrier between phases (release after the stores, acquire before the loads);
+- ``earlyP``: the same, each program loading its first weight tile of the next phase before it
+  waits at the barrier (a linear's weights never depend on the last one's output: the one thing
+  a persistent kernel can overlap that separate launches, even with PDL, overlap only in part);
+- ``barrier`` / ``launch-empty``: the same boundaries over one 16 x 16 tile a phase: a grid
+  barrier's cost and a graph launch's, alone.
+
+The chain is a model's decode GEMVs in order (in_proj, out_proj, gate_up, down per layer; each
+reads the last one's first K outputs), FP8 e4m3 weights with a per-row scale, BF16 activations.
+Every variant's outputs are checked bit for bit against the launched chain's (same tile, same
+sums), and on the interpreter against torch (--dry). A barrier that spins too long sets a flag
+(a grid larger than what fits at once would deadlock; the bench reports it instead of hanging).
+
+usage: python bench/persistent_chain.py [--shapes gdn-4b gdn24-0.8b] [--json FILE]
+       TRITON_INTERPRET=1 python bench/persistent_chain.py --dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SPIN_LIMIT = 1 << 18  # acquire polls before a barrier gives up (~0.3 s: a deadlock, flagged)
+FIELDS = 6  # per phase in the table: weight offset, scale offset, x offset, y offset, N, K
+
+
+@triton.jit
+def _w_tile(w, w_off, N, K, t, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    return tl.load(w + w_off + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, t, w0,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[t's rows] = scale * (W[t's rows] @ x), W's first K tile given (``w0``), in fp32."""
+    cols = tl.arange(0, BLOCK_K)
+    x = tl.load(act + x_off + cols, mask=cols < K, other=0.0).to(tl.float32)
+    acc = w0.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        wt = _w_tile(w, w_off, N, K, t, k0, BLOCK_N, BLOCK_K)
+        x = tl.load(act + x_off + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        acc += wt.to(tl.float32) * x[None, :]
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = tl.sum(acc, axis=1) * tl.load(s + s_off + rows, mask=rows < N, other=0.0)
+    tl.store(act + y_off + rows, y.to(tl.bfloat16), mask=rows < N)
+
+
+@triton.jit
+def _phase(table, p):
+    row = table + p * 6  # FIELDS
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32))
+
+
+@triton.jit
+def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PERSIST: tl.constexpr, EARLY: tl.constexpr,
+                 SPIN_LIMIT: tl.constexpr):
+    """Phases first .. first + phases - 1 of the table. Launched (PERSIST off): one phase, a
+    program per output tile. Persistent: every phase, tiles grid-strided over the programs, a
+    grid barrier after each (the counter reaches programs x phases done)."""
+    pid = tl.program_id(0)
+    if PERSIST:
+        nprog = tl.num_programs(0)
+        w_off, s_off, x_off, y_off, N, K = _phase(table, first)
+        w_next = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
+        for p in range(first, first + phases):
+            w_off, s_off, x_off, y_off, N, K = _phase(table, p)
+            if EARLY:
+                w0 = w_next
+            else:
+                w0 = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
+            # the program's first tile (masked off where the phase has fewer tiles)
+            _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K)
+            for t in range(pid + nprog, tl.cdiv(N, BLOCK_N), nprog):
+                wt = _w_tile(w, w_off, N, K, t, 0, BLOCK_N, BLOCK_K)
+                _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, t, wt, BLOCK_N,
+                           BLOCK_K)
+            if EARLY:  # the next phase's first weight tile, before the wait (the last phase's
+                # own again after the last one: a harmless reload)
+                nw, ns, nx, ny, nN, nK = _phase(table, tl.minimum(p + 1, first + phases - 1))
+                w_next = _w_tile(w, nw, nN, nK, pid, 0, BLOCK_N, BLOCK_K)
+            # grid barrier: every thread's stores before the one arrival (release), the
+            # acquire poll before any thread reads what other programs stored
+            tl.debug_barrier()
+            tl.atomic_add(counter, 1, sem="release", scope="gpu")
+            target = nprog * (p - first + 1)
+            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+            spins = tl.full((), 0, tl.int32)
+            while (seen < target) & (spins < SPIN_LIMIT):
+                seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+                spins += 1
+            tl.atomic_max(flag, (spins >= SPIN_LIMIT).to(tl.int32))
+            tl.debug_barrier()
+    else:
+        w_off, s_off, x_off, y_off, N, K = _phase(table, first)
+        w0 = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
+        _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K)
+
+
+def linears(cfg) -> list[tuple[int, int]]:
+    """(N, K) of a GDN layer's decode GEMVs in order: in_proj, out_proj, gate_up, down."""
+    key, val = cfg.num_k_heads * cfg.head_k_dim, cfg.num_v_heads * cfg.head_v_dim
+    in_proj = 2 * key + 2 * val + 2 * cfg.num_v_heads
+    return [(in_proj, cfg.hidden_size), (cfg.hidden_size, val),
+            (2 * cfg.intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, cfg.intermediate_size)]
+
+
+class Chain:
+    """A chain of FP8 GEMVs in three flat buffers (weights, scales, activations) and a phase
+    table of offsets, so that one persistent launch can walk them."""
+
+    def __init__(self, dims: list[tuple[int, int]], device, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        table, w_off, s_off = [], 0, 0
+        x_off, y_off = 0, dims[0][1]
+        for n, k in dims:
+            table.append([w_off, s_off, x_off, y_off, n, k])
+            w_off, s_off = w_off + n * k, s_off + n
+            # each output on its own 128-byte lines: a program that read the last output's
+            # tail must not hold this one's head in its L1 from before it was written
+            x_off, y_off = y_off, y_off + -(-n // 64) * 64
+        self.dims, self.bytes = dims, w_off
+        self.w = torch.empty(w_off, dtype=torch.float8_e4m3fn, device=device)
+        self.s = torch.empty(s_off, dtype=torch.float32, device=device)
+        for (n, k), (wo, so, *_) in zip(dims, table, strict=True):
+            self.w[wo:wo + n * k] = torch.randn(n * k, generator=g, device=device).to(
+                torch.float8_e4m3fn)
+            self.s[so:so + n] = k ** -0.5
+        self.act = torch.zeros(y_off, dtype=torch.bfloat16, device=device)
+        self.act[:dims[0][1]] = torch.randn(dims[0][1], generator=g, device=device)
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def outputs(self) -> torch.Tensor:
+        return self.act[self.dims[0][1]:].clone()
+
+    def launcher(self, variant: str, sms: int, tile: tuple[int, int, int]):
+        bn, bk, warps = tile
+        args = (self.w, self.s, self.act, self.table)
+        meta = dict(BLOCK_N=bn, BLOCK_K=bk, SPIN_LIMIT=SPIN_LIMIT, num_warps=warps)
+        if variant == "launch":
+            grids = [(triton.cdiv(n, bn),) for n, _ in self.dims]
+
+            def call():
+                for p, grid in enumerate(grids):
+                    chain_kernel[grid](*args, p, 1, self.counter, self.flag, PERSIST=False,
+                                       EARLY=False, **meta)
+            return call
+        per_sm, early = int(variant[-1]), variant.startswith("early")
+
+        def call():
+            self.counter.zero_()
+            chain_kernel[(per_sm * sms,)](*args, 0, len(self.dims), self.counter, self.flag,
+                                          PERSIST=True, EARLY=early, **meta)
+        return call
+
+
+def reference(chain: Chain) -> torch.Tensor:
+    """The chain in torch: each GEMV in fp32 over the BF16 input, rounded to BF16 as stored."""
+    start = chain.dims[0][1]
+    out = torch.zeros_like(chain.act[start:])
+    x = chain.act[:start].float()
+    for (n, k), (wo, so, _, yo, *_) in zip(chain.dims, chain.table.tolist(), strict=True):
+        w = chain.w[wo:wo + n * k].float().view(n, k)
+        y = ((w @ x[:k]) * chain.s[so:so + n]).to(torch.bfloat16)
+        out[yo - start:yo - start + n] = y
+        x = y.float()
+    return out
+
+
+def dry_run() -> None:
+    """On the interpreter (programs run one after another, so persistent grids of 1 program):
+    the launched and persistent chains equal torch's up to fp32 summation order, and each
+    other bit for bit."""
+    dims = [(40, 24), (24, 40), (56, 24), (24, 28)] * 2
+    chain = Chain(dims, "cpu")
+    want = reference(chain)
+    got = {}
+    for variant in ("launch", "persist1", "early1"):
+        chain.act[dims[0][1]:] = 0
+        chain.launcher(variant, sms=1, tile=(16, 16, 1))()
+        got[variant] = chain.outputs()
+        assert int(chain.flag) == 0, variant
+        torch.testing.assert_close(got[variant].float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert all(torch.equal(got["launch"], g) for g in got.values())
+    print("launched and persistent chains agree with torch and with each other")
+
+
+def main() -> None:
+    from decode import copy_bandwidth
+    from shapes import SHAPES
+
+    from unimax.ops.timing import graph_us
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["gdn-4b", "gdn24-0.8b"])
+    parser.add_argument("--tile", default="16x512x4", help="BLOCK_N x BLOCK_K x warps")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--dry", action="store_true")
+    args = parser.parse_args()
+    if args.dry:
+        return dry_run()
+    tile = tuple(int(v) for v in args.tile.split("x"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy_gbps = copy_bandwidth() / 1e9  # (read + write counted, as bench/verified.py)
+    variants = ["launch", "persist1", "persist2", "early1", "early2"]
+    rows = []
+    for name in args.shapes:
+        cfg = SHAPES[name]
+        for label, dims in ((name, linears(cfg) * cfg.num_hidden_layers),
+                            ("empty", [(16, 16)] * (4 * cfg.num_hidden_layers))):
+            chain = Chain(dims, "cuda")
+            want = None
+            for variant in variants if label != "empty" else ["launch", "persist1"]:
+                chain.act[dims[0][1]:] = 0
+                chain.flag.zero_()
+                call = chain.launcher(variant, sms, tile)
+                call()
+                torch.cuda.synchronize()
+                got = chain.outputs()
+                want = got if want is None else want
+                us = graph_us(lambda i, call=call: call(), 1)
+                row = {"shape": label if label != "empty" else f"{name} empty",
+                       "variant": variant, "phases": len(dims), "us": us,
+                       "bytes": chain.bytes, "floor_us": chain.bytes / copy_gbps / 1e3,
+                       "same": bool(torch.equal(got, want)), "stuck": int(chain.flag)}
+                if label != "empty" and variant == "launch":
+                    ref = reference(chain)
+                    row["max_err_vs_torch"] = float((got.float() - ref.float()).abs().max())
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del chain
+    if args.json:
+        args.json.write_text(json.dumps({"copy_GBps": copy_gbps, "sms": sms, "tile": tile,
+                                         "rows": rows}, indent=1))
+    print(f"\n{sms} SMs, copy {copy_gbps:.0f} GB/s, tile {args.tile}; a chain's time, its share"
+          " of the copy floor, and (us - floor) per phase")
+    print(f"{'shape':18}{'variant':10}{'phases':>7}{'us':>10}{'floor%':>8}{'fixed/ph':>9}  ok")
+    for r in rows:
+        ok = ("yes" if r["same"] else "DIFFERS") + (" STUCK" if r["stuck"] else "")
+        print(f"{r['shape']:18}{r['variant']:10}{r['phases']:7}{r['us']:10.1f}"
+              f"{100 * r['floor_us'] / r['us']:8.1f}{(r['us'] - r['floor_us']) / r['phases']:9.2f}"
+              f"  {ok}")
+
+
+if __name__ == "__main__":
+    main()
