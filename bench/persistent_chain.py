@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def _phase(table, p):
 @triton.jit
 def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PERSIST: tl.constexpr, EARLY: tl.constexpr,
-                 SPIN_LIMIT: tl.constexpr):
+                 SPIN_LIMIT: tl.constexpr, POLL_LOAD: tl.constexpr = False):
     """Phases first .. first + phases - 1 of the table. Launched (PERSIST off): one phase, a
     program per output tile. Persistent: every phase, tiles grid-strided over the programs, a
     grid barrier after each (the counter reaches programs x phases done)."""
@@ -111,11 +112,20 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
             tl.debug_barrier()
             tl.atomic_add(counter, 1, sem="release", scope="gpu")
             target = nprog * (p - first + 1)
-            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+            if POLL_LOAD:  # poll with plain volatile loads (no read-modify-write contention
+                # at the counter's L2 slice), then one acquire
+                seen = tl.load(counter, volatile=True)
+            else:
+                seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
             spins = tl.full((), 0, tl.int32)
             while (seen < target) & (spins < SPIN_LIMIT):
-                seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+                if POLL_LOAD:
+                    seen = tl.load(counter, volatile=True)
+                else:
+                    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
                 spins += 1
+            if POLL_LOAD:
+                tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
             tl.atomic_max(flag, (spins >= SPIN_LIMIT).to(tl.int32))
             tl.debug_barrier()
     else:
@@ -175,12 +185,14 @@ class Chain:
                     chain_kernel[grid](*args, p, 1, self.counter, self.flag, PERSIST=False,
                                        EARLY=False, **meta)
             return call
-        per_sm, early = int(variant[-1]), variant.startswith("early")
+        # persistN, earlyN, pollN, pollearlyN: N programs per SM
+        per_sm = int(re.sub(r"^[a-z]+", "", variant))
+        early, poll = "early" in variant, variant.startswith("poll")
 
         def call():
             self.counter.zero_()
             chain_kernel[(per_sm * sms,)](*args, 0, len(self.dims), self.counter, self.flag,
-                                          PERSIST=True, EARLY=early, **meta)
+                                          PERSIST=True, EARLY=early, POLL_LOAD=poll, **meta)
         return call
 
 
@@ -205,7 +217,7 @@ def dry_run() -> None:
     chain = Chain(dims, "cpu")
     want = reference(chain)
     got = {}
-    for variant in ("launch", "persist1", "early1"):
+    for variant in ("launch", "persist1", "early1", "poll1", "pollearly1"):
         chain.act[dims[0][1]:] = 0
         chain.launcher(variant, sms=1, tile=(16, 16, 1))()
         got[variant] = chain.outputs()
@@ -224,6 +236,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["gdn-4b", "gdn24-0.8b"])
     parser.add_argument("--tile", default="16x512x4", help="BLOCK_N x BLOCK_K x warps")
+    parser.add_argument("--variants", nargs="+",
+                        default=["launch", "persist2", "persist4", "early2", "early4", "poll2",
+                                 "poll4", "pollearly4"],
+                        help="launch, or persistN / earlyN / pollN / pollearlyN (N programs per"
+                             " SM; poll: the barrier polls with loads, early: next W tile first)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--dry", action="store_true")
     args = parser.parse_args()
@@ -232,7 +249,6 @@ def main() -> None:
     tile = tuple(int(v) for v in args.tile.split("x"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_gbps = copy_bandwidth() / 1e9  # (read + write counted, as bench/verified.py)
-    variants = ["launch", "persist1", "persist2", "early1", "early2"]
     rows = []
     for name in args.shapes:
         cfg = SHAPES[name]
@@ -240,7 +256,8 @@ def main() -> None:
                             ("empty", [(16, 16)] * (4 * cfg.num_hidden_layers))):
             chain = Chain(dims, "cuda")
             want = None
-            for variant in variants if label != "empty" else ["launch", "persist1"]:
+            for variant in (args.variants if label != "empty"
+                            else ["launch", "persist2", "poll2"]):
                 chain.act[dims[0][1]:] = 0
                 chain.flag.zero_()
                 call = chain.launcher(variant, sms, tile)
