@@ -23,8 +23,15 @@ boundaries differ:
 The chain is a model's decode GEMVs in order (in_proj, out_proj, gate_up, down per layer; each
 reads the last one's first K outputs), FP8 e4m3 weights with a per-row scale, BF16 activations.
 Every variant's outputs are checked bit for bit against the launched chain's (same tile, same
-sums), and on the interpreter against torch (--dry). A barrier that spins too long sets a flag
-(a grid larger than what fits at once would deadlock; the bench reports it instead of hanging).
+sums), and on the interpreter against torch (--dry). A grid barrier needs every program
+resident at once: a variant asking more programs per SM than the compiled kernel's registers
+allow is reported, not run, and a barrier that spins too long anyway sets a flag, and that
+variant is not timed (thirty-fourth session: 4 a SM deadlocked, and timing it ran the call out).
+
+Measured (H200, thirty-fourth session, bench/RESULTS.md): a kernel boundary in a graph costs
+2.1 us, an atomic-polled grid barrier of 264 programs 3.1 us; the persistent chains ran 1.3x
+(2 a SM) to 2.3x (1 a SM) slower than the launched ones, the early weight tile gaining ~1 us a
+phase.
 
 usage: python bench/persistent_chain.py [--shapes gdn-4b gdn24-0.8b] [--json FILE]
        TRITON_INTERPRET=1 python bench/persistent_chain.py --dry
@@ -186,7 +193,7 @@ class Chain:
                                        EARLY=False, **meta)
             return call
         # persistN, earlyN, pollN, pollearlyN: N programs per SM
-        per_sm = int(re.sub(r"^[a-z]+", "", variant))
+        per_sm = variant_per_sm(variant)
         early, poll = "early" in variant, variant.startswith("poll")
 
         def call():
@@ -194,6 +201,40 @@ class Chain:
             chain_kernel[(per_sm * sms,)](*args, 0, len(self.dims), self.counter, self.flag,
                                           PERSIST=True, EARLY=early, POLL_LOAD=poll, **meta)
         return call
+
+
+def variant_per_sm(variant: str) -> int:
+    """persistN, earlyN, pollN, pollearlyN -> N (programs per SM)."""
+    return int(re.sub(r"^[a-z]+", "", variant))
+
+
+def per_sm_that_fit(chain: Chain, tile: tuple[int, int, int]) -> int | None:
+    """How many persistent programs an SM holds at once (registers, threads, shared memory of
+    the compiled kernel), or None where this Triton does not say. A grid barrier needs every
+    program resident: more per SM than this deadlocks (bench/RESULTS.md, thirty-fourth
+    session: 4 a SM at 16 x 512 x 4 warps stuck)."""
+    bn, bk, warps = tile
+    try:
+        kernel = chain_kernel.warmup(chain.w, chain.s, chain.act, chain.table, 0, 2,
+                                     chain.counter, chain.flag, BLOCK_N=bn, BLOCK_K=bk,
+                                     PERSIST=True, EARLY=True, POLL_LOAD=True,
+                                     SPIN_LIMIT=SPIN_LIMIT, num_warps=warps, grid=(1,))
+        kernel._init_handles()
+        regs, shared = kernel.n_regs, kernel.metadata.shared
+    except Exception as err:  # (an API this Triton lacks: the stuck flag still guards)
+        print(f"occupancy unknown: {err!r}", flush=True)
+        return None
+    props = torch.cuda.get_device_properties(0)
+    reg_file = getattr(props, "regs_per_multiprocessor", 65536)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+    fit = min(reg_file // (per_warp * warps), threads // (32 * warps), 32)
+    if shared:
+        fit = min(fit, smem // (shared + 1024))  # (1 KB a block reserved by the driver)
+    print(f"persistent kernel: {regs} registers a thread, {shared} B shared: {fit} a SM",
+          flush=True)
+    return fit
 
 
 def reference(chain: Chain) -> torch.Tensor:
@@ -255,21 +296,29 @@ def main() -> None:
         for label, dims in ((name, linears(cfg) * cfg.num_hidden_layers),
                             ("empty", [(16, 16)] * (4 * cfg.num_hidden_layers))):
             chain = Chain(dims, "cuda")
-            want = None
+            want, fits = None, per_sm_that_fit(chain, tile)
             for variant in (args.variants if label != "empty"
                             else ["launch", "persist2", "poll2"]):
                 chain.act[dims[0][1]:] = 0
                 chain.flag.zero_()
+                row = {"shape": label if label != "empty" else f"{name} empty",
+                       "variant": variant, "phases": len(dims), "bytes": chain.bytes,
+                       "floor_us": chain.bytes / copy_gbps / 1e3}
+                if variant != "launch" and fits is not None and variant_per_sm(variant) > fits:
+                    # its programs cannot all be resident: the barrier would deadlock
+                    row.update(us=float("nan"), same=False, stuck=1, fits_per_sm=fits)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 call = chain.launcher(variant, sms, tile)
                 call()
                 torch.cuda.synchronize()
                 got = chain.outputs()
                 want = got if want is None else want
-                us = graph_us(lambda i, call=call: call(), 1)
-                row = {"shape": label if label != "empty" else f"{name} empty",
-                       "variant": variant, "phases": len(dims), "us": us,
-                       "bytes": chain.bytes, "floor_us": chain.bytes / copy_gbps / 1e3,
-                       "same": bool(torch.equal(got, want)), "stuck": int(chain.flag)}
+                stuck = int(chain.flag)
+                # a stuck barrier (the guard's spins: ~60 ms a phase) is not worth timing
+                us = float("nan") if stuck else graph_us(lambda i, call=call: call(), 1)
+                row.update(us=us, same=bool(torch.equal(got, want)), stuck=stuck)
                 if label != "empty" and variant == "launch":
                     ref = reference(chain)
                     row["max_err_vs_torch"] = float((got.float() - ref.float()).abs().max())
