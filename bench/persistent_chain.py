@@ -12,13 +12,18 @@ boundaries differ:
 
 - ``launch``: one launch per GEMV (grid: one program per output tile), captured in a graph, as
   the engine's steps run today;
-- ``persistP``: one launch, P programs per SM, each phase's tiles grid-strided, an atomic
-  counter barrier between phases (release after the stores, acquire before the loads);
-- ``earlyP``: the same, each program loading its first weight tile of the next phase before it
-  waits at the barrier (a linear's weights never depend on the last one's output: the one thing
-  a persistent kernel can overlap that separate launches, even with PDL, overlap only in part);
-- ``barrier`` / ``launch-empty``: the same boundaries over one 16 x 16 tile a phase: a grid
-  barrier's cost and a graph launch's, alone.
+- ``persistN``: one launch, N programs per SM, each phase's tiles grid-strided, an atomic
+  counter barrier between phases (release after the stores, acquire polls before the loads);
+- ``pollN``: the barrier polls the counter with volatile loads and acquires once after (no
+  read-modify-write traffic at the counter while 132-528 programs wait);
+- ``earlyN`` / ``pollearlyN``: each program loads its first weight tile of the next phase
+  before it waits at the barrier (a linear's weights never depend on the last one's output:
+  the one thing a persistent kernel can overlap that separate launches, even with PDL,
+  overlap only in part);
+- a suffix ``x2`` (``launchx2``, ``pollearly4x2``): the K loop keeps two weight tiles in flight
+  (a persistent grid has few programs a SM to hide DRAM latency with);
+- over 16 x 16 "empty" phases, ``launch`` / ``persist2`` / ``poll2``: a graph boundary's cost
+  and a grid barrier's, alone.
 
 The chain is a model's decode GEMVs in order (in_proj, out_proj, gate_up, down per layer; each
 reads the last one's first K outputs), FP8 e4m3 weights with a per-row scale, BF16 activations.
@@ -65,15 +70,27 @@ def _w_tile(w, w_off, N, K, t, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
 
 @triton.jit
 def _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, t, w0,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[t's rows] = scale * (W[t's rows] @ x), W's first K tile given (``w0``), in fp32."""
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
+    """y[t's rows] = scale * (W[t's rows] @ x), W's first K tile given (``w0``), in fp32.
+    AHEAD: each K tile's load is issued before the last tile's products (two in flight; plain
+    loads are never pipelined by Triton), same sums in the same order."""
     cols = tl.arange(0, BLOCK_K)
     x = tl.load(act + x_off + cols, mask=cols < K, other=0.0).to(tl.float32)
-    acc = w0.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        wt = _w_tile(w, w_off, N, K, t, k0, BLOCK_N, BLOCK_K)
-        x = tl.load(act + x_off + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+    if AHEAD:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        wt = w0
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ahead = _w_tile(w, w_off, N, K, t, k0, BLOCK_N, BLOCK_K)
+            x_ahead = tl.load(act + x_off + k0 + cols, mask=k0 + cols < K, other=0.0)
+            acc += wt.to(tl.float32) * x[None, :]
+            wt, x = w_ahead, x_ahead.to(tl.float32)
         acc += wt.to(tl.float32) * x[None, :]
+    else:
+        acc = w0.to(tl.float32) * x[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            wt = _w_tile(w, w_off, N, K, t, k0, BLOCK_N, BLOCK_K)
+            x = tl.load(act + x_off + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            acc += wt.to(tl.float32) * x[None, :]
     rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
     y = tl.sum(acc, axis=1) * tl.load(s + s_off + rows, mask=rows < N, other=0.0)
     tl.store(act + y_off + rows, y.to(tl.bfloat16), mask=rows < N)
@@ -89,7 +106,8 @@ def _phase(table, p):
 @triton.jit
 def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PERSIST: tl.constexpr, EARLY: tl.constexpr,
-                 SPIN_LIMIT: tl.constexpr, POLL_LOAD: tl.constexpr = False):
+                 SPIN_LIMIT: tl.constexpr, POLL_LOAD: tl.constexpr = False,
+                 AHEAD: tl.constexpr = False):
     """Phases first .. first + phases - 1 of the table. Launched (PERSIST off): one phase, a
     program per output tile. Persistent: every phase, tiles grid-strided over the programs, a
     grid barrier after each (the counter reaches programs x phases done)."""
@@ -105,11 +123,12 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
             else:
                 w0 = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
             # the program's first tile (masked off where the phase has fewer tiles)
-            _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K)
+            _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K,
+                       AHEAD)
             for t in range(pid + nprog, tl.cdiv(N, BLOCK_N), nprog):
                 wt = _w_tile(w, w_off, N, K, t, 0, BLOCK_N, BLOCK_K)
                 _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, t, wt, BLOCK_N,
-                           BLOCK_K)
+                           BLOCK_K, AHEAD)
             if EARLY:  # the next phase's first weight tile, before the wait (the last phase's
                 # own again after the last one: a harmless reload)
                 nw, ns, nx, ny, nN, nK = _phase(table, tl.minimum(p + 1, first + phases - 1))
@@ -138,7 +157,8 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
     else:
         w_off, s_off, x_off, y_off, N, K = _phase(table, first)
         w0 = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
-        _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K)
+        _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K,
+                   AHEAD)
 
 
 def linears(cfg) -> list[tuple[int, int]]:
@@ -184,40 +204,47 @@ class Chain:
         bn, bk, warps = tile
         args = (self.w, self.s, self.act, self.table)
         meta = dict(BLOCK_N=bn, BLOCK_K=bk, SPIN_LIMIT=SPIN_LIMIT, num_warps=warps)
-        if variant == "launch":
+        flags = parse_variant(variant)
+        if not flags["persist"]:
             grids = [(triton.cdiv(n, bn),) for n, _ in self.dims]
 
             def call():
                 for p, grid in enumerate(grids):
                     chain_kernel[grid](*args, p, 1, self.counter, self.flag, PERSIST=False,
-                                       EARLY=False, **meta)
+                                       EARLY=False, AHEAD=flags["ahead"], **meta)
             return call
-        # persistN, earlyN, pollN, pollearlyN: N programs per SM
-        per_sm = variant_per_sm(variant)
-        early, poll = "early" in variant, variant.startswith("poll")
 
         def call():
             self.counter.zero_()
-            chain_kernel[(per_sm * sms,)](*args, 0, len(self.dims), self.counter, self.flag,
-                                          PERSIST=True, EARLY=early, POLL_LOAD=poll, **meta)
+            chain_kernel[(flags["per_sm"] * sms,)](
+                *args, 0, len(self.dims), self.counter, self.flag, PERSIST=True,
+                EARLY=flags["early"], POLL_LOAD=flags["poll"], AHEAD=flags["ahead"], **meta)
         return call
 
 
-def variant_per_sm(variant: str) -> int:
-    """persistN, earlyN, pollN, pollearlyN -> N (programs per SM)."""
-    return int(re.sub(r"^[a-z]+", "", variant))
+def parse_variant(variant: str) -> dict:
+    """launch[x2], or persistN / earlyN / pollN / pollearlyN [x2]: N programs a SM; early: the
+    next phase's first W tile loaded before the barrier; poll: the barrier polls with volatile
+    loads; x2: each program's K loop keeps two W tiles in flight (AHEAD)."""
+    m = re.fullmatch(r"(launch|persist|early|poll|pollearly)(\d*)(x2)?", variant)
+    if m is None or (m[1] == "launch") == bool(m[2]):
+        raise SystemExit(f"unknown variant {variant!r}: launch[x2], or persistN, earlyN, pollN, "
+                         "pollearlyN with N programs a SM, each with an optional x2")
+    return {"persist": m[1] != "launch", "per_sm": int(m[2] or 0), "early": "early" in m[1],
+            "poll": m[1].startswith("poll"), "ahead": bool(m[3])}
 
 
-def per_sm_that_fit(chain: Chain, tile: tuple[int, int, int]) -> int | None:
-    """How many persistent programs an SM holds at once (registers, threads, shared memory of
-    the compiled kernel), or None where this Triton does not say. A grid barrier needs every
-    program resident: more per SM than this deadlocks (bench/RESULTS.md, thirty-fourth
-    session: 4 a SM at 16 x 512 x 4 warps stuck)."""
+def per_sm_that_fit(chain: Chain, tile: tuple[int, int, int], flags: dict) -> int | None:
+    """How many persistent programs of a variant an SM holds at once (registers, threads,
+    shared memory of the compiled kernel), or None where this Triton does not say. A grid
+    barrier needs every program resident: more per SM than this deadlocks (bench/RESULTS.md,
+    thirty-fourth session: 4 a SM at 16 x 512 x 4 warps stuck)."""
     bn, bk, warps = tile
     try:
         kernel = chain_kernel.warmup(chain.w, chain.s, chain.act, chain.table, 0, 2,
                                      chain.counter, chain.flag, BLOCK_N=bn, BLOCK_K=bk,
-                                     PERSIST=True, EARLY=True, POLL_LOAD=True,
+                                     PERSIST=True, EARLY=flags["early"],
+                                     POLL_LOAD=flags["poll"], AHEAD=flags["ahead"],
                                      SPIN_LIMIT=SPIN_LIMIT, num_warps=warps, grid=(1,))
         kernel._init_handles()
         regs, shared = kernel.n_regs, kernel.metadata.shared
@@ -258,7 +285,7 @@ def dry_run() -> None:
     chain = Chain(dims, "cpu")
     want = reference(chain)
     got = {}
-    for variant in ("launch", "persist1", "early1", "poll1", "pollearly1"):
+    for variant in ("launch", "launchx2", "persist1", "early1x2", "poll1", "pollearly1x2"):
         chain.act[dims[0][1]:] = 0
         chain.launcher(variant, sms=1, tile=(16, 16, 1))()
         got[variant] = chain.outputs()
@@ -278,10 +305,11 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["gdn-4b", "gdn24-0.8b"])
     parser.add_argument("--tile", default="16x512x4", help="BLOCK_N x BLOCK_K x warps")
     parser.add_argument("--variants", nargs="+",
-                        default=["launch", "persist2", "persist4", "early2", "early4", "poll2",
-                                 "poll4", "pollearly4"],
-                        help="launch, or persistN / earlyN / pollN / pollearlyN (N programs per"
-                             " SM; poll: the barrier polls with loads, early: next W tile first)")
+                        default=["launch", "launchx2", "persist2", "poll2", "pollearly2",
+                                 "pollearly2x2", "pollearly3x2", "pollearly4x2"],
+                        help="launch[x2], or persistN / earlyN / pollN / pollearlyN [x2] (N "
+                             "programs a SM; poll: the barrier polls with loads; early: the next"
+                             " W tile before it; x2: two W tiles in flight in the K loop)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--dry", action="store_true")
     args = parser.parse_args()
@@ -296,7 +324,7 @@ def main() -> None:
         for label, dims in ((name, linears(cfg) * cfg.num_hidden_layers),
                             ("empty", [(16, 16)] * (4 * cfg.num_hidden_layers))):
             chain = Chain(dims, "cuda")
-            want, fits = None, per_sm_that_fit(chain, tile)
+            want = None
             for variant in (args.variants if label != "empty"
                             else ["launch", "persist2", "poll2"]):
                 chain.act[dims[0][1]:] = 0
@@ -304,7 +332,9 @@ def main() -> None:
                 row = {"shape": label if label != "empty" else f"{name} empty",
                        "variant": variant, "phases": len(dims), "bytes": chain.bytes,
                        "floor_us": chain.bytes / copy_gbps / 1e3}
-                if variant != "launch" and fits is not None and variant_per_sm(variant) > fits:
+                flags = parse_variant(variant)
+                fits = per_sm_that_fit(chain, tile, flags) if flags["persist"] else None
+                if fits is not None and flags["per_sm"] > fits:
                     # its programs cannot all be resident: the barrier would deadlock
                     row.update(us=float("nan"), same=False, stuck=1, fits_per_sm=fits)
                     rows.append(row)
