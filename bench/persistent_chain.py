@@ -56,8 +56,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SPIN_LIMIT = 1 << 18  # acquire polls before a barrier gives up (~0.3 s: a deadlock, flagged)
-FIELDS = 6  # per phase in the table: weight offset, scale offset, x offset, y offset, N, K
+SPIN_LIMIT = 1 << 18  # polls before a barrier gives up (~60 ms on the H200: a deadlock, flagged)
 
 
 @triton.jit
@@ -98,7 +97,8 @@ def _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, t, w0,
 
 @triton.jit
 def _phase(table, p):
-    row = table + p * 6  # FIELDS
+    """Phase p's row of the table: weight, scale, x and y offsets, N, K."""
+    row = table + p * 6
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
             tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32))
 
@@ -152,7 +152,7 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
                 spins += 1
             if POLL_LOAD:
                 tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-            tl.atomic_max(flag, (spins >= SPIN_LIMIT).to(tl.int32))
+            tl.atomic_max(flag, 1, mask=spins >= SPIN_LIMIT)  # (no traffic unless stuck)
             tl.debug_barrier()
     else:
         w_off, s_off, x_off, y_off, N, K = _phase(table, first)
