@@ -11,7 +11,8 @@ what its skeleton costs, with the same plain FP8 GEMV tile in every variant so t
 boundaries differ:
 
 - ``launch``: one launch per GEMV (grid: one program per output tile), captured in a graph, as
-  the engine's steps run today;
+  the engine's steps run today; ``launchpdl``: each launch programmatic, the first W tile
+  loaded before waiting for the launch before, as the engine's fused GEMVs do (sm_90);
 - ``persistN``: one launch, N programs per SM, each phase's tiles grid-strided, an atomic
   counter barrier between phases (release after the stores, acquire polls before the loads);
 - ``pollN``: the barrier polls the counter with volatile loads and acquires once after (no
@@ -22,8 +23,8 @@ boundaries differ:
   overlap only in part);
 - a suffix ``x2`` (``launchx2``, ``pollearly4x2``): the K loop keeps two weight tiles in flight
   (a persistent grid has few programs a SM to hide DRAM latency with);
-- over 16 x 16 "empty" phases, ``launch`` / ``persist2`` / ``poll2``: a graph boundary's cost
-  and a grid barrier's, alone.
+- over 16 x 16 "empty" phases, ``launch`` / ``launchpdl`` / ``persist2`` / ``poll2``: a graph
+  boundary's cost (plain and programmatic) and a grid barrier's, alone.
 
 The chain is a model's decode GEMVs in order (in_proj, out_proj, gate_up, down per layer; each
 reads the last one's first K outputs), FP8 e4m3 weights with a per-row scale, BF16 activations.
@@ -55,6 +56,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unimax.ops.gemv_kernels import launch_dependents, wait_for_the_kernel_before  # noqa: E402
 
 SPIN_LIMIT = 1 << 18  # polls before a barrier gives up (~60 ms on the H200: a deadlock, flagged)
 
@@ -107,7 +111,7 @@ def _phase(table, p):
 def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PERSIST: tl.constexpr, EARLY: tl.constexpr,
                  SPIN_LIMIT: tl.constexpr, POLL_LOAD: tl.constexpr = False,
-                 AHEAD: tl.constexpr = False):
+                 AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
     """Phases first .. first + phases - 1 of the table. Launched (PERSIST off): one phase, a
     program per output tile. Persistent: every phase, tiles grid-strided over the programs, a
     grid barrier after each (the counter reaches programs x phases done)."""
@@ -156,7 +160,12 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
             tl.debug_barrier()
     else:
         w_off, s_off, x_off, y_off, N, K = _phase(table, first)
+        if PDL:  # as the engine's fused GEMVs: let the next launch start, load the first W
+            # tile, then wait for the launch before (whose output is x)
+            launch_dependents()
         w0 = _w_tile(w, w_off, N, K, pid, 0, BLOCK_N, BLOCK_K)
+        if PDL:
+            wait_for_the_kernel_before()
         _gemv_tile(w, s, act, w_off, s_off, x_off, y_off, N, K, pid, w0, BLOCK_N, BLOCK_K,
                    AHEAD)
 
@@ -207,11 +216,12 @@ class Chain:
         flags = parse_variant(variant)
         if not flags["persist"]:
             grids = [(triton.cdiv(n, bn),) for n, _ in self.dims]
+            pdl = {"PDL": True, "launch_pdl": True} if flags["pdl"] else {}
 
             def call():
                 for p, grid in enumerate(grids):
                     chain_kernel[grid](*args, p, 1, self.counter, self.flag, PERSIST=False,
-                                       EARLY=False, AHEAD=flags["ahead"], **meta)
+                                       EARLY=False, AHEAD=flags["ahead"], **pdl, **meta)
             return call
 
         def call():
@@ -223,15 +233,17 @@ class Chain:
 
 
 def parse_variant(variant: str) -> dict:
-    """launch[x2], or persistN / earlyN / pollN / pollearlyN [x2]: N programs a SM; early: the
+    """launch[pdl][x2], or persistN / earlyN / pollN / pollearlyN [x2]: N programs a SM; pdl:
+    each launch programmatic (compute capability 9+), as the engine's GEMVs; early: the
     next phase's first W tile loaded before the barrier; poll: the barrier polls with volatile
     loads; x2: each program's K loop keeps two W tiles in flight (AHEAD)."""
-    m = re.fullmatch(r"(launch|persist|early|poll|pollearly)(\d*)(x2)?", variant)
-    if m is None or (m[1] == "launch") == bool(m[2]):
-        raise SystemExit(f"unknown variant {variant!r}: launch[x2], or persistN, earlyN, pollN, "
-                         "pollearlyN with N programs a SM, each with an optional x2")
-    return {"persist": m[1] != "launch", "per_sm": int(m[2] or 0), "early": "early" in m[1],
-            "poll": m[1].startswith("poll"), "ahead": bool(m[3])}
+    m = re.fullmatch(r"(launch|launchpdl|persist|early|poll|pollearly)(\d*)(x2)?", variant)
+    if m is None or m[1].startswith("launch") == bool(m[2]):
+        raise SystemExit(f"unknown variant {variant!r}: launch[pdl][x2], or persistN, earlyN, "
+                         "pollN, pollearlyN with N programs a SM, each with an optional x2")
+    return {"persist": not m[1].startswith("launch"), "per_sm": int(m[2] or 0),
+            "early": "early" in m[1], "poll": m[1].startswith("poll"), "ahead": bool(m[3]),
+            "pdl": m[1] == "launchpdl"}
 
 
 def per_sm_that_fit(chain: Chain, tile: tuple[int, int, int], flags: dict) -> int | None:
@@ -305,9 +317,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["gdn-4b", "gdn24-0.8b"])
     parser.add_argument("--tile", default="16x512x4", help="BLOCK_N x BLOCK_K x warps")
     parser.add_argument("--variants", nargs="+",
-                        default=["launch", "launchx2", "persist2", "poll2", "pollearly2",
-                                 "pollearly2x2", "pollearly3x2", "pollearly4x2"],
-                        help="launch[x2], or persistN / earlyN / pollN / pollearlyN [x2] (N "
+                        default=["launch", "launchx2", "launchpdl", "persist2", "poll2",
+                                 "pollearly2", "pollearly2x2", "pollearly3x2", "pollearly4x2"],
+                        help="launch[pdl][x2], or persistN / earlyN / pollN / pollearlyN [x2] (N "
                              "programs a SM; poll: the barrier polls with loads; early: the next"
                              " W tile before it; x2: two W tiles in flight in the K loop)")
     parser.add_argument("--json", type=Path)
@@ -326,7 +338,7 @@ def main() -> None:
             chain = Chain(dims, "cuda")
             want = None
             for variant in (args.variants if label != "empty"
-                            else ["launch", "persist2", "poll2"]):
+                            else ["launch", "launchpdl", "persist2", "poll2"]):
                 chain.act[dims[0][1]:] = 0
                 chain.flag.zero_()
                 row = {"shape": label if label != "empty" else f"{name} empty",
