@@ -35,7 +35,8 @@ allow is reported, not run, and a barrier that spins too long anyway sets a flag
 variant is not timed (thirty-fourth session: 4 a SM deadlocked, and timing it ran the call out).
 
 Measured (H200, thirty-fourth session, bench/RESULTS.md): a kernel boundary in a graph costs
-2.1 us, an atomic-polled grid barrier of 132 programs 3.1 us; the persistent chains ran 1.3x
+2.1 us, an atomic-polled grid barrier of 132 programs 3.1 us (with a flag atomic a barrier in
+every program, since masked to stuck ones); the persistent chains ran 1.3x
 (2 a SM) to 2.3x (1 a SM) slower than the launched ones, the early weight tile gaining ~1 us a
 phase.
 
