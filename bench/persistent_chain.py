@@ -38,7 +38,7 @@ Measured (H200, thirty-fourth session, bench/RESULTS.md): a kernel boundary in a
 2.1 us, an atomic-polled grid barrier of 132 programs 3.1 us (with a flag atomic a barrier in
 every program, since masked to stuck ones); the persistent chains ran 1.3x
 (2 a SM) to 2.3x (1 a SM) slower than the launched ones, the early weight tile gaining ~1 us a
-phase. Thirty-fifth session, with the flag masked: the barrier 3.0 us (4.0 polling with
+phase. Thirty-fifth session, with the flag masked: the barrier at 2 a SM 3.0 us (4.0 polling with
 volatile loads), a graph boundary 2.1 us and a programmatic one 1.3; 2 a SM (all that fit)
 1.26x slower than launched at 4B, ``x2`` no help; the direction is closed (docs/design.md).
 
