@@ -16,6 +16,8 @@ asks where the loss is:
 - ``on:in``, ``on:out``, ``on:gate_up``, ``on:down``: only that linear launched
   programmatically, i.e. only the boundary before it overlapped (a kernel starts early only if
   it is itself launched so, after a kernel that signals);
+- ``on-in``, ``on-out``, ``on-gate_up``, ``on-down``: every linear but that one launched
+  programmatically (what a per-linear PDL setting in the engine would run);
 - a suffix ``+gap`` (``off+gap``, ``on+gap``): a plain copy kernel between the in- and the
   out-projection, where the engine runs the recurrence (fla's kernel, never programmatic).
 
@@ -45,7 +47,8 @@ import unimax.ops.fused_gemv as fused_gemv  # noqa: E402
 from unimax.ops.fused_gemv import fused_small_m_linear, fused_small_m_linear_ref  # noqa: E402
 
 LINEARS = ("in", "out", "gate_up", "down")
-VARIANTS = ("off", "on", "end", "on:in", "on:out", "on:gate_up", "on:down", "off+gap", "on+gap")
+VARIANTS = ("off", "on", "end", "on:in", "on:out", "on:gate_up", "on:down", "on-in", "on-out",
+            "on-gate_up", "on-down", "off+gap", "on+gap")
 EPS = 1e-6
 
 
@@ -94,9 +97,10 @@ def step(layers: list[Layer], h: torch.Tensor, variant: str = "off",
     base, gap = variant.removesuffix("+gap"), variant.endswith("+gap")
     everywhere = base in ("on", "end")
     only = base.partition(":")[2]
+    but = base.partition("-")[2]
 
     def run(name, *args, **kw):
-        with pdl(everywhere or only == name):
+        with pdl(everywhere or only == name or bool(but) and but != name):
             return linear(layer, name, *args, ref=ref, **kw)
 
     for layer in layers:
