@@ -33,7 +33,6 @@ usage: python bench/pdl_chain.py [--shapes gdn-4b gdn24-0.8b] [--variants off on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -80,16 +79,6 @@ def linear(layer: Layer, name: str, x, prologue: str, norm=None, z=None, residua
     return form(x, layer.w[name], layer.s[name], n, k, prologue, norm, z, residual, EPS, 0.0)
 
 
-@contextlib.contextmanager
-def pdl(setting):
-    saved = fused_gemv.PDL
-    fused_gemv.PDL = setting
-    try:
-        yield
-    finally:
-        fused_gemv.PDL = saved
-
-
 def step(layers: list[Layer], h: torch.Tensor, variant: str = "off",
          ref: bool = False) -> torch.Tensor:
     """h through every layer's four fused GEMVs (the draft's order and prologues), each
@@ -100,7 +89,8 @@ def step(layers: list[Layer], h: torch.Tensor, variant: str = "off",
     but = base.partition("-")[2]
 
     def run(name, *args, **kw):
-        with pdl(everywhere or only == name or bool(but) and but != name):
+        # (fused_gemv.PDL is "auto", its default: each launch as the block around it says)
+        with fused_gemv.auto_pdl(everywhere or only == name or bool(but) and but != name):
             return linear(layer, name, *args, ref=ref, **kw)
 
     for layer in layers:
