@@ -42,7 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gemv import linear_shapes  # noqa: E402
+
 import unimax.ops.fused_gemv as fused_gemv  # noqa: E402
+from unimax.fp8 import quantize_rows  # noqa: E402
 from unimax.ops.fused_gemv import fused_small_m_linear, fused_small_m_linear_ref  # noqa: E402
 
 LINEARS = ("in", "out", "gate_up", "down")
@@ -55,16 +58,15 @@ class Layer:
     """One GDN layer's four FP8 linears (weight, per-row scale) and their norms' weights."""
 
     def __init__(self, cfg, device, g: torch.Generator):
-        key, val = cfg.num_k_heads * cfg.head_k_dim, cfg.num_v_heads * cfg.head_v_dim
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        self.key, self.val, self.head = key, val, cfg.head_v_dim
-        in_n = 2 * key + 2 * val + 2 * cfg.num_v_heads
-        self.dims = {"in": (in_n, hidden), "out": (hidden, val), "gate_up": (2 * inter, hidden),
-                     "down": (hidden, inter)}
+        hidden = cfg.hidden_size
+        self.key, self.val, self.head = cfg.key_dim, cfg.value_dim, cfg.head_v_dim
+        shapes = linear_shapes(cfg)
+        self.dims = {name: shapes[full][:2] for name, full in
+                     zip(LINEARS, ("in_proj", "out_proj", "gate_up", "down"), strict=True)}
         self.w, self.s = {}, {}
-        for name, (n, k) in self.dims.items():
-            self.w[name] = torch.randn(n, k, generator=g, device=device).to(torch.float8_e4m3fn)
-            self.s[name] = torch.full((n,), k ** -0.5, device=device)
+        for name, (n, k) in self.dims.items():  # (FP8 per row, as the draft's weights)
+            self.w[name], self.s[name] = quantize_rows(
+                0.02 * torch.randn(n, k, generator=g, device=device))
         self.norm_in = 1.0 + 0.1 * torch.randn(hidden, generator=g, device=device)
         self.norm_mlp = 1.0 + 0.1 * torch.randn(hidden, generator=g, device=device)
         self.norm_gated = 1.0 + 0.1 * torch.randn(self.head, generator=g, device=device)

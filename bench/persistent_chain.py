@@ -175,11 +175,10 @@ def chain_kernel(w, s, act, table, first, phases, counter, flag, BLOCK_N: tl.con
 
 def linears(cfg) -> list[tuple[int, int]]:
     """(N, K) of a GDN layer's decode GEMVs in order: in_proj, out_proj, gate_up, down."""
-    key, val = cfg.num_k_heads * cfg.head_k_dim, cfg.num_v_heads * cfg.head_v_dim
-    in_proj = 2 * key + 2 * val + 2 * cfg.num_v_heads
-    return [(in_proj, cfg.hidden_size), (cfg.hidden_size, val),
-            (2 * cfg.intermediate_size, cfg.hidden_size),
-            (cfg.hidden_size, cfg.intermediate_size)]
+    from gemv import linear_shapes
+
+    shapes = linear_shapes(cfg)
+    return [shapes[name][:2] for name in ("in_proj", "out_proj", "gate_up", "down")]
 
 
 class Chain:
