@@ -25,6 +25,12 @@ Every variant runs the same kernels at the same tiles (the choices are made once
 so their outputs must be bit-equal to ``off``'s; each row says so. On the interpreter, ``--dry``
 checks the chain against the torch forms (``fused_small_m_linear_ref``) at a tiny shape.
 
+Measured (thirty-sixth session, H200; bench/RESULTS.md): at 4B ``on`` 1.111x off's time,
+``end`` 0.970x, every ``on:``/``on-`` row slower than off; at gdn24-0.8b ``on`` 0.862x, ``end``
+0.886x. So the 4B loss was the start signal's (the next grid's programs arriving for the whole
+of a multi-wave grid), not a boundary or the kernels between: PDL "auto" now times both
+signals (fused_gemv.PDL_TRIGGER).
+
 usage: python bench/pdl_chain.py [--shapes gdn-4b gdn24-0.8b] [--variants off on ...]
        [--json FILE]
        TRITON_INTERPRET=1 python bench/pdl_chain.py --dry
@@ -175,7 +181,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"copy_GBps": copy_gbps, "rows": rows,
-                                         "choices": {k: str(v) for k, v in
+                                         "choices": {str(k): str(v) for k, v in
                                                      fused_gemv.CHOICES.items()}}, indent=1,
                                         default=str))
     print(f"\ncopy {copy_gbps:.0f} GB/s; a chain's time, against off's, and (us - floor) a GEMV")

@@ -648,9 +648,12 @@ def main() -> None:
                              "with and without and keeps the faster (the choices print as "
                              "'pdl'); off; all: every one of those kernels; fp8: the GEMVs "
                              "over FP8 weights only (the draft's)")
-    parser.add_argument("--pdl-trigger", choices=["start", "end"], default="start",
+    parser.add_argument("--pdl-trigger", choices=["auto", "start", "end"], default="auto",
                         help="with --pdl: where each program lets the next kernel launch "
-                             "(unimax.ops.fused_gemv.PDL_TRIGGER)")
+                             "(unimax.ops.fused_gemv.PDL_TRIGGER): auto (the default, as the "
+                             "app): --pdl auto times both, 'all' and 'fp8' signal at the start; "
+                             "start or end: there only (before the thirty-sixth session every "
+                             "run was 'start')")
     parser.add_argument("--seeds", type=int, default=16,
                         help="corruption patterns per forced rate below 1.0, pooled into its "
                              "row (seed 0 alone was the rows before the twenty-fifth session; "

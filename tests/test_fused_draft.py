@@ -525,7 +525,7 @@ def test_pdl_is_asked_for_by_weight_dtype(monkeypatch):
         fused_gemv.pdl_wanted(fp8)
     monkeypatch.setattr(fused_gemv, "PDL", "fp8")
     monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "middle")
-    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start' or 'end'"):
+    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start', 'end' or 'auto'"):
         fused_gemv.pdl_wanted(fp8)
 
 

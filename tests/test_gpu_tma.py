@@ -182,7 +182,8 @@ def test_dot_gemm_pdl_on_gpu(monkeypatch):
 def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     """PDL "auto" (the default): the BF16 fast step's decoder and the full-FP8 draft's each
     time their largest block plain and with PDL on their fused GEMVs (every one for BF16, the
-    FP8 ones for the draft), keep the faster graph under its time, and decode the tokens the
+    FP8 ones for the draft) signalled at the start and at the end, keep the fastest graph
+    under its time, and decode the tokens the
     plain decoder decodes; the compiled verifier times its full block and its exact run plain
     and with PDL on its Triton GEMMs and GEMVs, and a verified reply with both choices equals
     the all-plain engine's, bit for bit, and exact greedy up to a near tie. (The choices'
@@ -206,9 +207,10 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
         got = auto.generate_fast(x, 24)
         graph = auto.decode_graph
         print(decode, draft, "PDL timed (ms a block of 8):", graph.pdl_ms, "kept", graph.pdl)
-        assert set(graph.pdl_ms) == {"False", str(candidate)}
+        assert set(graph.pdl_ms) == {"False", str(candidate), f"{candidate}@end"}
         assert graph.pdl in (False, candidate)
-        assert graph.runner.replay_ms[(8, False)] == graph.pdl_ms[str(graph.pdl)] == min(
+        kept = fused_gemv.pdl_label(graph.pdl, graph.pdl_trigger)
+        assert graph.runner.replay_ms[(8, False)] == graph.pdl_ms[kept] == min(
             graph.pdl_ms.values())
         assert torch.equal(got, expected), (decode, graph.pdl)
     # the verified reply with the kept draft and verifier equals the plain engine's (the same
@@ -220,12 +222,14 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     verifier = auto.verifier
     print("verifier PDL timed (ms a block of 8):", verifier.pdl_ms, "kept", verifier.pdl,
           "an exact run of 8:", verifier.pdl_run_ms, "kept", verifier.pdl_run)
-    for key, ms, kept in ((verifier.graph_key(8, verifier.span(8, 0), None, False),
-                           verifier.pdl_ms, verifier.pdl),
-                          (verifier.run_key(8, None, False), verifier.pdl_run_ms,
-                           verifier.pdl_run)):
-        assert set(ms) == {"False", "True"} and kept in (False, True)
-        assert verifier.runner.replay_ms[key] == ms[str(kept)] == min(ms.values())
+    for key, ms, kept, trigger in (
+            (verifier.graph_key(8, verifier.span(8, 0), None, False), verifier.pdl_ms,
+             verifier.pdl, verifier.pdl_trigger),
+            (verifier.run_key(8, None, False), verifier.pdl_run_ms, verifier.pdl_run,
+             verifier.pdl_run_trigger)):
+        assert set(ms) == {"False", "True", "True@end"} and kept in (False, True)
+        assert verifier.runner.replay_ms[key] == ms[fused_gemv.pdl_label(kept, trigger)] == min(
+            ms.values())
     monkeypatch.setattr(fused_gemv, "PDL", False)
     assert torch.equal(tokens, plain.generate_verified(x, 24)[0])
     assert plain.verifier.pdl is False

@@ -1,5 +1,6 @@
 """PDL "auto" (ops.fused_gemv.PDL, the default): each graph decoder times its largest block with
-plain launches and with programmatic dependent launch of its fused GEMVs, keeps the faster
+plain launches and with programmatic dependent launch of its fused GEMVs, signalled at each
+program's start and at its end (ops.fused_gemv.PDL_TRIGGER "auto"), keeps the fastest
 graph, and captures every later block in that setting (unimax.graph.MaxTurboGraphDecoder.
 choose_pdl); the verifier does the same with its full verify block (unimax.verifier.Verifier.
 choose_pdl). On the CPU there are no graphs and no PDL: a runner that really runs each body
@@ -25,9 +26,22 @@ BLOCK = 4
 
 def asked_now() -> bool | str:
     """The PDL setting a fused GEMV launched here now would take (from what it asks for an FP8
-    and a BF16 weight)."""
+    and a BF16 weight), with "@end" where it would signal the next kernel at its end."""
     fp8, bf16 = fused_gemv.pdl_wanted(FP8_WEIGHT), fused_gemv.pdl_wanted(BF16_WEIGHT)
-    return {(False, False): False, (True, False): "fp8", (True, True): True}[(fp8, bf16)]
+    setting = {(False, False): False, (True, False): "fp8", (True, True): True}[(fp8, bf16)]
+    if setting and fused_gemv.pdl_trigger() == "end":
+        return fused_gemv.pdl_label(setting, "end")
+    return setting
+
+
+def timed(faster, *settings) -> dict:
+    """Replay times by setting (as ``asked_now`` names them): ``faster`` 1.5, the rest 2.0."""
+    return {setting: 1.5 if setting == faster else 2.0 for setting in settings}
+
+
+def labels(times: dict) -> dict:
+    """``times`` as the owners' tables name their settings (fused_gemv.pdl_label)."""
+    return {str(setting): ms for setting, ms in times.items()}
 
 
 class Replayable:
@@ -82,21 +96,22 @@ def decoder_with(monkeypatch, times: dict, full: bool = True, possible: bool = T
     return decoder, decoder.runner
 
 
-@pytest.mark.parametrize("faster", [False, "fp8"])
+@pytest.mark.parametrize("faster", [False, "fp8", "fp8@end"])
 def test_auto_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faster):
-    """The full-FP8 draft: its largest block captured plain, then with PDL on its FP8 GEMVs;
-    the faster graph kept (with its time), the other dropped; the smaller blocks captured once
-    each, in the kept setting."""
-    times = {False: 2.0, "fp8": 1.5} if faster else {False: 1.5, "fp8": 2.0}
+    """The full-FP8 draft: its largest block captured plain, then with PDL on its FP8 GEMVs
+    signalled at the start, then at the end; the fastest graph kept (with its time), the
+    others dropped; the smaller blocks captured once each, in the kept setting."""
+    times = timed(faster, False, "fp8", "fp8@end")
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
     decoder, runner = decoder_with(monkeypatch, times)
     decoder.capture_blocks()
     largest = (BLOCK, False)
-    assert decoder.pdl == faster
-    assert decoder.pdl_ms == {"False": times[False], "fp8": times["fp8"]}
+    assert (decoder.pdl, decoder.pdl_trigger) == {False: (False, "start"), "fp8": (
+        "fp8", "start"), "fp8@end": ("fp8", "end")}[faster]
+    assert decoder.pdl_ms == labels(times)
     assert runner.graphs[largest].setting == faster
     assert runner.replay_ms[largest] == times[faster]
-    assert runner.captures == [(largest, False), (largest, "fp8")] + [
+    assert runner.captures == [(largest, False), (largest, "fp8"), (largest, "fp8@end")] + [
         ((n, False), faster) for n in range(1, BLOCK)]
     # eager blocks (no graph for their key) run in the choice too, and outside a decoder's
     # blocks "auto" asks for nothing
@@ -110,11 +125,25 @@ def test_auto_times_the_bf16_step_with_pdl_on_every_gemv(monkeypatch):
     """A BF16 fast step (its blocks' GEMVs BF16): "auto" times True (every fused GEMV) against
     plain launches; the first block a reply runs chooses, before its own capture."""
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    decoder, runner = decoder_with(monkeypatch, {False: 1.0, True: 0.9}, full=False)
+    times = {False: 1.0, True: 0.9, "True@end": 0.95}
+    decoder, runner = decoder_with(monkeypatch, times, full=False)
     decoder.run_block(2)
-    assert decoder.pdl is True and decoder.pdl_ms == {"False": 1.0, "True": 0.9}
+    assert decoder.pdl is True and decoder.pdl_trigger == "start"
+    assert decoder.pdl_ms == labels(times)
     assert runner.captures == [((BLOCK, False), False), ((BLOCK, False), True),
-                               ((2, False), True)]
+                               ((BLOCK, False), "True@end"), ((2, False), True)]
+
+
+def test_a_set_trigger_is_the_only_one_timed(monkeypatch):
+    """PDL_TRIGGER set (a bench's A/B): "auto" times plain launches against PDL signalled
+    there only."""
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "end")
+    times = timed("fp8@end", False, "fp8@end")
+    decoder, runner = decoder_with(monkeypatch, times)
+    decoder.capture_blocks()
+    assert (decoder.pdl, decoder.pdl_trigger, decoder.pdl_ms) == ("fp8", "end", labels(times))
+    assert runner.captures[:2] == [((BLOCK, False), False), ((BLOCK, False), "fp8@end")]
 
 
 @pytest.mark.parametrize("setting", [False, "fp8"])
@@ -122,13 +151,14 @@ def test_a_set_pdl_or_no_pdl_on_the_device_times_nothing(monkeypatch, setting):
     """PDL set (False, True or "fp8": a bench's A/B) is used as set, untimed; so is "auto"
     where the device has no programmatic launch (an L4, a CPU): plain launches."""
     monkeypatch.setattr(fused_gemv, "PDL", setting)
-    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5})
+    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5, "fp8@end": 0.5})
     decoder.capture_blocks()
     assert decoder.pdl is False and decoder.pdl_ms == {}
     assert runner.captures == [((n, False), setting) for n in range(1, BLOCK + 1)]
 
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5}, possible=False)
+    decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5, "fp8@end": 0.5},
+                                   possible=False)
     decoder.capture_blocks()
     assert decoder.pdl is False and decoder.pdl_ms == {}
     assert runner.captures == [((n, False), False) for n in range(1, BLOCK + 1)]
@@ -157,6 +187,38 @@ def test_auto_pdl_names_a_bad_setting(monkeypatch):
             assert asked_now() is True
         assert asked_now() == "fp8"
     assert asked_now() is False
+    with pytest.raises(ValueError, match="trigger must be 'start' or 'end', got 'auto'"):
+        with fused_gemv.auto_pdl("fp8", "auto"):
+            pass
+    with fused_gemv.auto_pdl("fp8", "end"):
+        assert fused_gemv.pdl_trigger() == "end" and asked_now() == "fp8@end"
+        with fused_gemv.auto_pdl(True):
+            assert asked_now() is True
+        assert asked_now() == "fp8@end"
+    assert fused_gemv.pdl_trigger() == "start" and asked_now() is False
+    # PDL set: the trigger set, or the start under "auto"; a bad one is named
+    monkeypatch.setattr(fused_gemv, "PDL", True)
+    with fused_gemv.auto_pdl("fp8", "end"):
+        assert fused_gemv.pdl_trigger() == "start" and asked_now() is True
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "end")
+    assert fused_gemv.pdl_trigger() == "end" and asked_now() == "True@end"
+    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "late")
+    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start', 'end' or 'auto', got"):
+        asked_now()
+
+
+def test_a_launch_signals_where_its_block_says(monkeypatch):
+    """What a kernel is launched with (fused_gemv.pdl_launch, which ops.gemv's tensor-core
+    GEMMs take too) on a device with programmatic launch: nothing outside a chosen block, PDL
+    signalled at the block's trigger inside one, nothing for a weight its setting leaves out."""
+    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: True)
+    assert fused_gemv.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {}
+    for trigger in fused_gemv.PDL_TRIGGERS:
+        with fused_gemv.auto_pdl("fp8", trigger):
+            assert fused_gemv.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {
+                "PDL": True, "PDL_LATE": trigger == "end", "launch_pdl": True}
+            assert fused_gemv.pdl_launch(BF16_WEIGHT, BF16_WEIGHT) == {}
 
 
 def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: bool = True):
@@ -174,25 +236,27 @@ def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: boo
     return verifier, verifier.runner
 
 
-@pytest.mark.parametrize("faster", [False, True])
+@pytest.mark.parametrize("faster", [False, True, "True@end"])
 def test_the_verifier_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faster):
     """The verifier's full block captured plain, then with PDL on its compiled forwards'
-    kernels, then its exact run of block_size steps the same way; the faster graph of each
-    kept with its time (the draft-length policy's costs), and every other graph captured once
-    in its kind's setting."""
-    times = {False: 2.0, True: 1.5} if faster else {False: 1.5, True: 2.0}
+    kernels signalled at the start, then at the end, then its exact run of block_size steps
+    the same way; the fastest graph of each kept with its time (the draft-length policy's
+    costs), and every other graph captured once in its kind's setting."""
+    times = timed(faster, False, True, "True@end")
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
     verifier, runner = verifier_with(monkeypatch, times)
     verifier.capture()
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
     run = verifier.run_key(BLOCK, None, False)
-    measured = {"False": times[False], "True": times[True]}
-    assert verifier.pdl is faster and verifier.pdl_ms == measured
-    assert verifier.pdl_run is faster and verifier.pdl_run_ms == measured
+    kept = {False: (False, "start"), True: (True, "start"), "True@end": (True, "end")}[faster]
+    assert (verifier.pdl, verifier.pdl_trigger, verifier.pdl_ms) == (*kept, labels(times))
+    assert (verifier.pdl_run, verifier.pdl_run_trigger, verifier.pdl_run_ms) == (
+        *kept, labels(times))
     for key in (full, run):
-        assert runner.graphs[key].setting is faster and runner.replay_ms[key] == times[faster]
-    assert runner.captures[:4] == [(full, False), (full, True), (run, False), (run, True)]
-    rest = runner.captures[4:]
+        assert runner.graphs[key].setting == faster and runner.replay_ms[key] == times[faster]
+    assert runner.captures[:6] == [(full, False), (full, True), (full, "True@end"),
+                                   (run, False), (run, True), (run, "True@end")]
+    rest = runner.captures[6:]
     assert {key for key, _ in rest} == set(runner.graphs) - {full, run}
     assert {setting for _, setting in rest} == {faster}
     assert {key[0] for key, _ in rest} == {"exact", "verify"} and len(rest) == 2 * BLOCK - 2
@@ -202,16 +266,17 @@ def test_the_verifier_keeps_the_faster_block_and_captures_the_rest_so(monkeypatc
 
 
 def test_the_verifiers_blocks_and_one_token_forwards_choose_apart(monkeypatch):
-    """Blocks with drafts (tensor-core GEMMs) faster with PDL, exact runs (fused GEMVs)
-    faster plain: each kind keeps its own, and a k = 0 block, one exact step, goes with the
-    exact runs."""
+    """Blocks with drafts (tensor-core GEMMs) faster with PDL signalled at the end, exact runs
+    (fused GEMVs) faster plain: each kind keeps its own, and a k = 0 block, one exact step,
+    goes with the exact runs."""
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    verifier, runner = verifier_with(monkeypatch, lambda key: {False: 1.0, True: 0.9} if key[
-        0] == "verify" else {False: 0.9, True: 1.0})
+    verifier, runner = verifier_with(monkeypatch, lambda key: timed(
+        "True@end" if key[0] == "verify" else False, False, True, "True@end"))
     verifier.capture()
-    assert verifier.pdl is True and verifier.pdl_run is False
-    settings = dict(runner.captures[4:])
-    assert all(setting is (key[0] == "verify" and key[1] > 0)
+    assert (verifier.pdl, verifier.pdl_trigger) == (True, "end")
+    assert (verifier.pdl_run, verifier.pdl_run_trigger) == (False, "start")
+    settings = dict(runner.captures[6:])
+    assert all(setting == ("True@end" if key[0] == "verify" and key[1] > 0 else False)
                for key, setting in settings.items()), settings
     assert verifier.graph_key(0, 1, None, False) in settings
 
@@ -219,12 +284,13 @@ def test_the_verifiers_blocks_and_one_token_forwards_choose_apart(monkeypatch):
 def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
     """Without a capture at start-up, the first block a reply launches chooses first."""
     monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.9})
+    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.9, "True@end": 0.95})
     verifier.launch(2)
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
     run = verifier.run_key(BLOCK, None, False)
     assert verifier.pdl is True and verifier.pdl_run is True
-    assert runner.captures == [(full, False), (full, True), (run, False), (run, True),
+    assert runner.captures == [(full, False), (full, True), (full, "True@end"),
+                               (run, False), (run, True), (run, "True@end"),
                                (verifier.graph_key(2, verifier.span(2, 0), None, False), True)]
 
 
@@ -233,7 +299,7 @@ def test_the_verifier_times_nothing_without_a_choice(monkeypatch, case):
     """Eager forwards (cuBLAS: no kernel of ours to launch early), PDL set, or a device without
     programmatic launch: nothing timed, every graph captured once, plain ("auto") or as set."""
     monkeypatch.setattr(fused_gemv, "PDL", True if case == "set" else "auto")
-    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.5},
+    verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.5, "True@end": 0.5},
                                      compiled=case != "eager", possible=case != "no pdl")
     verifier.capture()
     assert verifier.pdl is False and verifier.pdl_ms == {}

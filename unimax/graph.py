@@ -156,23 +156,26 @@ def pdl_timable(candidate: bool | str, runner: GraphRunner) -> bool:
 
 
 def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
-                     capture: Callable[[bool | str], None]) -> tuple[bool | str, dict]:
-    """PDL "auto"'s choice for one owner of graphs (a decoder, the verifier): ``capture(s)``
-    captures ``key`` into ``runner`` with its blocks in setting s; captured plain and then in
-    ``candidate``, the faster graph stays under ``key`` with its time (a tie, or a time that
-    could not be taken, keeps plain launches). Returns (the setting kept, each setting's ms)."""
+                     capture: Callable[[bool | str, str], None]) -> tuple[bool | str, str, dict]:
+    """PDL "auto"'s choice for one owner of graphs (a decoder, the verifier): ``capture(s,
+    t)`` captures ``key`` into ``runner`` with its blocks in setting s, signalled at trigger t;
+    captured plain and then in ``candidate`` at each of ``fused_gemv.auto_triggers()``, the
+    fastest graph stays under ``key`` with its time (a tie, or a time that could not be
+    taken, keeps the earlier: plain launches first). Returns (the setting kept, its trigger,
+    each timed setting's ms by ``fused_gemv.pdl_label``)."""
     found = {}
-    for setting in (False, candidate):
+    for setting, trigger in [(False, "start")] + [(candidate, t)
+                                                  for t in fused_gemv.auto_triggers()]:
         runner.forget(key)
-        capture(setting)
-        found[setting] = (runner.graphs[key], runner.replay_ms.get(key))
-    times = {setting: ms for setting, (_, ms) in found.items()}
-    kept = False if None in times.values() else min(times, key=times.get)
+        capture(setting, trigger)
+        found[setting, trigger] = (runner.graphs[key], runner.replay_ms.get(key))
+    times = {choice: ms for choice, (_, ms) in found.items()}
+    kept = (False, "start") if None in times.values() else min(times, key=times.get)
     runner.forget(key)
     runner.graphs[key] = found[kept][0]
     if times[kept] is not None:
         runner.replay_ms[key] = times[kept]
-    return kept, {str(setting): ms for setting, ms in times.items()}
+    return *kept, {fused_gemv.pdl_label(*choice): ms for choice, ms in times.items()}
 
 
 class MaxTurboGraphDecoder:
@@ -215,6 +218,7 @@ class MaxTurboGraphDecoder:
         # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
         # choice's replay times by setting ({} where nothing was timed)
         self.pdl: bool | str | None = None
+        self.pdl_trigger = "start"  # (where its launches signal the next: the choice's too)
         self.pdl_ms: dict[str, float] = {}
         # torch.compile (inductor) fuses the step's many small elementwise kernels; the graphs
         # are still captured here, around the compiled step.
@@ -248,7 +252,7 @@ class MaxTurboGraphDecoder:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
     def _block(self, n: int, sampled: bool, record: bool = False) -> None:
-        with fused_gemv.auto_pdl(self.pdl or False):
+        with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
             self._block_steps(n, sampled, record)
 
     def _block_steps(self, n: int, sampled: bool, record: bool) -> None:
@@ -281,8 +285,9 @@ class MaxTurboGraphDecoder:
         """Where ops.fused_gemv.PDL is "auto", graphs are on and the GPU has programmatic
         dependent launch (compute capability 9+; not an L4): capture the greedy block of
         block_size steps with plain launches and with PDL on this model's fused GEMVs
-        (``pdl_candidate``), keep the faster graph and use its setting for every block
-        captured after (``timed_pdl_choice``). Once per decoder (``pdl`` None until then);
+        (``pdl_candidate``), signalled at each program's start and at its end, keep the
+        fastest graph and use its setting (``pdl``, ``pdl_trigger``) for every block captured
+        after (``timed_pdl_choice``). Once per decoder (``pdl`` None until then);
         elsewhere plain launches.
 
         Why timed: PDL's sign depends on the shape and the run. On the H200 it made the 0.8B
@@ -296,12 +301,13 @@ class MaxTurboGraphDecoder:
             return
         key = self._key(self.block_size, False, False)
 
-        def capture(setting):
-            self.pdl = setting
+        def capture(setting, trigger):
+            self.pdl, self.pdl_trigger = setting, trigger
             self.runner.prepare(key, lambda: self._block(self.block_size, False),
                                 writes=[self.cache], buffers=self._buffers(False))
 
-        self.pdl, self.pdl_ms = timed_pdl_choice(self.runner, key, candidate, capture)
+        self.pdl, self.pdl_trigger, self.pdl_ms = timed_pdl_choice(self.runner, key, candidate,
+                                                                   capture)
 
     @torch.inference_mode()
     def capture_blocks(self, sampled: bool = False, record: bool = False) -> None:

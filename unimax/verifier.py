@@ -172,6 +172,7 @@ class Verifier:
         # ms a block
         self.pdl: bool | None = None
         self.pdl_run: bool | None = None
+        self.pdl_trigger = self.pdl_run_trigger = "start"  # (each kind's signal: its choice's)
         self.pdl_ms: dict[str, float] = {}
         self.pdl_run_ms: dict[str, float] = {}
         self.forward = exact_model.forward_unchecked
@@ -206,13 +207,15 @@ class Verifier:
     def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
         """A block of k drafts (``_check``), its launches in the PDL setting chosen (k = 0,
         one exact step: the one-token forwards' setting)."""
-        with fused_gemv.auto_pdl((self.pdl_run if k == 0 else self.pdl) or False):
+        setting = (self.pdl_run, self.pdl_run_trigger) if k == 0 else (self.pdl,
+                                                                        self.pdl_trigger)
+        with fused_gemv.auto_pdl(setting[0] or False, setting[1]):
             self._check(k, sampled, span)
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
         for one-token forwards."""
-        with fused_gemv.auto_pdl(self.pdl_run or False):
+        with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
             self._exact_run(n, sampled)
 
     def _check(self, k: int, sampled: bool, span: int | None) -> None:
@@ -311,9 +314,10 @@ class Verifier:
         linears Triton kernels: ops.gemv's tensor-core GEMMs, the fused GEMVs of the one-token
         forward) and the GPU has programmatic dependent launch: capture the greedy block of
         block_size drafts, and the exact run of block_size steps, each plain and with PDL on
-        every one of those kernels (the first KV bucket), keep the faster of each
-        (graph.timed_pdl_choice) and capture every later graph in its kind's setting: blocks
-        with drafts in ``pdl``, one-token forwards (exact runs, k = 0 blocks) in ``pdl_run``.
+        every one of those kernels, signalled at each program's start and at its end (the first
+        KV bucket), keep the fastest of each (graph.timed_pdl_choice) and capture every later
+        graph in its kind's setting: blocks with drafts in ``pdl`` (``pdl_trigger``), one-token
+        forwards (exact runs, k = 0 blocks) in ``pdl_run`` (``pdl_run_trigger``).
         Once per verifier (``pdl`` None until then).
 
         Why: the verify block is what keeps 0.8B verified mode under BF16-only, 1.55-1.78 BF16
@@ -337,18 +341,18 @@ class Verifier:
             with self.cache.attending(window):
                 self.runner.prepare(key, body, writes=writes, buffers=self._buffers())
 
-        def capture_block(setting):
-            self.pdl = setting
+        def capture_block(setting, trigger):
+            self.pdl, self.pdl_trigger = setting, trigger
             capture(self.graph_key(k, span, window, False), lambda: self._verify(k, False, span))
 
-        def capture_run(setting):
-            self.pdl_run = setting
+        def capture_run(setting, trigger):
+            self.pdl_run, self.pdl_run_trigger = setting, trigger
             capture(self.run_key(k, window, False), lambda: self._exact_steps(k))
 
-        self.pdl, self.pdl_ms = timed_pdl_choice(
+        self.pdl, self.pdl_trigger, self.pdl_ms = timed_pdl_choice(
             self.runner, self.graph_key(k, span, window, False), True, capture_block)
         if k > 1:  # (exact runs are 2..block_size steps)
-            self.pdl_run, self.pdl_run_ms = timed_pdl_choice(
+            self.pdl_run, self.pdl_run_trigger, self.pdl_run_ms = timed_pdl_choice(
                 self.runner, self.run_key(k, window, False), True, capture_run)
 
     @staticmethod

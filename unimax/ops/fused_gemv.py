@@ -75,7 +75,17 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 PDL: bool | str = "auto"  # or False, True (every fused GEMV and tensor-core GEMM), or "fp8"
 # (FP8 weights only)
 TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
-PDL_TRIGGER = "start"  # or "end"
+# Where each program lets the next kernel launch: "start" (before its K loop), "end" (after
+# it), or "auto": a launch under PDL "auto" takes what its block's timed choice says (each
+# owner of graphs times plain launches, PDL signalled at the start and at the end, and keeps
+# the fastest: unimax.graph.timed_pdl_choice); PDL set (True, "fp8") signals at the start.
+# Why both are timed: the chain of the draft's fused FP8 GEMVs alone (bench/pdl_chain.py,
+# thirty-sixth session, H200) ran 11% slower at 4B with the start signal and 3% faster with the
+# end one, 14% / 11% faster at 0.8B; in the engine the 4B draft block kept PDL with the end
+# signal (-2.2%) where it had refused the start one (+4.3%), and the 0.8B BF16 step the start
+# one (-9%; end -4%).
+PDL_TRIGGER = "auto"  # or "start", "end"
+PDL_TRIGGERS = ("start", "end")
 # The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K
 # loop, the sums scaled by the row's 1 / rms after it) where a program runs all of K with fp32
 # products (rows, tma; not split-K, not the FP16 forms). Off: the pre-pass first, as before.
@@ -367,17 +377,20 @@ _AUTO = threading.local()  # what PDL "auto" means on this thread now (auto_pdl;
 
 
 @contextlib.contextmanager
-def auto_pdl(setting: bool | str) -> Iterator[None]:
-    """Within the block, PDL "auto" means ``setting`` (one of PDL_SETTINGS) on this thread:
-    a graph decoder runs (and so captures) its blocks in its own choice."""
+def auto_pdl(setting: bool | str, trigger: str = "start") -> Iterator[None]:
+    """Within the block, PDL "auto" means ``setting`` (one of PDL_SETTINGS) on this thread,
+    signalled at ``trigger`` (one of PDL_TRIGGERS; where PDL_TRIGGER is "auto"): a graph
+    decoder runs (and so captures) its blocks in its own choice."""
     if setting not in PDL_SETTINGS:
         raise ValueError(f"auto_pdl: setting must be False, True or 'fp8', got {setting!r}")
-    saved = getattr(_AUTO, "setting", False)
-    _AUTO.setting = setting
+    if trigger not in PDL_TRIGGERS:
+        raise ValueError(f"auto_pdl: trigger must be 'start' or 'end', got {trigger!r}")
+    saved = getattr(_AUTO, "setting", False), getattr(_AUTO, "trigger", "start")
+    _AUTO.setting, _AUTO.trigger = setting, trigger
     try:
         yield
     finally:
-        _AUTO.setting = saved
+        _AUTO.setting, _AUTO.trigger = saved
 
 
 def pdl_wanted(weight: torch.Tensor) -> bool:
@@ -385,12 +398,34 @@ def pdl_wanted(weight: torch.Tensor) -> bool:
     the ``auto_pdl`` block around the launch says, else no)."""
     if PDL not in (*PDL_SETTINGS, "auto"):
         raise ValueError(f"fused_gemv.PDL must be False, True, 'fp8' or 'auto', got {PDL!r}")
-    if PDL_TRIGGER not in ("start", "end"):
-        raise ValueError(f"fused_gemv.PDL_TRIGGER must be 'start' or 'end', got {PDL_TRIGGER!r}")
+    pdl_trigger()  # (a bad PDL_TRIGGER is named at any launch, not only a programmatic one)
     setting = getattr(_AUTO, "setting", False) if PDL == "auto" else PDL
     if setting == "fp8":
         return weight.element_size() == 1
     return bool(setting)
+
+
+def pdl_trigger() -> str:
+    """Where a programmatic launch now signals the next kernel: PDL_TRIGGER where it is set;
+    "auto": the ``auto_pdl`` block's trigger under PDL "auto", else the start."""
+    if PDL_TRIGGER not in (*PDL_TRIGGERS, "auto"):
+        raise ValueError("fused_gemv.PDL_TRIGGER must be 'start', 'end' or 'auto', got "
+                         f"{PDL_TRIGGER!r}")
+    if PDL_TRIGGER != "auto":
+        return PDL_TRIGGER
+    return getattr(_AUTO, "trigger", "start") if PDL == "auto" else "start"
+
+
+def auto_triggers() -> tuple[str, ...]:
+    """The triggers PDL "auto" times a candidate setting with: both, or PDL_TRIGGER's where
+    it is set (a bench's A/B)."""
+    return PDL_TRIGGERS if PDL_TRIGGER == "auto" else (pdl_trigger(),)
+
+
+def pdl_label(setting: bool | str, trigger: str = "start") -> str:
+    """A setting's name in the timed choices' tables: "False" (plain), "True" or "fp8"
+    signalled at the start, "True@end" or "fp8@end" at the end."""
+    return str(setting) if not setting or trigger == "start" else f"{setting}@{trigger}"
 
 
 def pdl_possible(device: torch.device) -> bool:
@@ -406,7 +441,7 @@ def pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
     on = pdl_wanted(weight) and pdl_possible(x.device)
     if not on:
         return {}
-    return {"PDL": True, "PDL_LATE": PDL_TRIGGER == "end", "launch_pdl": True}
+    return {"PDL": True, "PDL_LATE": pdl_trigger() == "end", "launch_pdl": True}
 
 
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel
