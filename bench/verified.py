@@ -51,6 +51,7 @@ import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.ops.in_proj_tape  # noqa: E402
 import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
+from unimax.ops.fused_gemv import pdl_label  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
 STARTED = time.perf_counter()
@@ -340,10 +341,11 @@ def pdl_of(owner, run: bool = False) -> dict:
     """A decoder's or verifier's PDL choice (unimax.graph.MaxTurboGraphDecoder.choose_pdl,
     unimax.verifier.Verifier.choose_pdl; ``run``: the verifier's for its exact runs): the
     setting kept and each timed setting's ms a block (none timed: PDL set, no PDL here, or an
-    eager verifier)."""
+    eager verifier), the setting named as in ``block_ms`` ("fp8@end": signalled at the end)."""
     if run:
-        return {"kept": owner.pdl_run, "block_ms": owner.pdl_run_ms}
-    return {"kept": owner.pdl, "block_ms": owner.pdl_ms}
+        return {"kept": pdl_label(owner.pdl_run, owner.pdl_run_trigger),
+                "block_ms": owner.pdl_run_ms}
+    return {"kept": pdl_label(owner.pdl, owner.pdl_trigger), "block_ms": owner.pdl_ms}
 
 
 def bench_shape(shape, args, bandwidth) -> dict:
