@@ -207,9 +207,9 @@ class Verifier:
     def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
         """A block of k drafts (``_check``), its launches in the PDL setting chosen (k = 0,
         one exact step: the one-token forwards' setting)."""
-        setting = (self.pdl_run, self.pdl_run_trigger) if k == 0 else (self.pdl,
-                                                                        self.pdl_trigger)
-        with fused_gemv.auto_pdl(setting[0] or False, setting[1]):
+        setting, trigger = (self.pdl_run, self.pdl_run_trigger) if k == 0 else (
+            self.pdl, self.pdl_trigger)
+        with fused_gemv.auto_pdl(setting or False, trigger):
             self._check(k, sampled, span)
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
