@@ -12,7 +12,7 @@ asks where the loss is:
 
 - ``off``: every GEMV a plain launch (the 4B engine's choice);
 - ``on``: every GEMV launched programmatically, the signal at each program's start (as
-  ``fused_gemv.PDL = True``); ``end``: the signal after each program's K loop (PDL_TRIGGER);
+  ``fused_gemv.PDL = True``); ``end``: the signal after each program's K loop (auto_pdl's trigger);
 - ``on:in``, ``on:out``, ``on:gate_up``, ``on:down``: only that linear launched
   programmatically, i.e. only the boundary before it overlapped (a kernel starts early only if
   it is itself launched so, after a kernel that signals);
@@ -95,10 +95,13 @@ def step(layers: list[Layer], h: torch.Tensor, variant: str = "off",
     everywhere = base in ("on", "end")
     only = base.partition(":")[2]
     but = base.partition("-")[2]
+    trigger = "end" if base == "end" else "start"
 
     def run(name, *args, **kw):
-        # (fused_gemv.PDL is "auto", its default: each launch as the block around it says)
-        with fused_gemv.auto_pdl(everywhere or only == name or bool(but) and but != name):
+        # (fused_gemv.PDL and PDL_TRIGGER are "auto", their defaults: each launch as the block
+        # around it says)
+        with fused_gemv.auto_pdl(everywhere or only == name or bool(but) and but != name,
+                                 trigger):
             return linear(layer, name, *args, ref=ref, **kw)
 
     for layer in layers:
@@ -150,7 +153,6 @@ def main() -> None:
         return dry_run()
     copy_gbps = copy_bandwidth() / 1e9
     rows = []
-    saved_trigger = fused_gemv.PDL_TRIGGER
     for name in args.shapes:
         cfg = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -163,12 +165,8 @@ def main() -> None:
             want = step(layers, h0, "off")  # (every linear's kernel chosen here, PDL off)
             torch.cuda.synchronize()
             for variant in args.variants:
-                fused_gemv.PDL_TRIGGER = "end" if variant.startswith("end") else "start"
-                try:
-                    got = step(layers, h0, variant)
-                    us = graph_us(lambda i, v=variant, ls=layers, h=h0: step(ls, h, v), 1)
-                finally:
-                    fused_gemv.PDL_TRIGGER = saved_trigger
+                got = step(layers, h0, variant)
+                us = graph_us(lambda i, v=variant, ls=layers, h=h0: step(ls, h, v), 1)
                 row = {"shape": name, "variant": variant, "gemvs": gemvs, "bytes": nbytes,
                        "floor_us": floor_us, "us": us, "same": bool(torch.equal(got, want))}
                 rows.append(row)
