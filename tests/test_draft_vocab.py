@@ -4,10 +4,15 @@ greedy decoding on pure and hybrid models, including where the exact model picks
 draft cannot propose; bad choices are refused by name. (Verified sampling with it: the chi-square
 test in test_speculative.)"""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import unimax
+from helpers import ROOT
 from unimax import build_engine
 from unimax.draft_vocab import SubsetHead
 from unimax.fp8 import quantize_view
@@ -86,3 +91,50 @@ def test_ranked_ids_take_stops_then_the_most_frequent():
     assert ranked_ids(text, 7) == [0, 1, 2, 3, 5, 7, 9]  # then the lowest unused ids
     with pytest.raises(ValueError, match="more than its size 1"):
         ranked_ids(text, 1, always=[2, 4])
+
+
+def test_vocab_coverage_counts_held_out_tokens_inside_the_head():
+    """bench/vocab_coverage.py: the share of a held-out text's tokens inside the ranked head
+    and inside ids 0..N-1, counted by hand on a toy tokenizer (one id per character)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vocab_coverage import coverage
+
+    def encode(text):
+        return [ord(c) - ord("a") for c in text]
+
+    # rank text: "z" x3, "y" x2, "a" once; the eos id 25 ("z") is also always in
+    report = coverage(encode, ["zzzyya"], ["zyab", "c"], [1, 2, 3], vocab_size=26, always=[25])
+    ranked = [r["ranked"] for r in report["rows"]]
+    first = [r["first"] for r in report["rows"]]
+    # test tokens z y a b c: head {z}: 1/5; {z, y}: 2/5; {z, y, a}: 3/5
+    assert ranked == [1 / 5, 2 / 5, 3 / 5]
+    # ids 0..N-1: {a}: a; {a, b}: a b; {a, b, c}: a b c
+    assert first == [1 / 5, 2 / 5, 3 / 5]
+    assert (report["rank_tokens"], report["test_tokens"], report["test_distinct"]) == (6, 5, 5)
+    with pytest.raises(ValueError, match="size 27"):
+        coverage(encode, ["a"], ["a"], [27], vocab_size=26)
+
+
+def test_vocab_coverage_cli_on_a_real_tokenizer(tmp_path):
+    """The bench's command line on a tokenizer folder written by the tokenizers library, as a
+    checkpoint's is: every held-out token is inside a head as large as the vocabulary."""
+    from test_tokenizer_cli import write_fast_tokenizer
+
+    write_fast_tokenizer(tmp_path, vocab_size=90)
+    (tmp_path / "rank.txt").write_text("the cat sat on the mat. the dog sat too.\n")
+    (tmp_path / "test.txt").write_text("a cat and a dog on the mat\n")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vocab_coverage.py"), "--tokenizer", str(tmp_path),
+         "--rank", str(tmp_path / "rank.txt"), "--test", str(tmp_path / "test.txt"),
+         "--sizes", "8", "90", "--json", str(tmp_path / "c.json")],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["size"] for r in rows] == [8, 90]
+    assert rows[1]["ranked"] == rows[1]["first"] == 1.0
+    assert 0 < rows[0]["ranked"] < 1
+    missing = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vocab_coverage.py"), "--tokenizer", str(tmp_path),
+         "--rank", str(tmp_path / "nope.txt"), "--test", str(tmp_path / "test.txt")],
+        capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "cannot read" in missing.stderr
