@@ -46,6 +46,7 @@ import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
+import unimax.ops.fused_mlp  # noqa: E402
 import unimax.ops.gemv_swiglu  # noqa: E402
 import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.ops.in_proj_tape  # noqa: E402
@@ -103,6 +104,11 @@ SWITCH_ABS = (
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
              "side by side", exact=True),
+    SwitchAB("--ab-fused-mlp", unimax.ops.fused_mlp, "FUSED_MLP", True, "mlp_one_launch",
+             "a second verified engine whose full draft runs each MLP as one launch "
+             "(ops.fused_mlp.FUSED_MLP, off by default: gate-up, SwiGLU and down in one "
+             "kernel, down's sums added with atomics): forced rows and draft step side by "
+             "side"),
 )
 
 
