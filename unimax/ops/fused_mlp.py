@@ -42,7 +42,8 @@ def fused_mlp_ref(x, gate_up_w, gate_up_s, down_w, down_s, hidden: int, inter: i
 def _row(device: torch.device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's fp32 row and counter for this device and hidden size: zero between
     launches (each launch's last program zeroes them), so shared by every layer of a step,
-    which run one after another on one stream."""
+    which run one after another on one stream. Like split-K's counters (ops.gemv._counters),
+    two launches must not run at once on two streams: UNI MAX's forwards run on one."""
     key = (str(device), hidden)
     if key not in _ROWS:
         _ROWS[key] = (torch.zeros(hidden, device=device, dtype=torch.float32),
