@@ -61,7 +61,8 @@ def test_fused_mlp_matches_the_gemv_pair_and_its_twin_in_the_interpreter():
 
 
 def test_fused_mlp_kernel_compiles_for_hopper_and_ada():
-    """The kernel lowers to PTX for sm_90 (the H200) and sm_89 (an L4) at a 0.8B-like shape."""
+    """The kernel lowers to PTX for sm_90 (the H200; plain, and PDL signalled at the start or
+    after the atomics) and sm_89 (an L4, no PDL) at a 0.8B-like shape."""
     code = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -71,17 +72,22 @@ sig = {"x_ptr": "*bf16", "nw_ptr": "*bf16", "gu_ptr": "*fp8e4nv", "gus_ptr": "*f
        "d_ptr": "*fp8e4nv", "ds_ptr": "*fp32", "y_ptr": "*bf16", "acc_ptr": "*fp32",
        "cnt_ptr": "*i32", "H": "i32", "I": "i32", "stride_gu": "i32", "stride_d": "i32",
        "eps": "fp32", "offset": "fp32", "HP": "constexpr", "BLOCK_R": "constexpr",
-       "BLOCK_K": "constexpr", "BLOCK_H": "constexpr"}
-consts = {"HP": 1024, "BLOCK_R": fused_mlp.BLOCK_R, "BLOCK_K": fused_mlp.BLOCK_K,
-          "BLOCK_H": fused_mlp.BLOCK_H}
-for arch in (90, 89):
+       "BLOCK_K": "constexpr", "BLOCK_H": "constexpr", "PDL": "constexpr",
+       "PDL_LATE": "constexpr"}
+for arch, pdl, late in ((90, False, False), (90, True, False), (90, True, True),
+                        (89, False, False)):
+    consts = {"HP": 1024, "BLOCK_R": fused_mlp.BLOCK_R, "BLOCK_K": fused_mlp.BLOCK_K,
+              "BLOCK_H": fused_mlp.BLOCK_H, "PDL": pdl, "PDL_LATE": late}
     src = triton.compiler.ASTSource(fn=fused_mlp_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 64))
-    ptx = k.asm["ptx"]
-    print(arch, "atom" in ptx or "red." in ptx)
+    ptx = triton.compile(src, target=GPUTarget("cuda", arch, 64)).asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    # the atomics; with PDL the wait and the signal, the signal after the adds when late
+    print(arch, int("red." in body or "atom." in body), int("griddepcontrol.wait" in body),
+          int(body.index("griddepcontrol.launch_dependents") >
+              body.index("red.") if "griddepcontrol.launch_dependents" in body else -1))
 """
     out = run_with_triton(code, interpret=False)
-    assert out.split() == ["90", "True", "89", "True"], out
+    assert out.strip().splitlines() == ["90 1 0 -1", "90 1 1 0", "90 1 1 1", "89 1 0 -1"], out
 
 
 def test_fused_mlp_names_bad_input():

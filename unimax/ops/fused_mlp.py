@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused_gemv import fused_small_m_linear_ref
+from .fused_gemv import fused_small_m_linear_ref, pdl_launch
 from .gemv import _interpreted
 
 FUSED_MLP = False
@@ -84,7 +84,8 @@ def fused_mlp(x: torch.Tensor, gate_up_w: torch.Tensor, gate_up_s: torch.Tensor,
     fused_mlp_kernel[(triton.cdiv(inter, BLOCK_R),)](
         x, norm_weight, gate_up_w, gate_up_s, down_w, down_s, y, row, counter, hidden, inter,
         gate_up_w.stride(0), down_w.stride(0), eps, offset,
-        HP=triton.next_power_of_2(hidden), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H)
+        HP=triton.next_power_of_2(hidden), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H,
+        **pdl_launch(x, gate_up_w))  # (the draft's timed PDL setting and signal, as its GEMVs)
     return y
 
 
