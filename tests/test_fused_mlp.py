@@ -14,7 +14,7 @@ CHILD = """
 import torch
 from unimax.fp8 import quantize_rows
 from unimax.ops.fused_gemv import fused_gemv
-from unimax.ops.fused_mlp import _ROWS, fused_mlp, fused_mlp_ref, fused_mlp_step
+from unimax.ops.fused_mlp import _ROWS, TILES, fused_mlp, fused_mlp_ref
 
 def pad(t, rows, cols):
     out = torch.zeros(rows, cols, dtype=t.dtype)
@@ -29,14 +29,14 @@ for hidden, inter, padded in [(96, 40, False), (300, 70, True), (520, 33, True),
         gu, gs = pad(gu, 2 * inter + 5, hidden + 16), torch.cat([gs, torch.ones(5)])
         dw, ds = pad(dw, hidden + 3, inter + 16), torch.cat([ds, torch.ones(3)])
     nw = (torch.randn(hidden) * 0.1).to(torch.bfloat16)
-    for trial in range(2):  # (the second launch finds the row and counter zeroed)
+    for trial, tile in enumerate(TILES):  # (each launch finds the row and counter zeroed)
         x = (torch.randn(1, hidden) * 3).to(torch.bfloat16)
-        got = fused_mlp(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0)
+        got = fused_mlp(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0, tile)
         gate_up = fused_gemv(x, gu, gs, 2 * inter, hidden, "rms", norm_weight=nw, eps=1e-6,
                              offset=1.0, kernel="rows")
         pair = fused_gemv(gate_up, dw, ds, hidden, inter, "swiglu", residual=x, kernel="rows")
         twin = fused_mlp_ref(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0)
-        op = fused_mlp_step(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0)
+        op = fused_mlp(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0, tile)
         mlp = (twin.float() - x.float()).norm()
         err_twin = float((got.float() - twin.float()).norm() / mlp)
         err_pair = float((got.float() - pair.float()).norm() / mlp)
@@ -50,7 +50,7 @@ for hidden, inter, padded in [(96, 40, False), (300, 70, True), (520, 33, True),
 def test_fused_mlp_matches_the_gemv_pair_and_its_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     rows = [line.split() for line in out.strip().splitlines()]
-    assert len(rows) == 8, out
+    assert len(rows) == 4 * 4, out
     for tag, err_twin, err_pair, same_op, zeroed in rows:
         # against the pair of kernels it replaces (the interpreter truncates both alike): the
         # down-projection's fp32 sums in another order only
@@ -76,8 +76,9 @@ sig = {"x_ptr": "*bf16", "nw_ptr": "*bf16", "gu_ptr": "*fp8e4nv", "gus_ptr": "*f
        "PDL_LATE": "constexpr"}
 for arch, pdl, late in ((90, False, False), (90, True, False), (90, True, True),
                         (89, False, False)):
-    consts = {"HP": 1024, "BLOCK_R": fused_mlp.BLOCK_R, "BLOCK_K": fused_mlp.BLOCK_K,
-              "BLOCK_H": fused_mlp.BLOCK_H, "PDL": pdl, "PDL_LATE": late}
+    units, block_k, block_h, _ = fused_mlp.TILES[0]
+    consts = {"HP": 1024, "BLOCK_R": units, "BLOCK_K": block_k, "BLOCK_H": block_h,
+              "PDL": pdl, "PDL_LATE": late}
     src = triton.compiler.ASTSource(fn=fused_mlp_kernel, signature=sig, constexprs=consts)
     ptx = triton.compile(src, target=GPUTarget("cuda", arch, 64)).asm["ptx"]
     body = ptx[ptx.index(".entry"):]
@@ -88,6 +89,28 @@ for arch, pdl, late in ((90, False, False), (90, True, False), (90, True, True),
 """
     out = run_with_triton(code, interpret=False)
     assert out.strip().splitlines() == ["90 1 0 -1", "90 1 1 0", "90 1 1 1", "89 1 0 -1"], out
+
+
+def test_the_op_off_cuda_is_its_twin_and_names_its_choices():
+    """Off CUDA the op runs the twin; its choices are the pair and the kernel at each tile,
+    and a bad name is refused by name."""
+    torch.manual_seed(0)
+    from unimax.fp8 import quantize_rows
+
+    h, i = 64, 24
+    gu, gs = quantize_rows(torch.randn(2 * i, h))
+    dw, ds = quantize_rows(torch.randn(h, i))
+    nw, x = torch.randn(h).bfloat16(), torch.randn(1, h).bfloat16()
+    twin = fused_mlp.fused_mlp_ref(x, gu, gs, dw, ds, h, i, nw, 1e-6, 0.0)
+    assert torch.equal(fused_mlp.fused_mlp_step(x, gu, gs, dw, ds, h, i, nw, 1e-6, 0.0), twin)
+    assert torch.equal(fused_mlp.run_named("pair", x, gu, gs, dw, ds, h, i, nw, 1e-6, 0.0),
+                       twin)
+    names = fused_mlp.names()
+    assert names[0] == "pair" and len(names) == 1 + len(fused_mlp.TILES)
+    with pytest.raises(ValueError, match="pair"):
+        fused_mlp.run_named("one@1x2x3x4", x, gu, gs, dw, ds, h, i, nw, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="tile"):
+        fused_mlp.fused_mlp(x, gu, gs, dw, ds, h, i, nw, 1e-6, 0.0, (1, 2, 3, 4))
 
 
 def test_fused_mlp_names_bad_input():

@@ -40,9 +40,10 @@ def test_fused_engines_on_gpu():
 
 def test_draft_mlp_in_one_launch_on_gpu(monkeypatch):
     """ops.fused_mlp (FUSED_MLP, off by default) in verified mode's full draft: every block
-    marked, the op's outputs those of the two fused GEMVs it replaces up to fp32 summation
-    order, and verified decoding with it exact greedy decoding up to BF16 near-ties, its
-    acceptance that of the two-GEMV draft's (the same draft, summed in another order)."""
+    marked, the kernel's outputs at every tile those of the two fused GEMVs it replaces up to
+    fp32 summation order, and verified decoding with it (the per-shape timed choice) exact
+    greedy decoding up to BF16 near-ties, its acceptance that of the two-GEMV draft's (the
+    same draft, summed in another order)."""
     from unimax.ops import fused_mlp
     from unimax.ops.fused_gemv import fused_gemv
 
@@ -62,12 +63,12 @@ def test_draft_mlp_in_one_launch_on_gpu(monkeypatch):
                          eps=norm.eps, offset=getattr(norm, "offset", 0.0))
     pair = fused_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.weight_scale, hidden, inter,
                       "swiglu", residual=h)
-    for _ in range(3):  # (each launch leaves its row and counter zeroed for the next)
+    for tile in fused_mlp.TILES * 2:  # (each launch leaves its row and counter zeroed)
         got = fused_mlp.fused_mlp(h, *args, mlp.down_proj.weight, mlp.down_proj.weight_scale,
                                   hidden, inter, norm.weight, norm.eps,
-                                  getattr(norm, "offset", 0.0))
+                                  getattr(norm, "offset", 0.0), tile)
         delta = (pair.float() - h.float()).norm()
-        assert float((got.float() - pair.float()).norm() / delta) < 1e-2
+        assert float((got.float() - pair.float()).norm() / delta) < 1e-2, tile
     reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
     rates = []
     for engine in (one, plain):
@@ -75,5 +76,5 @@ def test_draft_mlp_in_one_launch_on_gpu(monkeypatch):
         divergence = first_divergence(model, x, got[0].tolist(), reference)
         assert is_near_tie(divergence), divergence
         rates.append(report.acceptance_rate)
-    print("acceptance one launch / two", rates)
+    print("acceptance one launch / two", rates, "choices", fused_mlp.CHOICES)
     assert rates[0] >= rates[1] - 0.1

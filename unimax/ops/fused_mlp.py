@@ -12,20 +12,25 @@ mode's draft only (the exact model checks every token it proposes); FP8 speed mo
 tokens are its output, keeps the two GEMVs. The twin is that pair's own twin
 (``fused_mlp_ref``).
 
-``FUSED_MLP`` (off): whether unimax.fused_draft runs a verified draft's MLPs through this op.
+The op (``fused_mlp_step``) times the kernel at each of its TILES against the pair per shape
+in graphs, as the GEMVs' forms are timed, and runs the fastest: where one launch does not pay,
+the draft runs the pair as before. ``FUSED_MLP`` (off): whether unimax.fused_draft runs a
+verified draft's MLPs through this op.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused_gemv import fused_small_m_linear_ref, pdl_launch
-from .gemv import _interpreted
+from .fused_gemv import fused_small_m_linear, fused_small_m_linear_ref, pdl_launch
+from .gemv import _interpreted, tiled_names, timed_choice
 
 FUSED_MLP = False
-BLOCK_R = 16  # intermediate units a program (its gate and up rows, its down columns)
-BLOCK_K = 256  # gate-up's K tile
-BLOCK_H = 256  # down's output tile
+# The kernel's tiles (BLOCK_R: intermediate units a program, its gate and up rows and its down
+# columns; BLOCK_K: gate-up's K tile; BLOCK_H: down's output tile; warps), the first the
+# default; each offered to the per-shape timed choice, with "pair" (the two fused GEMVs).
+TILES = ((16, 256, 256, 4), (32, 256, 128, 4), (32, 128, 256, 8), (8, 512, 256, 4))
+CHOICES: dict[tuple, str] = {}  # (hidden, inter, weight dtype) -> "pair" or "one@tile"
 _ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, H) -> (fp32 row, counter)
 
 
@@ -66,11 +71,14 @@ def check(x, gate_up_w, gate_up_s, down_w, down_s, hidden: int, inter: int) -> N
 
 def fused_mlp(x: torch.Tensor, gate_up_w: torch.Tensor, gate_up_s: torch.Tensor,
               down_w: torch.Tensor, down_s: torch.Tensor, hidden: int, inter: int,
-              norm_weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+              norm_weight: torch.Tensor, eps: float, offset: float = 0.0,
+              tile: tuple[int, int, int, int] = TILES[0]) -> torch.Tensor:
     """x (1, hidden) -> x + down(silu(gate) * up) of RMSNorm(x) (module docstring): the kernel
-    on CUDA and in Triton's interpreter, the twin elsewhere. Weights may be padded past
-    (2 inter, hidden) and (hidden, inter), as an FP8Linear's are."""
+    at ``tile`` (one of TILES) on CUDA and in Triton's interpreter, the twin elsewhere. Weights
+    may be padded past (2 inter, hidden) and (hidden, inter), as an FP8Linear's are."""
     check(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter)
+    if tile not in TILES:
+        raise ValueError(f"fused_mlp: tile {tile} is not one of {TILES}")
     if not (x.is_cuda or _interpreted()):
         return fused_mlp_ref(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter,
                              norm_weight, eps, offset)
@@ -81,21 +89,70 @@ def fused_mlp(x: torch.Tensor, gate_up_w: torch.Tensor, gate_up_s: torch.Tensor,
     x = x.contiguous()
     y = torch.empty_like(x)
     row, counter = _row(x.device, hidden)
-    fused_mlp_kernel[(triton.cdiv(inter, BLOCK_R),)](
+    units, block_k, block_h, warps = tile
+    fused_mlp_kernel[(triton.cdiv(inter, units),)](
         x, norm_weight, gate_up_w, gate_up_s, down_w, down_s, y, row, counter, hidden, inter,
         gate_up_w.stride(0), down_w.stride(0), eps, offset,
-        HP=triton.next_power_of_2(hidden), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H,
+        HP=triton.next_power_of_2(hidden), BLOCK_R=units, BLOCK_K=block_k, BLOCK_H=block_h,
+        num_warps=warps,
         **pdl_launch(x, gate_up_w))  # (the draft's timed PDL setting and signal, as its GEMVs)
     return y
+
+
+def run_named(name: str, x, gate_up_w, gate_up_s, down_w, down_s, hidden: int, inter: int,
+              norm_weight, eps: float, offset: float) -> torch.Tensor:
+    """The block by a choice's name: "pair" (the two fused GEMVs, as without this op) or
+    "one@RxKxHxW" (the kernel at that tile)."""
+    if name == "pair":
+        gate_up = fused_small_m_linear(x, gate_up_w, gate_up_s, 2 * inter, hidden, "rms",
+                                       norm_weight, None, None, eps, offset)
+        return fused_small_m_linear(gate_up, down_w, down_s, hidden, inter, "swiglu", None,
+                                    None, x, 1e-6, 0.0)
+    form, _, named = name.partition("@")
+    tile = tuple(int(v) for v in named.split("x")) if named else None
+    if form != "one" or tile not in TILES:
+        raise ValueError(f"fused_mlp: kernel must be 'pair' or one@tile with a tile of "
+                         f"{TILES}, got {name!r}")
+    return fused_mlp(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter, norm_weight, eps,
+                     offset, tile)
+
+
+def names() -> tuple[str, ...]:
+    return ("pair", *tiled_names(("one",), {"one": TILES}))
+
+
+def choose(x, gate_up_w, gate_up_s, down_w, down_s, hidden: int, inter: int, norm_weight,
+           eps: float, offset: float) -> str:
+    """The fastest of the pair and the kernel's tiles for this shape, timed once in graphs
+    (ops.gemv.timed_choice, over weight copies L2 cannot hold, in the PDL setting the caller
+    runs in); the pair where it cannot be timed (off CUDA, first met inside a capture). The
+    pair runs once first, so that its own GEMVs' choices are made before the timing."""
+    key = (hidden, inter, gate_up_w.dtype)
+    if key not in CHOICES and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        run_named("pair", x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter,
+                  norm_weight, eps, offset)
+    return timed_choice(
+        CHOICES, key, names(), "pair", x.is_cuda,
+        lambda name, gw, gs, dw, ds: run_named(name, x, gw, gs, dw, ds, hidden, inter,
+                                                norm_weight, eps, offset),
+        (gate_up_w, gate_up_s, down_w, down_s))
 
 
 @torch.library.custom_op("unimax::fused_mlp_step", mutates_args=())
 def fused_mlp_step(x: torch.Tensor, gate_up_w: torch.Tensor, gate_up_s: torch.Tensor,
                    down_w: torch.Tensor, down_s: torch.Tensor, hidden: int, inter: int,
                    norm_weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    """``fused_mlp`` as an op for the compiled step (one launch, no graph break)."""
-    return fused_mlp(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter, norm_weight, eps,
-                     offset)
+    """The block as an op for the compiled step (no graph break): on CUDA the per-shape timed
+    choice between the one-launch kernel at its tiles and the two fused GEMVs (``choose``),
+    so it runs only where faster; ``fused_mlp`` (its twin) elsewhere."""
+    if not x.is_cuda:
+        return fused_mlp(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter, norm_weight,
+                         eps, offset)
+    check(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter)
+    name = choose(x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter, norm_weight, eps,
+                  offset)
+    return run_named(name, x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter, norm_weight,
+                     eps, offset)
 
 
 @fused_mlp_step.register_fake
