@@ -144,10 +144,12 @@ def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs and the verify
     block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token recurrence per heads;
     the verifier's tape op per block-length bucket, and its in-projection with the tape in the
-    epilogue where on), by shape: which kernels the measured figures ran."""
+    epilogue where on; the draft's MLP in one launch or two, ops.fused_mlp), by shape: which
+    kernels the measured figures ran."""
     from unimax.ops import (
         block_mixer,
         fused_gemv,
+        fused_mlp,
         gemv,
         gemv_swiglu,
         in_proj_tape,
@@ -169,7 +171,9 @@ def kernel_choices() -> dict[str, str]:
               for (m, n, k, dtype), name in gemv_swiglu.CHOICES.items()}
     in_proj = {f"in_proj_tape M{m} {n}x{k} {dt(dtype)}": name
                for (m, k, n, _, dtype, _), name in in_proj_tape.CHOICES.items()}
-    return {**plain, **fused, **short, **tape, **swiglu, **in_proj}
+    mlp = {f"mlp {h}x{i} {dt(dtype)}": name
+           for (h, i, dtype), name in fused_mlp.CHOICES.items()}
+    return {**plain, **fused, **short, **tape, **swiglu, **in_proj, **mlp}
 
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
