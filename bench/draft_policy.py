@@ -8,9 +8,12 @@ usage: python bench/draft_policy.py VERIFIED.json [--shape gdn-4b] [--new 128] [
        [--acceptance 0.5 0.8 0.9 0.95 0.97 0.99 1.0] [--decay 0.95 ...] [--prior 0.9 ...]
        [--persistent] [--switch 0.6 200]
 
-What it leaves out: k = 0 blocks are charged one at a time (the engine runs them as exact runs
-of several steps in one graph, which costs less per step), and a real draft's agreement is not
-independent from position to position. It is for tuning the policy, not a speed figure.
+Each block is charged its graphs' times plus the host cost, a k = 0 block a step of an exact
+run (the engine runs them back to back, up to k_max in one graph, one host sync): charged
+apart from the policy's own model, so that two policies are compared on the same costs. What
+it leaves out: exact runs cut short by a probe or the reply's end, and that a real draft's
+agreement is not independent from position to position. It is for tuning the policy, not a
+speed figure.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def simulate(costs: dict, a: float, new: int, replies: int, fixed: int | None = 
             left -= emitted
             tokens += emitted
             blocks += 1
-            ms += p.expected_ms(k, 1.0) + (costs.get("rewind", 0.0) if agreed < k else 0.0)
+            # (charged as the engine runs it, whatever the policy's own model says: k = 0 as a
+            # step of an exact run, which shares one host sync among up to k_max steps)
+            ms += (draft.get(k, 0.0) + verify[k] + (host_ms if k else host_ms / k_max)
+                   + (costs.get("rewind", 0.0) if agreed < k else 0.0))
     return tokens / ms, blocks / replies
 
 

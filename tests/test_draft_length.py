@@ -143,6 +143,25 @@ def test_an_exact_run_is_the_k0_blocks_chosen_one_by_one():
     assert by_block.count(1) == 5  # a probe per 11 blocks
 
 
+def test_exact_runs_pay_a_share_of_the_host_cost():
+    """k = 0 runs as exact runs (up to k_max steps, one host sync), so a step's share of the
+    host cost is host_ms / k_max. At the H200's measured gdn24-0.8b costs (ms; thirty-seventh
+    session) exact runs win at acceptance 0.95 and drafting at 1.0; at its 4B costs drafting
+    wins at 0.95 too. (Charged the whole host cost per step, the 0.8B policy drafted 4 at
+    0.95, where it measured 0.95x BF16-only.)"""
+    small = DraftLength(K, host_ms=0.1)
+    small.calibrate({k: 0.614 * k for k in range(1, K + 1)},
+                    {0: 0.7556, **{k: 1.236 + 0.0025 * k for k in range(1, K + 1)}}, 0.0)
+    assert small.expected_ms(0, 0.95) == pytest.approx(0.7556 + 0.1 / K)
+    assert small.expected_ms(4, 0.95) == pytest.approx(4 * 0.614 + 1.246 + 0.1)
+    assert small.best(K, 0.95) == 0
+    assert small.best(K, 1.0) == K
+    large = DraftLength(K, host_ms=0.1)
+    large.calibrate({k: 1.685 * k for k in range(1, K + 1)},
+                    {0: 2.668, **{k: 3.25 + 0.01 * k for k in range(1, K + 1)}}, 0.12)
+    assert large.best(K, 0.95) > 0
+
+
 def test_observe_checks_its_input():
     with pytest.raises(ValueError, match="accepted must be in 0..3"):
         policy().observe(3, 4)
