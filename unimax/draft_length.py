@@ -76,10 +76,12 @@ class DraftLength:
     def expected_ms(self, k: int, a: float | None = None) -> float:
         """A block of k drafts' expected time; for k = 0 one exact step's. k = 0 runs as exact
         runs (``exact_run``: up to k_max steps in one graph, one host sync), so its step pays
-        a share of the host's cost, not all of it: charged whole, it tipped the choice to
-        drafting where exact steps were faster (thirty-seventh session, H200, gdn24-0.8b:
-        host 0.1 ms on a 0.756 ms step, so at acceptance 0.95 the policy drafted 4 at 0.840 ms
-        a token against exact runs' 0.768, and ran at 0.95x BF16-only where they give ~0.99x)."""
+        a share of the host's cost, not all of it. Charged whole, it tipped the model's choice
+        to drafting where exact steps were faster (thirty-seventh session, H200, gdn24-0.8b:
+        host 0.1 ms on a 0.756 ms step; at acceptance 0.95 the model put 4 drafts at 0.840 ms
+        a token against exact runs' 0.768). In bench/draft_policy.py's simulation that choice
+        was not what held the policy at ~0.93x there (0.929 -> 0.931 with this): the probes'
+        doubling chains are, see docs/design.md."""
         a = self.acceptance if a is None else a
         host = self.host_ms if k else self.host_ms / min(self.k_max, self.probe_every)
         return self.draft_ms[k] + self.verify_ms[k] + (1.0 - a ** k) * self.rewind_ms + host
