@@ -102,6 +102,19 @@ def test_probes_after_a_run_of_exact_steps_and_recovers():
     assert min(ks[7:]) >= 1 and ks[-1] >= 3, ks
 
 
+def test_a_replys_last_token_does_not_restart_the_count_to_a_probe():
+    """Where only k = 0 fits (a reply's last token) nothing is chosen: the run of exact steps
+    counts on, so replies shorter than probe_every still meet their probes."""
+    p = policy(probe_every=5)
+    for _ in range(50):
+        p.observe(K, 0)
+    ks = []
+    for remaining in (100, 100, 1, 100, 100, 100, 100):  # (a reply ends after two steps)
+        ks.append(p.choose(remaining))
+        p.observe(ks[-1], 0)
+    assert ks == [0, 0, 0, 0, 0, 1, 0], ks
+
+
 def test_a_fresh_policy_drafts_from_its_first_block():
     """At the H200's measured 4B costs in BF16 steps (bench/RESULTS.md, fourth session: draft
     step 0.655, a padded verify 1.25 for every k >= 1, an exact step through the verifier 1.02),

@@ -98,8 +98,10 @@ class DraftLength:
         self.probe = 0
         if not self.calibrated:
             return limit
+        if limit == 0:  # (no choice: the last token; the run of exact steps goes on)
+            return 0
         k = self.best(limit)
-        if k > 0 or limit == 0:
+        if k > 0:
             self.zero_run = self.next_probe = 0
             return k
         if self.next_probe:
