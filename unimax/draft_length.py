@@ -3,10 +3,11 @@ the running acceptance and the measured cost of every block length.
 
 A block of k drafts emits the agreeing prefix and one exact token. If each draft agrees with
 probability a (given the ones before it did), it emits E(k) = 1 + a + ... + a^k tokens on
-average and costs draft(k) + verify(k) + (1 - a^k) * rewind (+ a fixed host cost): the policy
-picks k in 0..k_max maximising E(k) / cost(k). k = 0 is an exact step through the verifier, so
-when the drafts are poor verified mode runs at about BF16-only speed instead of below it; when
-they are good it drafts the longest block that pays.
+average and costs draft(k) + verify(k) + (1 - a^k) * rewind (+ a host cost per block, shared
+by an exact run's steps for k = 0): the policy picks k in 0..k_max maximising E(k) / cost(k).
+k = 0 is an exact step through the verifier, so when the drafts are poor verified mode runs at
+about BF16-only speed instead of below it; when they are good it drafts the longest block that
+pays.
 
 The acceptance is estimated from every block's outcome: a block that accepted m of k drafts checked
 m + 1 positions (m if m == k) and saw m agree. Counts decay per position checked, so the estimate
