@@ -58,7 +58,8 @@ def simulate(costs: dict, a: float, new: int, replies: int, fixed: int | None = 
             blocks += 1
             # (charged as the engine runs it, whatever the policy's own model says: k = 0 as a
             # step of an exact run, which shares one host sync among up to k_max steps)
-            ms += (draft.get(k, 0.0) + verify[k] + (host_ms if k else host_ms / k_max)
+            run = min(k_max, p.probe_every)  # (an exact run's most steps)
+            ms += (draft.get(k, 0.0) + verify[k] + (host_ms if k else host_ms / run)
                    + (costs.get("rewind", 0.0) if agreed < k else 0.0))
     return tokens / ms, blocks / replies
 
