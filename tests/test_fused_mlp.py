@@ -36,11 +36,11 @@ for hidden, inter, padded in [(96, 40, False), (300, 70, True), (520, 33, True),
                              offset=1.0, kernel="rows")
         pair = fused_gemv(gate_up, dw, ds, hidden, inter, "swiglu", residual=x, kernel="rows")
         twin = fused_mlp_ref(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0)
-        op = fused_mlp(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0, tile)
+        again = fused_mlp(x, gu, gs, dw, ds, hidden, inter, nw, 1e-6, 1.0, tile)
         mlp = (twin.float() - x.float()).norm()
         err_twin = float((got.float() - twin.float()).norm() / mlp)
         err_pair = float((got.float() - pair.float()).norm() / mlp)
-        same_op = bool(torch.equal(op, got))
+        same_op = bool(torch.equal(again, got))  # (a second launch, on the zeroed row)
         zeroed = all(float(r.abs().sum()) == 0 and int(c) == 0 for r, c in _ROWS.values())
         print(f"{hidden}x{inter}x{trial} {err_twin:.2e} {err_pair:.2e} {int(same_op)} "
               f"{int(zeroed)}")

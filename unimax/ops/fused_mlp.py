@@ -128,7 +128,9 @@ def choose(x, gate_up_w, gate_up_s, down_w, down_s, hidden: int, inter: int, nor
     runs in); the pair where it cannot be timed (off CUDA, first met inside a capture). The
     pair runs once first, so that its own GEMVs' choices are made before the timing."""
     key = (hidden, inter, gate_up_w.dtype)
-    if key not in CHOICES and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if key in CHOICES:  # (every call after the first: no names to build)
+        return CHOICES[key]
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
         run_named("pair", x, gate_up_w, gate_up_s, down_w, down_s, hidden, inter,
                   norm_weight, eps, offset)
     return timed_choice(
