@@ -176,6 +176,16 @@ def kernel_choices() -> dict[str, str]:
     return {**plain, **fused, **short, **tape, **swiglu, **in_proj, **mlp}
 
 
+def mlp_timings() -> dict[str, dict[str, float]]:
+    """The draft MLP's timed candidates in us (ops.fused_mlp's one-launch tiles and "pair"),
+    by shape as kernel_choices names it: how far the one launch was from the two GEMVs."""
+    from unimax.ops import fused_mlp
+    from unimax.ops.gemv import TIMED_US
+
+    return {f"mlp {h}x{i} {str(dtype).removeprefix('torch.')}": TIMED_US[(h, i, dtype)]
+            for (h, i, dtype) in fused_mlp.CHOICES if (h, i, dtype) in TIMED_US}
+
+
 def profile_variant(model, variant: str, bandwidth: float) -> dict:
     """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
     compiled with inductor's combo kernels (independent small kernels launched as one); with

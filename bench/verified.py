@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, median_device_seconds  # noqa: E402
-from profile_step import kernel_choices, kernel_table  # noqa: E402
+from profile_step import kernel_choices, kernel_table, mlp_timings  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
@@ -517,8 +517,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
                       (parts[f"exact_run_{k}_per_step_ms"] or 0) / base,
                   "floor_ms": weight_bytes / bandwidth * 1e3})
     print(json.dumps(parts), flush=True)
+    print(json.dumps({"mlp_us": mlp_timings()}), flush=True)
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
-            "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices()}
+            "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices(),
+            "mlp_us": mlp_timings()}
 
 
 
@@ -728,6 +730,9 @@ def main() -> None:
         print(f"pdl: {json.dumps(p.get('pdl'))}")
         print("kernel choices: " + "; ".join(f"{key}: {name}" for key, name in sorted(
             data.get("choices", {}).items())))
+        for key, times in data.get("mlp_us", {}).items():
+            print(f"{key} timed (us): " + ", ".join(f"{name} {us:.1f}" for name, us in sorted(
+                times.items(), key=lambda item: item[1])))
         for name, table in data.get("kernels", {}).items():
             if table is None:
                 continue

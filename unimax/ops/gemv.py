@@ -257,6 +257,8 @@ TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by c
 # what the choices' timing has cost this process (a share of the app's warm-up; the service
 # bench prints it per mode): keys chosen, candidates timed, seconds
 TIMING_SPENT = {"keys": 0, "candidates": 0, "seconds": 0.0}
+# each timed key's candidates in us (inf: did not run), for the benches to show the margins
+TIMED_US: dict[tuple, dict[str, float]] = {}
 
 
 @functools.cache
@@ -333,6 +335,7 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
                                     f"{key} {name}")
                      for name in names}
             best = min(times, key=times.get)
+            TIMED_US[key] = times
             TIMING_SPENT["keys"] += 1
             TIMING_SPENT["candidates"] += len(names)
             TIMING_SPENT["seconds"] += time.perf_counter() - start
