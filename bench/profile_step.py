@@ -144,12 +144,11 @@ def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs and the verify
     block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token recurrence per heads;
     the verifier's tape op per block-length bucket, and its in-projection with the tape in the
-    epilogue where on; the draft's MLP in one launch or two, ops.fused_mlp), by shape: which
+    epilogue where on), by shape: which
     kernels the measured figures ran."""
     from unimax.ops import (
         block_mixer,
         fused_gemv,
-        fused_mlp,
         gemv,
         gemv_swiglu,
         in_proj_tape,
@@ -171,19 +170,21 @@ def kernel_choices() -> dict[str, str]:
               for (m, n, k, dtype), name in gemv_swiglu.CHOICES.items()}
     in_proj = {f"in_proj_tape M{m} {n}x{k} {dt(dtype)}": name
                for (m, k, n, _, dtype, _), name in in_proj_tape.CHOICES.items()}
-    mlp = {f"mlp {h}x{i} {dt(dtype)}": name
-           for (h, i, dtype), name in fused_mlp.CHOICES.items()}
-    return {**plain, **fused, **short, **tape, **swiglu, **in_proj, **mlp}
+    return {**plain, **fused, **short, **tape, **swiglu, **in_proj}
 
 
-def mlp_timings() -> dict[str, dict[str, float]]:
-    """The draft MLP's timed candidates in us (ops.fused_mlp's one-launch tiles and "pair"),
-    by shape as kernel_choices names it: how far the one launch was from the two GEMVs."""
-    from unimax.ops import fused_mlp
+def choice_margins() -> dict[str, list]:
+    """Every timed kernel choice's fastest two candidates in us (ops.gemv.TIMED_US, the raw
+    keys of the choice tables): how close each choice was, for a form whose A/B kept the
+    other kernel."""
     from unimax.ops.gemv import TIMED_US
 
-    return {f"mlp {h}x{i} {str(dtype).removeprefix('torch.')}": TIMED_US[(h, i, dtype)]
-            for (h, i, dtype) in fused_mlp.CHOICES if (h, i, dtype) in TIMED_US}
+    def dt(value) -> str:
+        return str(value).removeprefix("torch.")
+
+    return {" ".join(dt(part) for part in key):
+            sorted(times.items(), key=lambda item: item[1])[:2]
+            for key, times in TIMED_US.items()}
 
 
 def profile_variant(model, variant: str, bandwidth: float) -> dict:

@@ -39,14 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, median_device_seconds  # noqa: E402
-from profile_step import kernel_choices, kernel_table, mlp_timings  # noqa: E402
+from profile_step import choice_margins, kernel_choices, kernel_table  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
 import unimax.fused_draft  # noqa: E402
 import unimax.layers  # noqa: E402
 import unimax.ops.fused_gemv  # noqa: E402
-import unimax.ops.fused_mlp  # noqa: E402
 import unimax.ops.gemv_swiglu  # noqa: E402
 import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.ops.in_proj_tape  # noqa: E402
@@ -104,11 +103,6 @@ SWITCH_ABS = (
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
              "side by side", exact=True),
-    SwitchAB("--ab-fused-mlp", unimax.ops.fused_mlp, "FUSED_MLP", True, "mlp_one_launch",
-             "a second verified engine whose full draft runs each MLP as one launch "
-             "(ops.fused_mlp.FUSED_MLP, off by default: gate-up, SwiGLU and down in one "
-             "kernel, down's sums added with atomics): forced rows and draft step side by "
-             "side"),
 )
 
 
@@ -517,10 +511,9 @@ def bench_shape(shape, args, bandwidth) -> dict:
                       (parts[f"exact_run_{k}_per_step_ms"] or 0) / base,
                   "floor_ms": weight_bytes / bandwidth * 1e3})
     print(json.dumps(parts), flush=True)
-    print(json.dumps({"mlp_us": mlp_timings()}), flush=True)
     return {"rows": rows, "parts": parts, "weight_bytes": weight_bytes,
             "peaked_head": args.peak, "kernels": kernels, "choices": kernel_choices(),
-            "mlp_us": mlp_timings()}
+            "margins_us": choice_margins()}
 
 
 
@@ -730,9 +723,9 @@ def main() -> None:
         print(f"pdl: {json.dumps(p.get('pdl'))}")
         print("kernel choices: " + "; ".join(f"{key}: {name}" for key, name in sorted(
             data.get("choices", {}).items())))
-        for key, times in data.get("mlp_us", {}).items():
-            print(f"{key} timed (us): " + ", ".join(f"{name} {us:.1f}" for name, us in sorted(
-                times.items(), key=lambda item: item[1])))
+        print("timed choices, fastest two (us): " + "; ".join(
+            f"{key}: " + ", ".join(f"{name} {us:.1f}" for name, us in best)
+            for key, best in data.get("margins_us", {}).items()))
         for name, table in data.get("kernels", {}).items():
             if table is None:
                 continue

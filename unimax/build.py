@@ -8,7 +8,6 @@ from .engine import PREFILL_CHUNK, UniMaxEngine
 from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
-from .ops import fused_mlp
 
 # The gated delta rule kernel of the compiled step: fla's fused recurrent kernel where it runs
 # ("auto"), measured faster inside the compiled step than inductor's fusion of the torch loop
@@ -64,8 +63,6 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     compile_step = bool(compile_step) and reason is None
     if compile_step:
         decode_model = gemv_view(decode_model)
-        if decode == "fp8" and draft == "full":  # (verified mode's draft only: see fused_mlp)
-            fused_mlp.mark_view(decode_model)
         decode_model.set_backend(FAST_STEP_BACKEND)
     graph = MaxTurboGraphDecoder(decode_model, block_size=block_size, use_graphs=use_graphs,
                                  compile=compile_step)

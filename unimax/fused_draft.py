@@ -43,7 +43,6 @@ import torch
 from .fp8 import FP8Linear
 from .ops import in_proj_conv
 from .ops.fused_gemv import fused_small_m_linear
-from .ops.fused_mlp import fused_mlp_step
 from .ops.in_proj_conv import fused_in_proj_conv
 
 FUSE = True
@@ -134,13 +133,6 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     mlp = block.mlp
     if not (fusable(mlp.gate_up_proj) and fusable(mlp.down_proj)):
         return block.mlp_part(h.reshape(x.shape))
-    if getattr(block, "mlp_one_launch", False) and rows == 1 and h.is_cuda:
-        # (verified mode's full draft with ops.fused_mlp.FUSED_MLP: the MLP in one launch)
-        norm = block.mlp_norm
-        return fused_mlp_step(
-            h, mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale, mlp.down_proj.weight,
-            mlp.down_proj.weight_scale, hidden, mlp.intermediate_size, norm.weight, norm.eps,
-            getattr(norm, "offset", 0.0)).reshape(x.shape)
     gate_up = fused_linear(mlp.gate_up_proj, h, "rms", block.mlp_norm)
     return fused_linear(mlp.down_proj, gate_up, "swiglu", residual=h).reshape(x.shape)
 
