@@ -6,7 +6,7 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-apart] [--kernels] [--json FILE]
+       [--ab-fold-blocks] [--ab-tape-apart] [--probe-every 64 128] [--kernels] [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -439,6 +439,14 @@ def bench_shape(shape, args, bandwidth) -> dict:
         for rate in args.acceptance:
             engine.draft_length.forget()
             forced_row(engine, rate, label, draft_block)
+        if draft_block is None and args.probe_every:  # the same rows at other probe intervals
+            default = engine.draft_length.probe_every
+            for every in args.probe_every:
+                engine.draft_length.probe_every = every
+                for rate in args.acceptance:
+                    engine.draft_length.forget()
+                    forced_row(engine, rate, f" adaptive probe {every}", None)
+            engine.draft_length.probe_every = default
         if draft_block and args.acceptance and not args.fixed_only:  # the first rate again,
             # with the plain loop
             engine.pipelined = False
@@ -664,6 +672,10 @@ def main() -> None:
                              "twenty-seventh; a 4B forced run takes ~0.3 s)")
     parser.add_argument("--adaptive-only", action="store_true",
                         help="only the adaptive rows (the fixed-k rows' forced runs skipped)")
+    parser.add_argument("--probe-every", type=int, nargs="*", default=[], metavar="N",
+                        help="also the adaptive forced rows with the policy probing after N "
+                             "exact steps (DraftLength.probe_every; the app's is 32): "
+                             "bench/draft_policy.py's simulated trade, on the engine")
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
@@ -682,6 +694,10 @@ def main() -> None:
         parser.add_argument(ab.flag, action="store_true", help=ab.help)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if any(every < 1 for every in args.probe_every):
+        parser.error(f"--probe-every takes intervals of at least 1 step, got {args.probe_every}")
+    if args.probe_every and args.fixed_only:
+        parser.error("--probe-every sets the adaptive policy's interval: drop --fixed-only")
     unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
     unimax.layers.GatedDeltaNetMixer.block_op = not args.no_block_op
     unimax.ops.fused_gemv.PDL = {"auto": "auto", "off": False, "all": True,
