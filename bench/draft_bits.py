@@ -1,0 +1,136 @@
+"""How much acceptance the draft's weight precision costs (CPU or GPU): verified mode on a trained
+model with the full draft at FP8 (the product's: float8_e4m3fn, a scale per output row) beside
+the same draft with its linears rounded to fewer bits (integers of BITS bits, symmetric, round to
+nearest, a scale per row or per GROUP columns; emulated: the rounded weights are stored
+dequantized in BF16, so the speed is not that of a low-bit kernel, only the acceptance is the
+format's). Every block drafts k = --block tokens (no draft-length policy), so the rows' acceptance
+rates compare one draft's agreement with the exact model at the same positions.
+
+usage: python bench/draft_bits.py MODEL_DIR CORPUS.jsonl [--prompts 20] [--new 128]
+       [--formats fp8 int8 int4/128 int4/64 int4/32 int4] [--device cpu] [--json FILE]
+
+A format is fp8, intB (a scale per row) or intB/G (a scale per G columns). Why: at 4B on the
+H200 the FP8 draft step is 0.64 of a BF16 step, about half of it bytes (bench/RESULTS.md); a
+4-bit draft would halve those bytes, and on an L4 (byte-bound) nearly halve the step, at
+whatever acceptance it keeps, which is what this measures. The verifier is the exact model in
+every row, so each row's output is exact greedy decoding whatever the draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from acceptance import heldout_questions  # noqa: E402
+
+import unimax  # noqa: E402
+from unimax.fp8 import FP8Linear  # noqa: E402
+
+
+def parse_format(name: str) -> tuple[int, int | None] | None:
+    """fp8 -> None; intB -> (B, None); intB/G -> (B, G)."""
+    if name == "fp8":
+        return None
+    bits, _, group = name.removeprefix("int").partition("/")
+    if not name.startswith("int") or not bits.isdigit() or (group and not group.isdigit()):
+        raise ValueError(f"unknown draft format {name!r}: use fp8, intB or intB/G (e.g. int4/128)")
+    if not 2 <= int(bits) <= 8 or (group and int(group) < 1):
+        raise ValueError(f"{name!r}: bits must be 2..8 and a group at least 1 column")
+    return int(bits), int(group) if group else None
+
+
+def round_weight(weight: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
+    """``weight`` (N, K) rounded to symmetric ``bits``-bit integers times a scale per row
+    (``group`` None) or per ``group`` columns (absmax / (2^(bits-1) - 1), round to nearest);
+    returned dequantized in weight's dtype."""
+    n, k = weight.shape
+    group = group or k
+    pad = (-k) % group
+    w = torch.nn.functional.pad(weight.float(), (0, pad)).reshape(n, -1, group)
+    top = 2 ** (bits - 1) - 1
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
+    q = torch.round(w / scale).clamp(-top, top)
+    return (q * scale).reshape(n, -1)[:, :k].to(weight.dtype)
+
+
+def lower_the_draft(engine, model, bits: int, group: int | None) -> int:
+    """Every FP8 linear of ``engine``'s draft replaced by a BF16 linear holding the exact
+    model's weight rounded to ``bits`` (round_weight); returns how many."""
+    view = engine.decode_model
+    names = [name for name, m in view.named_modules() if isinstance(m, FP8Linear)]
+    for name in names:
+        exact = model.get_submodule(name)
+        linear = nn.Linear(exact.in_features, exact.out_features, bias=False,
+                           device=exact.weight.device, dtype=exact.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(round_weight(exact.weight.detach(), bits, group))
+        parent_name, _, child = name.rpartition(".")
+        setattr(view.get_submodule(parent_name) if parent_name else view, child, linear)
+    return len(names)
+
+
+@torch.inference_mode()
+def run_format(model, name: str, prompts, new: int, block: int, references) -> dict:
+    engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=block)
+    spec = parse_format(name)
+    lowered = lower_the_draft(engine, model, *spec) if spec else 0
+    drafted = accepted = rejected = equal = 0
+    start = time.perf_counter()
+    for ids, reference in zip(prompts, references, strict=True):
+        result = engine.generate(ids, new, mode="verified", draft_block=block)
+        drafted += result.verify.drafted_tokens
+        accepted += result.verify.accepted_draft_tokens
+        rejected += result.verify.rejected_blocks
+        equal += result.tokens == reference
+    return {"format": name, "linears_lowered": lowered, "acceptance": accepted / drafted,
+            "drafted": drafted, "rejected_blocks": rejected, "equal_to_exact": equal,
+            "prompts": len(prompts), "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("corpus")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--formats", nargs="+",
+                        default=["fp8", "int8", "int4/128", "int4/64", "int4/32", "int4"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    for name in args.formats:
+        try:
+            parse_format(name)
+        except ValueError as err:
+            parser.error(str(err))
+    model = unimax.load_model(args.model, device=args.device, dtype=torch.bfloat16)
+    tokenizer = unimax.load_tokenizer(args.model)
+    prompts = [torch.tensor([tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)],
+        device=args.device) for q in heldout_questions(args.corpus, args.prompts)]
+    references = [unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
+                  for ids in prompts]
+    rows = []
+    for name in args.formats:
+        rows.append(run_format(model, name, prompts, args.new, args.block, references))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.model}: {len(prompts)} prompts x {args.new} tokens, k = {args.block}")
+    print(f"{'draft':>10} {'acceptance':>10} {'rejected':>8} {'exact':>7}")
+    for row in rows:
+        print(f"{row['format']:>10} {row['acceptance']:>10.3f} {row['rejected_blocks']:>8} "
+              f"{row['equal_to_exact']:>4}/{row['prompts']}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
