@@ -82,15 +82,25 @@ def run_format(model, name: str, prompts, new: int, block: int, references) -> d
     engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=block)
     spec = parse_format(name)
     lowered = lower_the_draft(engine, model, *spec) if spec else 0
-    drafted = accepted = rejected = equal = 0
+    drafted = accepted = rejected = equal = tokens = blocks = 0
+    per_prompt = []
     start = time.perf_counter()
     for ids, reference in zip(prompts, references, strict=True):
         result = engine.generate(ids, new, mode="verified", draft_block=block)
-        drafted += result.verify.drafted_tokens
-        accepted += result.verify.accepted_draft_tokens
-        rejected += result.verify.rejected_blocks
+        report = result.verify
+        drafted += report.drafted_tokens
+        accepted += report.accepted_draft_tokens
+        rejected += report.rejected_blocks
+        tokens += report.generated_tokens
+        blocks += report.verifier_blocks
+        per_prompt.append(report.acceptance_rate)
         equal += result.tokens == reference
+    # A few replies that settle where this draft disagrees can hold most of the rejections:
+    # the per-prompt median and the share of prompts at 0.9 or more say how widespread they are.
+    per_prompt.sort()
     return {"format": name, "linears_lowered": lowered, "acceptance": accepted / drafted,
+            "tokens_per_block": tokens / blocks, "median_prompt": per_prompt[len(per_prompt) // 2],
+            "prompts_at_0.9": sum(a >= 0.9 for a in per_prompt) / len(per_prompt),
             "drafted": drafted, "rejected_blocks": rejected, "equal_to_exact": equal,
             "prompts": len(prompts), "seconds": time.perf_counter() - start}
 
@@ -124,10 +134,12 @@ def main() -> None:
         rows.append(run_format(model, name, prompts, args.new, args.block, references))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.model}: {len(prompts)} prompts x {args.new} tokens, k = {args.block}")
-    print(f"{'draft':>10} {'acceptance':>10} {'rejected':>8} {'exact':>7}")
+    print(f"{'draft':>10} {'acceptance':>10} {'median':>7} {'>=0.9':>6} {'tok/blk':>7} "
+          f"{'rejected':>8} {'exact':>7}")
     for row in rows:
-        print(f"{row['format']:>10} {row['acceptance']:>10.3f} {row['rejected_blocks']:>8} "
-              f"{row['equal_to_exact']:>4}/{row['prompts']}")
+        print(f"{row['format']:>10} {row['acceptance']:>10.3f} {row['median_prompt']:>7.3f} "
+              f"{row['prompts_at_0.9']:>6.0%} {row['tokens_per_block']:>7.2f} "
+              f"{row['rejected_blocks']:>8} {row['equal_to_exact']:>4}/{row['prompts']}")
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
 
