@@ -144,8 +144,7 @@ def kernel_choices() -> dict[str, str]:
     """The per-shape kernel choices the engines made (plain and fused GEMVs and the verify
     block's SwiGLU-epilogue linears: form@tile or cuBLAS; the few-token recurrence per heads;
     the verifier's tape op per block-length bucket, and its in-projection with the tape in the
-    epilogue where on), by shape: which
-    kernels the measured figures ran."""
+    epilogue where on), by shape: which kernels the measured figures ran."""
     from unimax.ops import (
         block_mixer,
         fused_gemv,
