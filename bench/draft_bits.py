@@ -7,7 +7,8 @@ format's). Every block drafts k = --block tokens (no draft-length policy), so th
 rates compare one draft's agreement with the exact model at the same positions.
 
 usage: python bench/draft_bits.py MODEL_DIR CORPUS.jsonl [--prompts 20] [--new 128]
-       [--formats fp8 int8 int4/128 int4/64 int4/32 int4] [--device cpu] [--json FILE]
+       [--formats fp8 int8 int4/128 int4/64 int4/32 int4] [--fp8-head] [--device cpu]
+       [--json FILE]
 
 A format is fp8, intB (a scale per row) or intB/G (a scale per G columns). Why: at 4B on the
 H200 the FP8 draft step is 0.64 of a BF16 step, about half of it bytes (bench/RESULTS.md); a
@@ -61,11 +62,13 @@ def round_weight(weight: torch.Tensor, bits: int, group: int | None) -> torch.Te
     return (q * scale).reshape(n, -1)[:, :k].to(weight.dtype)
 
 
-def lower_the_draft(engine, model, bits: int, group: int | None) -> int:
-    """Every FP8 linear of ``engine``'s draft replaced by a BF16 linear holding the exact
-    model's weight rounded to ``bits`` (round_weight); returns how many."""
+def lower_the_draft(engine, model, bits: int, group: int | None, head: bool = True) -> int:
+    """Every FP8 linear of ``engine``'s draft (but its LM head unless ``head``) replaced by a
+    BF16 linear holding the exact model's weight rounded to ``bits`` (round_weight); returns
+    how many."""
     view = engine.decode_model
-    names = [name for name, m in view.named_modules() if isinstance(m, FP8Linear)]
+    names = [name for name, m in view.named_modules()
+             if isinstance(m, FP8Linear) and (head or name != "lm_head")]
     for name in names:
         exact = model.get_submodule(name)
         linear = nn.Linear(exact.in_features, exact.out_features, bias=False,
@@ -78,10 +81,12 @@ def lower_the_draft(engine, model, bits: int, group: int | None) -> int:
 
 
 @torch.inference_mode()
-def run_format(model, name: str, prompts, new: int, block: int, references) -> dict:
+def run_format(model, name: str, prompts, new: int, block: int, references,
+               head: bool = True) -> dict:
     engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=block)
     spec = parse_format(name)
-    lowered = lower_the_draft(engine, model, *spec) if spec else 0
+    lowered = lower_the_draft(engine, model, *spec, head=head) if spec else 0
+    name += "" if head or not spec else " +fp8 head"
     drafted = accepted = rejected = equal = tokens = blocks = 0
     per_prompt = []
     start = time.perf_counter()
@@ -114,6 +119,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--formats", nargs="+",
                         default=["fp8", "int8", "int4/128", "int4/64", "int4/32", "int4"])
+    parser.add_argument("--fp8-head", action="store_true",
+                        help="keep the LM head at FP8 in the lowered drafts (on the demo model "
+                             "the head's rounding decides most of what a 4-bit draft loses)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -131,13 +139,14 @@ def main() -> None:
                   for ids in prompts]
     rows = []
     for name in args.formats:
-        rows.append(run_format(model, name, prompts, args.new, args.block, references))
+        rows.append(run_format(model, name, prompts, args.new, args.block, references,
+                               head=not args.fp8_head))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.model}: {len(prompts)} prompts x {args.new} tokens, k = {args.block}")
-    print(f"{'draft':>10} {'acceptance':>10} {'median':>7} {'>=0.9':>6} {'tok/blk':>7} "
+    print(f"{'draft':>19} {'acceptance':>10} {'median':>7} {'>=0.9':>6} {'tok/blk':>7} "
           f"{'rejected':>8} {'exact':>7}")
     for row in rows:
-        print(f"{row['format']:>10} {row['acceptance']:>10.3f} {row['median_prompt']:>7.3f} "
+        print(f"{row['format']:>19} {row['acceptance']:>10.3f} {row['median_prompt']:>7.3f} "
               f"{row['prompts_at_0.9']:>6.0%} {row['tokens_per_block']:>7.2f} "
               f"{row['rejected_blocks']:>8} {row['equal_to_exact']:>4}/{row['prompts']}")
     if args.json:
