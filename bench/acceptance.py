@@ -41,10 +41,11 @@ def heldout_questions(corpus: str, count: int) -> list[str]:
     return questions[:count]
 
 
-def prompt_ids(tokenizer, question: str) -> torch.Tensor:
+def prompt_ids(tokenizer, question: str, device: str | None = None) -> torch.Tensor:
+    """``question`` as a one-turn chat prompt's ids, on ``device`` (default: --device)."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                         add_generation_prompt=True, return_dict=False)
-    return torch.tensor([ids], device=DEVICE)
+    return torch.tensor([ids], device=device or DEVICE)
 
 
 DEVICE = "cuda"

@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance import heldout_questions  # noqa: E402
+from acceptance import heldout_questions, prompt_ids  # noqa: E402
 
 import unimax  # noqa: E402
 from unimax.fp8 import FP8Linear  # noqa: E402
@@ -132,9 +132,8 @@ def main() -> None:
             parser.error(str(err))
     model = unimax.load_model(args.model, device=args.device, dtype=torch.bfloat16)
     tokenizer = unimax.load_tokenizer(args.model)
-    prompts = [torch.tensor([tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)],
-        device=args.device) for q in heldout_questions(args.corpus, args.prompts)]
+    prompts = [prompt_ids(tokenizer, q, args.device)
+               for q in heldout_questions(args.corpus, args.prompts)]
     references = [unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
                   for ids in prompts]
     rows = []
