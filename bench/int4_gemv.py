@@ -1,0 +1,266 @@
+"""What an int4 draft body's linears would cost at M = 1 (GPU), beside the FP8 ones the draft
+runs now and the BF16 ones of the exact step: the measurement bench/draft_bits.py's acceptance
+figures wait for (an int4 body with group scales and the LM head at FP8 kept 0.94 of the demo
+model's drafts against FP8's 0.963; the block model says that buys ~1.47x BF16-only at 4B and
+acceptance 0.95 against FP8's 1.16x, if an int4 GEMV runs near its bytes).
+
+Per draft linear of a shape (in_proj, out_proj, gate_up, down), in CUDA-graph replays over
+weight copies (ops.timing.graph_us, as the engine's timed choices):
+  bf16      cuBLAS (F.linear)
+  fp8       the draft's fused FP8 GEMV at its timed choice (prologue and residual included,
+            as unimax.fused_draft runs it), and the plain FP8 GEMV (ops.gemv "rows")
+  int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
+            its best inner-K tiling) and a Triton GEMV of ours (int4_gemv_kernel; its best
+            tile), each with a scale per G columns, symmetric, as draft_bits.round_weight
+Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
+GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
+into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
+Prints us and the fraction of the copy bandwidth per linear, and the per-step sums.
+
+usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv import FOLDS, bench_copies, fused_row, linear_shapes  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+from unimax.fp8 import quantize_rows  # noqa: E402
+
+# The Triton kernel's tiles (BLOCK_N, BLOCK_K, warps), each tried per linear and group
+TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 1024, 8),
+         (4, 2048, 8), (8, 2048, 8))
+INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> q (N, K) int8 in -7..7 and a scale (N, K / group) in weight's dtype, absmax /
+    7 per group: draft_bits.round_weight's rounding for 4 bits, whose dequantized weight is
+    q * scale. K must be a multiple of ``group``."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"int4: K {k} is not a multiple of the group {group}")
+    w = weight.float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7
+    q = torch.round(w / scale).clamp(-7, 7).to(torch.int8).reshape(n, k)
+    return q, scale.reshape(n, -1).to(weight.dtype)
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q (N, K), scale (N, K / group) -> the fp32 weight."""
+    n, k = q.shape
+    group = k // scale.shape[1]
+    return (q.float().reshape(n, -1, group) * scale.float()[..., None]).reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in -7..7 -> (N, K / 2) uint8: column 2j + 8 in byte j's low nibble, 2j + 1 + 8
+    in its high one (int4_gemv_kernel's layout)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              tile: tuple[int, int, int] = (8, 1024, 4)) -> torch.Tensor:
+    """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by int4_gemv_kernel."""
+    from int4_gemv_kernel import int4_gemv_kernel
+
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    group = k // scale.shape[1]
+    block_n, block_k, warps = tile
+    if x.shape != (1, k) or block_k % group:
+        raise ValueError(f"int4_gemv: x {tuple(x.shape)} must be (1, {k}), and the tile's "
+                         f"BLOCK_K {block_k} a multiple of the group {group}")
+    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    int4_gemv_kernel[(-(-n // block_n),)](x.contiguous(), packed, scale, y, n, k,
+                                          packed.stride(0), scale.stride(0), GROUP=group,
+                                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y
+
+
+def tinygemm_pack(q: torch.Tensor, scale: torch.Tensor, inner_k_tiles: int,
+                  even_high: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and scale (quantize_int4) in tinygemm's CUDA layout: the weight through
+    aten._convert_weight_to_int4pack (from (N, K / 2) uint8, column 2j in the high nibble as
+    torchao packs it for torch >= 2.5, or in the low one: int4_rows keeps the order whose
+    result checks) and scales_and_zeros (K / group, N, 2), the zero 0: tinygemm dequantizes
+    (u - 8) * scale + zero, u the stored nibble (the CPU twin's test checks that much)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    even, odd = u[:, 0::2], u[:, 1::2]
+    pairs = (even << 4) | odd if even_high else even | (odd << 4)
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+    zeros = torch.zeros_like(scale)
+    scales_and_zeros = torch.stack([scale, zeros], dim=2).transpose(0, 1).contiguous()
+    return packed, scales_and_zeros
+
+
+def tinygemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+             group: int) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group, scales_and_zeros)
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, what: str) -> float:
+    """The relative error of ``y`` against the fp32 reference; over 2% is a wrong kernel (BF16
+    output rounding is ~0.4%)."""
+    err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+    if not err < 0.02:
+        raise AssertionError(f"{what}: relative error {err:.3g} against the dequantized weight")
+    return err
+
+
+def check_quietly(y: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """check's error, or None where it fails."""
+    try:
+        return check(y, ref, "")
+    except AssertionError:
+        return None
+
+
+def bandwidth_fraction(nbytes: int, us: float, bandwidth: float) -> float:
+    return nbytes / (us * 1e-6) / bandwidth
+
+
+def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float) -> dict:
+    """One linear's int4 kernels at one group size: each checked, then timed."""
+    torch.manual_seed(0)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q, scale = quantize_int4(weight, group)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ dequantize_int4(q, scale).t()
+    nbytes = n * k // 2 + scale.nbytes
+    row = {"name": name, "N": n, "K": k, "group": group, "MB": nbytes / 1e6}
+    packed = pack_nibbles(q)
+    copies = bench_copies(packed, scale)
+    best = None
+    for tile in TILES:
+        if tile[1] % group:
+            continue
+        try:
+            row.setdefault("triton_err", check(int4_gemv(x, packed, scale, tile), ref,
+                                               f"{name} triton {tile}"))
+            us = graph_us_of(lambda i, tile=tile: int4_gemv(x, *copies[i], tile), len(copies))
+        except Exception as e:  # (a tile past the registers, or a wrong result: say which)
+            print(f"{name} int4/{group} triton {tile}: {type(e).__name__}: {str(e)[:200]}",
+                  flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, tile)
+    if best:
+        row.update(triton_us=best[0], triton_tile=list(best[1]),
+                   triton_bw=bandwidth_fraction(nbytes, best[0], bandwidth))
+    best, even_high = None, True
+    for tiles in INNER_K_TILES:
+        try:
+            packed_t, sz = tinygemm_pack(q, scale, tiles, even_high)
+            if check_quietly(tinygemm(x, packed_t, sz, group), ref) is None:
+                even_high = not even_high  # (the other nibble order, once)
+                packed_t, sz = tinygemm_pack(q, scale, tiles, even_high)
+            row.setdefault("tinygemm_err", check(tinygemm(x, packed_t, sz, group), ref,
+                                                 f"{name} tinygemm {tiles}"))
+            row["tinygemm_even_high"] = even_high
+            t_copies = bench_copies(packed_t, sz)
+            us = graph_us_of(lambda i, c=t_copies: tinygemm(x, *c[i], group), len(t_copies))
+        except Exception as e:
+            print(f"{name} int4/{group} tinygemm {tiles}: {type(e).__name__}: {str(e)[:200]}",
+                  flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, tiles)
+    if best:
+        row.update(tinygemm_us=best[0], tinygemm_inner_k_tiles=best[1],
+                   tinygemm_bw=bandwidth_fraction(nbytes, best[0], bandwidth))
+    return row
+
+
+def reference_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
+    """One linear's BF16 (cuBLAS) and FP8 (the fused draft GEMV at its timed choice, and the
+    plain GEMV) times."""
+    from unimax.ops import gemv as gemv_mod
+
+    torch.manual_seed(0)
+    base = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    row = {"name": name, "N": n, "K": k}
+    weights = bench_copies(base, None)
+    us = graph_us_of(lambda i: F.linear(x, weights[i][0]), len(weights))
+    row.update(bf16_us=us, bf16_bw=bandwidth_fraction(base.nbytes, us, bandwidth))
+    weights = bench_copies(*quantize_rows(base))
+    us = graph_us_of(lambda i: gemv_mod.gemv(x, *weights[i]), len(weights))
+    row.update(fp8_us=us, fp8_bw=bandwidth_fraction(n * k, us, bandwidth))
+    fused = fused_row(cfg, name, n, k, bandwidth)
+    if "chosen_us" in fused:
+        row.update(fp8_fused_us=fused["chosen_us"], fp8_fused_bw=fused["chosen_bw"],
+                   fp8_fused_choice=fused["chosen"])
+    return row
+
+
+def graph_us_of(fn, copies: int) -> float:
+    from unimax.ops.timing import graph_us
+
+    return graph_us(fn, copies)
+
+
+def run_shape(shape: str, groups: list[int], bandwidth: float) -> list[dict]:
+    cfg = SHAPES[shape]
+    rows = []
+    for name, (n, k, calls) in linear_shapes(cfg).items():
+        if name not in FOLDS:  # (the LM head stays FP8: draft_bits --fp8-head)
+            continue
+        row = {"shape": shape, "calls": calls, **reference_rows(cfg, name, n, k, bandwidth)}
+        for group in groups:
+            int4 = int4_rows(name, n, k, group, bandwidth)
+            row.update({f"int4/{group} {key}": value for key, value in int4.items()
+                        if key not in ("name", "N", "K", "group")})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict], groups: list[int]) -> list[str]:
+    cols = ["bf16", "fp8", "fp8_fused"] + [f"int4/{g} {kind}" for g in groups
+                                           for kind in ("triton", "tinygemm")]
+    lines = [f"{'shape':11} {'linear':9} " + "".join(f"{c:>22}" for c in cols)]
+    for r in rows:
+        cells = "".join(f"{r[c + '_us']:>13.1f} ({r[c + '_bw']:.2f})" if c + "_us" in r
+                        else f"{'-':>22}" for c in cols)
+        lines.append(f"{r['shape']:11} {r['name']:9} {cells}")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sel = [r for r in rows if r["shape"] == shape]
+        sums = {c: sum(r[c + "_us"] * r["calls"] for r in sel) for c in cols
+                if all(c + "_us" in r for r in sel)}
+        lines.append(f"per step, {shape} (body linears x layers): "
+                     + ", ".join(f"{c} {v:.0f} us" for c, v in sums.items()))
+    return lines
+
+
+def main() -> None:
+    from decode import copy_bandwidth
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["gdn-4b"], choices=sorted(SHAPES))
+    parser.add_argument("--groups", nargs="+", type=int, default=[32, 128])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    rows = []
+    for shape in args.shapes:
+        rows += run_shape(shape, args.groups, bandwidth)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; M = 1, us per call (fraction of copy "
+          "bandwidth; int4 bytes include the scales)")
+    print("\n".join(table(rows, args.groups)))
+
+
+if __name__ == "__main__":
+    main()
