@@ -17,7 +17,8 @@ GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
 Prints us and the fraction of the copy bandwidth per linear, and the per-step sums.
 
-usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--json FILE]
+usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--wide]
+       [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from unimax.fp8 import quantize_rows  # noqa: E402
 # The Triton kernel's tiles (BLOCK_N, BLOCK_K, warps), each tried per linear and group
 TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 1024, 8),
          (4, 2048, 8), (8, 2048, 8))
+# --wide: more bytes in flight per program (an int4 row holds half an FP8 row's bytes)
+WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512, 4),
+              (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8))
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
 
 
@@ -130,7 +134,8 @@ def bandwidth_fraction(nbytes: int, us: float, bandwidth: float) -> float:
     return nbytes / (us * 1e-6) / bandwidth
 
 
-def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float) -> dict:
+def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
+              tiles: tuple = TILES) -> dict:
     """One linear's int4 kernels at one group size: each checked, then timed."""
     torch.manual_seed(0)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -142,7 +147,7 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float) -> dict:
     packed = pack_nibbles(q)
     copies = bench_copies(packed, scale)
     best = None
-    for tile in TILES:
+    for tile in tiles:
         if tile[1] % group:
             continue
         try:
@@ -210,7 +215,7 @@ def graph_us_of(fn, copies: int) -> float:
     return graph_us(fn, copies)
 
 
-def run_shape(shape: str, groups: list[int], bandwidth: float) -> list[dict]:
+def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TILES) -> list[dict]:
     cfg = SHAPES[shape]
     rows = []
     for name, (n, k, calls) in linear_shapes(cfg).items():
@@ -218,7 +223,7 @@ def run_shape(shape: str, groups: list[int], bandwidth: float) -> list[dict]:
             continue
         row = {"shape": shape, "calls": calls, **reference_rows(cfg, name, n, k, bandwidth)}
         for group in groups:
-            int4 = int4_rows(name, n, k, group, bandwidth)
+            int4 = int4_rows(name, n, k, group, bandwidth, tiles)
             row.update({f"int4/{group} {key}": value for key, value in int4.items()
                         if key not in ("name", "N", "K", "group")})
         rows.append(row)
@@ -249,12 +254,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["gdn-4b"], choices=sorted(SHAPES))
     parser.add_argument("--groups", nargs="+", type=int, default=[32, 128])
+    parser.add_argument("--wide", action="store_true",
+                        help="the Triton kernel's WIDE_TILES too")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    tiles = TILES + WIDE_TILES if args.wide else TILES
     rows = []
     for shape in args.shapes:
-        rows += run_shape(shape, args.groups, bandwidth)
+        rows += run_shape(shape, args.groups, bandwidth, tiles)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; M = 1, us per call (fraction of copy "
