@@ -103,9 +103,13 @@ def tinygemm_pack(q: torch.Tensor, scale: torch.Tensor, inner_k_tiles: int,
     even, odd = u[:, 0::2], u[:, 1::2]
     pairs = (even << 4) | odd if even_high else even | (odd << 4)
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
-    zeros = torch.zeros_like(scale)
-    scales_and_zeros = torch.stack([scale, zeros], dim=2).transpose(0, 1).contiguous()
-    return packed, scales_and_zeros
+    return packed, scales_and_zeros(scale)
+
+
+def scales_and_zeros(scale: torch.Tensor) -> torch.Tensor:
+    """scale (N, K / group) -> tinygemm's (K / group, N, 2): each group's scale and a zero of
+    0 (symmetric)."""
+    return torch.stack([scale, torch.zeros_like(scale)], dim=2).transpose(0, 1).contiguous()
 
 
 def tinygemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
