@@ -7,10 +7,12 @@ format's). Every block drafts k = --block tokens (no draft-length policy), so th
 rates compare one draft's agreement with the exact model at the same positions.
 
 usage: python bench/draft_bits.py MODEL_DIR CORPUS.jsonl [--prompts 20] [--new 128]
-       [--formats fp8 int8 int4/128 int4/64 int4/32 int4] [--fp8-head] [--device cpu]
-       [--json FILE]
+       [--formats fp8 int8 int4/128 int4/64 int4/32 int4 skip:5 skipmlp:3,4] [--fp8-head]
+       [--device cpu] [--json FILE]
 
-A format is fp8, intB (a scale per row) or intB/G (a scale per G columns). Why: at 4B on the
+A format is fp8, intB (a scale per row) or intB/G (a scale per G columns), or an FP8 draft that
+skips layers: skip:L,... (whole layers) or skipmlp:L,... (their MLPs only; layers count from 0),
+emulated by zeroing the skipped parts' output projections (skip_in_the_draft). Why: at 4B on the
 H200 the FP8 draft step is 0.64 of a BF16 step, about half of it bytes (bench/RESULTS.md); a
 4-bit draft would halve those bytes, and on an L4 (byte-bound) nearly halve the step, at
 whatever acceptance it keeps, which is what this measures. The verifier is the exact model in
@@ -37,8 +39,9 @@ from unimax.fp8 import FP8Linear  # noqa: E402
 
 
 def parse_format(name: str) -> tuple[int, int | None] | None:
-    """fp8 -> None; intB -> (B, None); intB/G -> (B, G)."""
-    if name == "fp8":
+    """fp8 -> None; intB -> (B, None); intB/G -> (B, G); skip:L,... and skipmlp:L,... -> None
+    (an FP8 draft with layers skipped: parse_skip)."""
+    if name == "fp8" or parse_skip(name):
         return None
     bits, _, group = name.removeprefix("int").partition("/")
     if not name.startswith("int") or not bits.isdigit() or (group and not group.isdigit()):
@@ -60,6 +63,43 @@ def round_weight(weight: torch.Tensor, bits: int, group: int | None) -> torch.Te
     scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
     q = torch.round(w / scale).clamp(-top, top)
     return (q * scale).reshape(n, -1)[:, :k].to(weight.dtype)
+
+
+def parse_skip(name: str) -> tuple[str, list[int]] | None:
+    """skip:L,... -> ("layer", [L, ...]); skipmlp:L,... -> ("mlp", [L, ...]); else None."""
+    kind, colon, layers = name.partition(":")
+    if not colon or kind not in ("skip", "skipmlp"):
+        return None
+    if not layers or not all(part.isdigit() for part in layers.split(",")):
+        raise ValueError(f"{name!r}: name the layers to skip, e.g. skip:5 or skipmlp:3,4")
+    return ("layer" if kind == "skip" else "mlp"), [int(part) for part in layers.split(",")]
+
+
+def skip_in_the_draft(engine, what: str, layers: list[int]) -> int:
+    """The draft's layers ``layers`` (``what`` "layer": mixer and MLP; "mlp": the MLP only)
+    made to add nothing to the residual stream, as if a layer-skipping draft did not run them:
+    their output projections (out_proj, down_proj) replaced by zero linears. The exact model
+    and the verifier are untouched, so the output stays exact greedy decoding; the skipped
+    layers' recurrent state still advances in the draft (a draft that skipped them would hold
+    it still until the next resync), which only helps its acceptance a little. Returns how many
+    linears were zeroed."""
+    view = engine.decode_model
+    count = len(view.layers)
+    if any(not 0 <= layer < count for layer in layers):
+        raise ValueError(f"skip: layers must be 0..{count - 1}, got {layers}")
+    names = [f"layers.{layer}.{part}" for layer in layers
+             for part in (("mixer.out_proj", "mlp.down_proj") if what == "layer"
+                          else ("mlp.down_proj",))]
+    dtype = next(t.dtype for t in view.parameters() if t.element_size() > 1)  # (not FP8)
+    for name in names:
+        old = view.get_submodule(name)
+        zero = nn.Linear(old.in_features, old.out_features, bias=False,
+                         device=old.weight.device, dtype=dtype)
+        with torch.no_grad():
+            zero.weight.zero_()
+        parent_name, _, child = name.rpartition(".")
+        setattr(view.get_submodule(parent_name), child, zero)
+    return len(names)
 
 
 def lower_the_draft(engine, model, bits: int, group: int | None, head: bool = True) -> int:
@@ -84,8 +124,9 @@ def lower_the_draft(engine, model, bits: int, group: int | None, head: bool = Tr
 def run_format(model, name: str, prompts, new: int, block: int, references,
                head: bool = True) -> dict:
     engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=block)
-    spec = parse_format(name)
+    spec, skip = parse_format(name), parse_skip(name)
     lowered = lower_the_draft(engine, model, *spec, head=head) if spec else 0
+    lowered += skip_in_the_draft(engine, *skip) if skip else 0
     name += "" if head or not spec else " +fp8 head"
     drafted = accepted = rejected = equal = tokens = blocks = 0
     per_prompt = []

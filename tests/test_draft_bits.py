@@ -12,7 +12,7 @@ from unimax import GDNConfig, GDNForCausalLM, build_engine
 from unimax.fp8 import FP8Linear
 
 sys.path.insert(0, str(ROOT / "bench"))
-from draft_bits import lower_the_draft, parse_format, round_weight  # noqa: E402
+from draft_bits import lower_the_draft, parse_format, parse_skip, round_weight, skip_in_the_draft  # noqa: E402
 
 CONFIG = GDNConfig(vocab_size=89, hidden_size=48, num_hidden_layers=2, num_k_heads=2,
                    num_v_heads=4, head_k_dim=16, head_v_dim=8, intermediate_size=80)
@@ -45,6 +45,37 @@ def test_format_names():
     for bad in ("int", "fp4", "int4/x", "int9", "int4/0", "int1"):
         with pytest.raises(ValueError, match="int"):
             parse_format(bad)
+    assert parse_format("skip:1") is None
+    assert parse_skip("skip:1,3") == ("layer", [1, 3])
+    assert parse_skip("skipmlp:0") == ("mlp", [0])
+    assert parse_skip("int4") is None
+    for bad in ("skip:", "skip:a", "skipmlp:1,,2"):
+        with pytest.raises(ValueError, match="layers to skip"):
+            parse_skip(bad)
+
+
+def test_a_skipped_layer_adds_nothing_and_decoding_stays_exact():
+    model = GDNForCausalLM(CONFIG).eval()
+    model.init_random_weights(seed=3, std=0.1)
+    x = torch.randint(0, 89, (1, 12), generator=torch.Generator().manual_seed(1))
+    reference = unimax.exact_greedy_tokens(model, x, 24)[0].tolist()
+    engine = build_engine(model, decode="fp8", draft="full", block_size=4)
+    with pytest.raises(ValueError, match="layers must be 0..1"):
+        skip_in_the_draft(engine, "layer", [2])
+    assert skip_in_the_draft(engine, "mlp", [0]) == 1
+    assert skip_in_the_draft(engine, "layer", [1]) == 2
+    view = engine.decode_model
+    h = torch.randn(1, 3, CONFIG.hidden_size, dtype=view.layers[1].mlp.down_proj.weight.dtype)
+    for name in ("layers.0.mlp.down_proj", "layers.1.mlp.down_proj", "layers.1.mixer.out_proj"):
+        linear = view.get_submodule(name)
+        assert not isinstance(linear, FP8Linear)
+        assert linear(torch.randn(1, 3, linear.in_features, dtype=h.dtype)).abs().max() == 0
+    assert isinstance(view.get_submodule("layers.0.mixer.out_proj"), FP8Linear)
+    assert isinstance(model.get_submodule("layers.1.mlp.down_proj"), torch.nn.Linear)  # exact
+    assert model.get_submodule("layers.1.mlp.down_proj").weight.abs().max() > 0
+    result = engine.generate(x, 24, mode="verified", draft_block=4)
+    assert result.tokens == reference
+    assert result.verify.rejected_blocks > 0  # a draft without a layer and an MLP is wrong
 
 
 @pytest.mark.parametrize("head", [True, False])
