@@ -126,6 +126,21 @@ def check(y: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     return err
 
 
+def fastest(what: str, options, time_one) -> tuple[float, object] | None:
+    """(us, option) of the option ``time_one`` times fastest; one that raises (a tile past the
+    registers, a wrong result) is reported and left out. None where all raise."""
+    best = None
+    for option in options:
+        try:
+            us = time_one(option)
+        except Exception as e:
+            print(f"{what} {option}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, option)
+    return best
+
+
 def check_quietly(y: torch.Tensor, ref: torch.Tensor) -> float | None:
     """check's error, or None where it fails."""
     try:
@@ -150,44 +165,36 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
     row = {"name": name, "N": n, "K": k, "group": group, "MB": nbytes / 1e6}
     packed = pack_nibbles(q)
     copies = bench_copies(packed, scale)
-    best = None
-    for tile in tiles:
-        if tile[1] % group:
-            continue
-        try:
-            row.setdefault("triton_err", check(int4_gemv(x, packed, scale, tile), ref,
-                                               f"{name} triton {tile}"))
-            us = graph_us_of(lambda i, tile=tile: int4_gemv(x, *copies[i], tile), len(copies))
-        except Exception as e:  # (a tile past the registers, or a wrong result: say which)
-            print(f"{name} int4/{group} triton {tile}: {type(e).__name__}: {str(e)[:200]}",
-                  flush=True)
-            continue
-        if best is None or us < best[0]:
-            best = (us, tile)
+
+    def time_triton(tile) -> float:
+        row.setdefault("triton_err", check(int4_gemv(x, packed, scale, tile), ref,
+                                           f"{name} triton {tile}"))
+        return graph_us_of(lambda i: int4_gemv(x, *copies[i], tile), len(copies))
+
+    best = fastest(f"{name} int4/{group} triton", [t for t in tiles if t[1] % group == 0],
+                   time_triton)
     if best:
         row.update(triton_us=best[0], triton_tile=list(best[1]),
                    triton_bw=bandwidth_fraction(nbytes, best[0], bandwidth))
-    best, even_high = None, True
-    for tiles in INNER_K_TILES:
-        try:
-            packed_t, sz = tinygemm_pack(q, scale, tiles, even_high)
-            if check_quietly(tinygemm(x, packed_t, sz, group), ref) is None:
-                even_high = not even_high  # (the other nibble order, once)
-                packed_t, sz = tinygemm_pack(q, scale, tiles, even_high)
-            row.setdefault("tinygemm_err", check(tinygemm(x, packed_t, sz, group), ref,
-                                                 f"{name} tinygemm {tiles}"))
-            row["tinygemm_even_high"] = even_high
-            t_copies = bench_copies(packed_t, sz)
-            us = graph_us_of(lambda i, c=t_copies: tinygemm(x, *c[i], group), len(t_copies))
-        except Exception as e:
-            print(f"{name} int4/{group} tinygemm {tiles}: {type(e).__name__}: {str(e)[:200]}",
-                  flush=True)
-            continue
-        if best is None or us < best[0]:
-            best = (us, tiles)
+    try:  # the nibble order: torchao's (the even column high), or else the other
+        even_high = check_quietly(tinygemm(x, *tinygemm_pack(q, scale, 8), group),
+                                  ref) is not None
+    except RuntimeError as e:  # (no tinygemm for this GPU: time_tinygemm reports it)
+        print(f"{name} tinygemm: {e}", flush=True)
+        even_high = True
+
+    def time_tinygemm(inner_k_tiles) -> float:
+        weights = tinygemm_pack(q, scale, inner_k_tiles, even_high)
+        row.setdefault("tinygemm_err", check(tinygemm(x, *weights, group), ref,
+                                             f"{name} tinygemm {inner_k_tiles}"))
+        t_copies = bench_copies(*weights)
+        return graph_us_of(lambda i: tinygemm(x, *t_copies[i], group), len(t_copies))
+
+    best = fastest(f"{name} int4/{group} tinygemm", INNER_K_TILES, time_tinygemm)
     if best:
         row.update(tinygemm_us=best[0], tinygemm_inner_k_tiles=best[1],
-                   tinygemm_bw=bandwidth_fraction(nbytes, best[0], bandwidth))
+                   tinygemm_bw=bandwidth_fraction(nbytes, best[0], bandwidth),
+                   tinygemm_even_high=even_high)
     return row
 
 
