@@ -18,7 +18,7 @@ into them, so their per-step sum is a lower bound on what an int4 draft body's l
 Prints us and the fraction of the copy bandwidth per linear, and the per-step sums.
 
 usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--wide]
-       [--json FILE]
+       [--linears 65536x4096 ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def reference_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     weights = bench_copies(*quantize_rows(base))
     us = graph_us_of(lambda i: gemv_mod.gemv(x, *weights[i]), len(weights))
     row.update(fp8_us=us, fp8_bw=bandwidth_fraction(n * k, us, bandwidth))
-    fused = fused_row(cfg, name, n, k, bandwidth)
+    fused = fused_row(cfg, name, n, k, bandwidth) if cfg is not None else {}
     if "chosen_us" in fused:
         row.update(fp8_fused_us=fused["chosen_us"], fp8_fused_bw=fused["chosen_bw"],
                    fp8_fused_choice=fused["chosen"])
@@ -226,12 +226,24 @@ def graph_us_of(fn, copies: int) -> float:
     return graph_us(fn, copies)
 
 
-def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TILES) -> list[dict]:
-    cfg = SHAPES[shape]
+def parse_linear(text: str) -> tuple[int, int]:
+    """"NxK" -> (N, K)."""
+    n, sep, k = text.partition("x")
+    if not sep or not n.isdigit() or not k.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: write a linear as NxK, e.g. 32768x4096")
+    return int(n), int(k)
+
+
+def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TILES,
+              linears: list[tuple[int, int]] = ()) -> list[dict]:
+    """A shape's draft body linears, or (shape "linears") the given (N, K) with no fused
+    FP8 row (no model's prologue to fold)."""
+    cfg = SHAPES.get(shape)
+    items = ({name: v for name, v in linear_shapes(cfg).items()
+              if name in FOLDS}  # (the LM head stays FP8: draft_bits --fp8-head)
+             if cfg is not None else {f"{n}x{k}": (n, k, 1) for n, k in linears})
     rows = []
-    for name, (n, k, calls) in linear_shapes(cfg).items():
-        if name not in FOLDS:  # (the LM head stays FP8: draft_bits --fp8-head)
-            continue
+    for name, (n, k, calls) in items.items():
         row = {"shape": shape, "calls": calls, **reference_rows(cfg, name, n, k, bandwidth)}
         for group in groups:
             int4 = int4_rows(name, n, k, group, bandwidth, tiles)
@@ -245,12 +257,12 @@ def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TI
 def table(rows: list[dict], groups: list[int]) -> list[str]:
     cols = ["bf16", "fp8", "fp8_fused"] + [f"int4/{g} {kind}" for g in groups
                                            for kind in ("triton", "tinygemm")]
-    lines = [f"{'shape':11} {'linear':9} " + "".join(f"{c:>22}" for c in cols)]
+    lines = [f"{'shape':11} {'linear':11} " + "".join(f"{c:>22}" for c in cols)]
     for r in rows:
         cells = "".join(f"{r[c + '_us']:>13.1f} ({r[c + '_bw']:.2f})" if c + "_us" in r
                         else f"{'-':>22}" for c in cols)
-        lines.append(f"{r['shape']:11} {r['name']:9} {cells}")
-    for shape in dict.fromkeys(r["shape"] for r in rows):
+        lines.append(f"{r['shape']:11} {r['name']:11} {cells}")
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["shape"] != "linears"):
         sel = [r for r in rows if r["shape"] == shape]
         sums = {c: sum(r[c + "_us"] * r["calls"] for r in sel) for c in cols
                 if all(c + "_us" in r for r in sel)}
@@ -263,17 +275,20 @@ def main() -> None:
     from decode import copy_bandwidth
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=["gdn-4b"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["gdn-4b"], choices=sorted(SHAPES))
     parser.add_argument("--groups", nargs="+", type=int, default=[32, 128])
     parser.add_argument("--wide", action="store_true",
                         help="the Triton kernel's WIDE_TILES too")
+    parser.add_argument("--linears", nargs="+", type=parse_linear, default=[],
+                        help="also these NxK linears (e.g. 65536x4096: large enough that the "
+                             "H200 is byte-bound, as an L4 is at a 4B model's sizes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     tiles = TILES + WIDE_TILES if args.wide else TILES
     rows = []
-    for shape in args.shapes:
-        rows += run_shape(shape, args.groups, bandwidth, tiles)
+    for shape in args.shapes + (["linears"] if args.linears else []):
+        rows += run_shape(shape, args.groups, bandwidth, tiles, args.linears)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; M = 1, us per call (fraction of copy "

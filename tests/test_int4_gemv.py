@@ -26,6 +26,10 @@ def test_int4_by_hand():
                                         [1 | (9 << 4), 15 | (8 << 4)]]
     with pytest.raises(ValueError, match="multiple of the group"):
         quantize_int4(torch.zeros(2, 6), 4)
+    assert int4_gemv.parse_linear("65536x4096") == (65536, 4096)
+    for bad in ("65536", "x4096", "4kx4k"):
+        with pytest.raises(Exception, match="NxK"):
+            int4_gemv.parse_linear(bad)
 
 
 @pytest.mark.parametrize("group", [32, 128])
