@@ -10,8 +10,10 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
   fp8       the draft's fused FP8 GEMV at its timed choice (prologue and residual included,
             as unimax.fused_draft runs it), and the plain FP8 GEMV (ops.gemv "rows")
   int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
-            its best inner-K tiling) and a Triton GEMV of ours (int4_gemv_kernel; its best
-            tile), each with a scale per G columns, symmetric, as draft_bits.round_weight
+            its best inner-K tiling) and two Triton GEMVs of ours (int4_gemv_kernel, fp32
+            sums, "triton"; int4_gemv_f16_kernel, no int-to-float conversions, "f16"; each at
+            its best tile), each with a scale per G columns, symmetric, as
+            draft_bits.round_weight
 Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
 GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
@@ -75,9 +77,10 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-              tile: tuple[int, int, int] = (8, 1024, 4)) -> torch.Tensor:
-    """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by int4_gemv_kernel."""
-    from int4_gemv_kernel import int4_gemv_kernel
+              tile: tuple[int, int, int] = (8, 1024, 4), f16: bool = False) -> torch.Tensor:
+    """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by int4_gemv_kernel, or
+    ``f16``: int4_gemv_f16_kernel (its scale FP16: convert it once, not per call)."""
+    from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_kernel
 
     n, k = packed.shape[0], 2 * packed.shape[1]
     group = k // scale.shape[1]
@@ -85,10 +88,13 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if x.shape != (1, k) or block_k % group:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} must be (1, {k}), and the tile's "
                          f"BLOCK_K {block_k} a multiple of the group {group}")
+    if f16 and scale.dtype != torch.float16:
+        raise ValueError("int4_gemv: the FP16 form takes an FP16 scale")
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    int4_gemv_kernel[(-(-n // block_n),)](x.contiguous(), packed, scale, y, n, k,
-                                          packed.stride(0), scale.stride(0), GROUP=group,
-                                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    kernel = int4_gemv_f16_kernel if f16 else int4_gemv_kernel
+    kernel[(-(-n // block_n),)](x.contiguous(), packed, scale, y, n, k, packed.stride(0),
+                                scale.stride(0), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
+                                num_warps=warps)
     return y
 
 
@@ -164,18 +170,19 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
     nbytes = n * k // 2 + scale.nbytes
     row = {"name": name, "N": n, "K": k, "group": group, "MB": nbytes / 1e6}
     packed = pack_nibbles(q)
-    copies = bench_copies(packed, scale)
+    for label, f16, form_scale in (("triton", False, scale), ("f16", True, scale.half())):
+        copies = bench_copies(packed, form_scale)
 
-    def time_triton(tile) -> float:
-        row.setdefault("triton_err", check(int4_gemv(x, packed, scale, tile), ref,
-                                           f"{name} triton {tile}"))
-        return graph_us_of(lambda i: int4_gemv(x, *copies[i], tile), len(copies))
+        def time_tile(tile, f16=f16, form_scale=form_scale, copies=copies, label=label):
+            row.setdefault(f"{label}_err", check(int4_gemv(x, packed, form_scale, tile, f16),
+                                                 ref, f"{name} {label} {tile}"))
+            return graph_us_of(lambda i: int4_gemv(x, *copies[i], tile, f16), len(copies))
 
-    best = fastest(f"{name} int4/{group} triton", [t for t in tiles if t[1] % group == 0],
-                   time_triton)
-    if best:
-        row.update(triton_us=best[0], triton_tile=list(best[1]),
-                   triton_bw=bandwidth_fraction(nbytes, best[0], bandwidth))
+        best = fastest(f"{name} int4/{group} {label}", [t for t in tiles if t[1] % group == 0],
+                       time_tile)
+        if best:
+            row.update({f"{label}_us": best[0], f"{label}_tile": list(best[1]),
+                        f"{label}_bw": bandwidth_fraction(nbytes, best[0], bandwidth)})
     try:  # the nibble order: torchao's (the even column high), or else the other
         even_high = check_quietly(tinygemm(x, *tinygemm_pack(q, scale, 8), group),
                                   ref) is not None
@@ -256,7 +263,7 @@ def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TI
 
 def table(rows: list[dict], groups: list[int]) -> list[str]:
     cols = ["bf16", "fp8", "fp8_fused"] + [f"int4/{g} {kind}" for g in groups
-                                           for kind in ("triton", "tinygemm")]
+                                           for kind in ("triton", "f16", "tinygemm")]
     lines = [f"{'shape':11} {'linear':11} " + "".join(f"{c:>22}" for c in cols)]
     for r in rows:
         cells = "".join(f"{r[c + '_us']:>13.1f} ({r[c + '_bw']:.2f})" if c + "_us" in r

@@ -5,6 +5,15 @@ Layout (int4_gemv.pack_nibbles): byte j of a row holds column 2j in its low nibb
 2j + 1 in its high one, each stored as q + 8 (q in -7..7, symmetric); scales (N, K / GROUP).
 Each program streams BLOCK_N rows once, sums each group's products in fp32 and scales the
 group's sum, so the per-element work is two nibble extractions and two FMAs.
+
+Measured (H200, thirty-ninth session): that form, and torch's tinygemm, stop at ~4e12 weights
+a second whatever the size (0.5 of the copy bandwidth on a 537 MB FP8-equivalent linear, where
+the FP8 GEMV reaches 0.99). Our guess: the int-to-float conversion's rate (I2F, 16 a clock per
+SM on Hopper: 132 x 16 x 1.98 GHz = 4.2e12), which every weight pays here.
+``int4_gemv_f16_kernel`` pays none: a nibble OR 0x6400 is the FP16 bit pattern of 1024 +
+nibble, so subtracting 1032 gives q in FP16 (the trick int4 kernels such as Marlin use), and
+the products, the per-element scale and the running sums stay in FP16 (x scaled by 1/64 first,
+as ops.gemv's rows16 does for FP8); FP32 only at the end.
 """
 
 import triton
@@ -37,4 +46,32 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                         mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0)
         acc += sums * scale.to(tl.float32)
     y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def int4_gemv_f16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
+                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4_gemv_kernel's result with no int-to-float conversion per weight; s (N, K / GROUP)
+    in FP16. Each lane's running sum takes its group's scale per element (a broadcast load, the
+    same address across the group's lanes)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, HALF), dtype=tl.float16)
+    for k0 in range(0, K, BLOCK_K):
+        rb = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
+        inside = rb < K // 2
+        rows = (rn[:, None] < N) & inside[None, :]
+        b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=rows,
+                    other=136).to(tl.int16)
+        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        x_even = (tl.load(x_ptr + 2 * rb, mask=inside, other=0.0).to(tl.float32)
+                  * 0.015625).to(tl.float16)
+        x_odd = (tl.load(x_ptr + 2 * rb + 1, mask=inside, other=0.0).to(tl.float32)
+                 * 0.015625).to(tl.float16)
+        scale = tl.load(s_ptr + rn[:, None] * stride_sn + (2 * rb[None, :]) // GROUP,
+                        mask=rows, other=0.0)
+        acc += (lo * x_even[None, :] + hi * x_odd[None, :]) * scale
+    y = tl.sum(acc.to(tl.float32), axis=1) * 64.0
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
