@@ -79,10 +79,10 @@ def skip_in_the_draft(engine, what: str, layers: list[int]) -> int:
     """The draft's layers ``layers`` (``what`` "layer": mixer and MLP; "mlp": the MLP only)
     made to add nothing to the residual stream, as if a layer-skipping draft did not run them:
     their output projections (out_proj, down_proj) replaced by zero linears. The exact model
-    and the verifier are untouched, so the output stays exact greedy decoding; the skipped
-    layers' recurrent state still advances in the draft (a draft that skipped them would hold
-    it still until the next resync), which only helps its acceptance a little. Returns how many
-    linears were zeroed."""
+    and the verifier are untouched, so the output stays exact greedy decoding. A skipped
+    layer's recurrent state still advances in the draft, but it feeds only that layer's own
+    (zeroed) output and is resynced from the verifier after each block, so the draft's tokens
+    are those of a draft that does not run the layer. Returns how many linears were zeroed."""
     view = engine.decode_model
     count = len(view.layers)
     if any(not 0 <= layer < count for layer in layers):
