@@ -40,6 +40,7 @@ from gemv import FOLDS, bench_copies, fused_row, linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
+from unimax.ops.timing import graph_us  # noqa: E402
 
 # The Triton kernel's tiles (BLOCK_N, BLOCK_K, warps), each tried per linear and group
 TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 1024, 8),
@@ -70,10 +71,16 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(n, -1, group) * scale.float()[..., None]).reshape(n, k)
 
 
+def stored_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q in -7..7 -> the stored nibble values q + 8 (uint8, 1..15), as every layout here keeps
+    them."""
+    return (q.to(torch.int16) + 8).to(torch.uint8)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """q (N, K) in -7..7 -> (N, K / 2) uint8: column 2j + 8 in byte j's low nibble, 2j + 1 + 8
     in its high one (int4_gemv_kernel's layout)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    u = stored_nibbles(q)
     return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
@@ -106,7 +113,7 @@ def tinygemm_pack(q: torch.Tensor, scale: torch.Tensor, inner_k_tiles: int,
     torchao packs it for torch >= 2.5, or in the low one: int4_rows keeps the order whose
     result checks) and scales_and_zeros (K / group, N, 2), the zero 0: tinygemm dequantizes
     (u - 8) * scale + zero, u the stored nibble (the CPU twin's test checks that much)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    u = stored_nibbles(q)
     even, odd = u[:, 0::2], u[:, 1::2]
     pairs = (even << 4) | odd if even_high else even | (odd << 4)
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
@@ -177,7 +184,7 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
         def time_tile(tile, f16=f16, form_scale=form_scale, copies=copies, label=label):
             row.setdefault(f"{label}_err", check(int4_gemv(x, packed, form_scale, tile, f16),
                                                  ref, f"{name} {label} {tile}"))
-            return graph_us_of(lambda i: int4_gemv(x, *copies[i], tile, f16), len(copies))
+            return graph_us(lambda i: int4_gemv(x, *copies[i], tile, f16), len(copies))
 
         best = fastest(f"{name} int4/{group} {label}", [t for t in tiles if t[1] % group == 0],
                        time_tile)
@@ -196,7 +203,7 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
         row.setdefault("tinygemm_err", check(tinygemm(x, *weights, group), ref,
                                              f"{name} tinygemm {inner_k_tiles}"))
         t_copies = bench_copies(*weights)
-        return graph_us_of(lambda i: tinygemm(x, *t_copies[i], group), len(t_copies))
+        return graph_us(lambda i: tinygemm(x, *t_copies[i], group), len(t_copies))
 
     best = fastest(f"{name} int4/{group} tinygemm", INNER_K_TILES, time_tinygemm)
     if best:
@@ -216,22 +223,16 @@ def reference_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     row = {"name": name, "N": n, "K": k}
     weights = bench_copies(base, None)
-    us = graph_us_of(lambda i: F.linear(x, weights[i][0]), len(weights))
+    us = graph_us(lambda i: F.linear(x, weights[i][0]), len(weights))
     row.update(bf16_us=us, bf16_bw=bandwidth_fraction(base.nbytes, us, bandwidth))
     weights = bench_copies(*quantize_rows(base))
-    us = graph_us_of(lambda i: gemv_mod.gemv(x, *weights[i]), len(weights))
+    us = graph_us(lambda i: gemv_mod.gemv(x, *weights[i]), len(weights))
     row.update(fp8_us=us, fp8_bw=bandwidth_fraction(n * k, us, bandwidth))
     fused = fused_row(cfg, name, n, k, bandwidth) if cfg is not None else {}
     if "chosen_us" in fused:
         row.update(fp8_fused_us=fused["chosen_us"], fp8_fused_bw=fused["chosen_bw"],
                    fp8_fused_choice=fused["chosen"])
     return row
-
-
-def graph_us_of(fn, copies: int) -> float:
-    from unimax.ops.timing import graph_us
-
-    return graph_us(fn, copies)
 
 
 def parse_linear(text: str) -> tuple[int, int]:
