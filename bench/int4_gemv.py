@@ -11,10 +11,10 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
   fp8       the draft's fused FP8 GEMV at its timed choice (prologue and residual included,
             as unimax.fused_draft runs it), and the plain FP8 GEMV (ops.gemv "rows")
   int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
-            its best inner-K tiling) and two Triton GEMVs of ours (int4_gemv_kernel, fp32
-            sums, "triton"; int4_gemv_f16_kernel, no int-to-float conversions, "f16"; each at
-            its best tile), each with a scale per G columns, symmetric, as
-            draft_bits.round_weight
+            its best inner-K tiling) and three Triton GEMVs of ours (int4_gemv_kernel, fp32
+            sums, "triton", and with MAGIC, no int-to-float conversions, "magic";
+            int4_gemv_f16_kernel, FP16 sums, "f16"; each at its best tile), each with a
+            scale per G columns, symmetric, as draft_bits.round_weight
 Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
 GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
@@ -49,6 +49,7 @@ TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (1
 WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512, 4),
               (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8))
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
+FORMS = ("triton", "magic", "f16")  # our kernels (int4_gemv)
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,9 +86,10 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-              tile: tuple[int, int, int] = (8, 1024, 4), f16: bool = False) -> torch.Tensor:
-    """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by int4_gemv_kernel, or
-    ``f16``: int4_gemv_f16_kernel (its scale FP16: convert it once, not per call)."""
+              tile: tuple[int, int, int] = (8, 1024, 4), form: str = "triton") -> torch.Tensor:
+    """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by a FORMS kernel:
+    "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel (its
+    scale FP16: convert it once, not per call)."""
     from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_kernel
 
     n, k = packed.shape[0], 2 * packed.shape[1]
@@ -96,13 +98,19 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if x.shape != (1, k) or block_k % group:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} must be (1, {k}), and the tile's "
                          f"BLOCK_K {block_k} a multiple of the group {group}")
-    if f16 and scale.dtype != torch.float16:
-        raise ValueError("int4_gemv: the FP16 form takes an FP16 scale")
+    if form not in FORMS:
+        raise ValueError(f"int4_gemv: form {form!r} is not one of {FORMS}")
+    if (form == "f16") != (scale.dtype == torch.float16):
+        raise ValueError("int4_gemv: the f16 form takes an FP16 scale, the others not")
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    kernel = int4_gemv_f16_kernel if f16 else int4_gemv_kernel
-    kernel[(-(-n // block_n),)](x.contiguous(), packed, scale, y, n, k, packed.stride(0),
-                                scale.stride(0), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
-                                num_warps=warps)
+    grid = (-(-n // block_n),)
+    args = (x.contiguous(), packed, scale, y, n, k, packed.stride(0), scale.stride(0))
+    if form == "f16":
+        int4_gemv_f16_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   num_warps=warps)
+    else:
+        int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
+                               MAGIC=form == "magic", num_warps=warps)
     return y
 
 
@@ -178,13 +186,14 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
     nbytes = n * k // 2 + scale.nbytes
     row = {"name": name, "N": n, "K": k, "group": group, "MB": nbytes / 1e6}
     packed = pack_nibbles(q)
-    for label, f16, form_scale in (("triton", False, scale), ("f16", True, scale.half())):
+    for label in FORMS:
+        form_scale = scale.half() if label == "f16" else scale
         copies = bench_copies(packed, form_scale)
 
-        def time_tile(tile, f16=f16, form_scale=form_scale, copies=copies, label=label):
-            row.setdefault(f"{label}_err", check(int4_gemv(x, packed, form_scale, tile, f16),
+        def time_tile(tile, label=label, form_scale=form_scale, copies=copies):
+            row.setdefault(f"{label}_err", check(int4_gemv(x, packed, form_scale, tile, label),
                                                  ref, f"{name} {label} {tile}"))
-            return graph_us(lambda i: int4_gemv(x, *copies[i], tile, f16), len(copies))
+            return graph_us(lambda i: int4_gemv(x, *copies[i], tile, label), len(copies))
 
         best = fastest(f"{name} int4/{group} {label}", [t for t in tiles if t[1] % group == 0],
                        time_tile)
@@ -265,7 +274,7 @@ def run_shape(shape: str, groups: list[int], bandwidth: float, tiles: tuple = TI
 
 def table(rows: list[dict], groups: list[int]) -> list[str]:
     cols = ["bf16", "fp8", "fp8_fused"] + [f"int4/{g} {kind}" for g in groups
-                                           for kind in ("triton", "f16", "tinygemm")]
+                                           for kind in (*FORMS, "tinygemm")]
     lines = [f"{'shape':11} {'linear':11} " + "".join(f"{c:>22}" for c in cols)]
     for r in rows:
         cells = "".join(f"{r[c + '_us']:>13.1f} ({r[c + '_bw']:.2f})" if c + "_us" in r

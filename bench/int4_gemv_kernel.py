@@ -6,14 +6,16 @@ Layout (int4_gemv.pack_nibbles): byte j of a row holds column 2j in its low nibb
 Each program streams BLOCK_N rows once, sums each group's products in fp32 and scales the
 group's sum, so the per-element work is two nibble extractions and two FMAs.
 
-Measured (H200, thirty-ninth session): that form, and torch's tinygemm, stop at ~4e12 weights
-a second whatever the size (0.5 of the copy bandwidth on a 537 MB FP8-equivalent linear, where
-the FP8 GEMV reaches 0.99). Our guess: the int-to-float conversion's rate (I2F, 16 a clock per
-SM on Hopper: 132 x 16 x 1.98 GHz = 4.2e12), which every weight pays here.
-``int4_gemv_f16_kernel`` pays none: a nibble OR 0x6400 is the FP16 bit pattern of 1024 +
-nibble, so subtracting 1032 gives q in FP16 (the trick int4 kernels such as Marlin use), and
-the products, the per-element scale and the running sums stay in FP16 (x scaled by 1/64 first,
-as ops.gemv's rows16 does for FP8); FP32 only at the end.
+Measured (H200, thirty-ninth and fortieth sessions): that form, and torch's tinygemm, stop at
+~4e12 weights a second whatever the size (0.47-0.49 of the copy bandwidth on a 537 MB
+FP8-equivalent linear, where the FP8 GEMV reaches 0.95-0.99). The guess that the int-to-float
+conversion (I2F) sets that rate did not hold: ``MAGIC`` (no I2F; one LOP3 and one FADD a
+nibble) runs at 0.49, the plain form at 0.47. ``int4_gemv_f16_kernel`` (FP16 from the bit
+pattern, nibble | 0x6400 = 1024 + nibble, the Marlin trick; FP16 products, sums and a scale
+gathered per element, x scaled by 1/64 first as ops.gemv's rows16) is slower still, 0.19. So
+the per-weight instruction count as a whole sets the rate, as ops.gemv found for FP8 (~2.5
+instructions a weight, fixed there by packed FP16); what is left to try is packed half2
+arithmetic on whole 32-bit words of nibbles, which Triton does not emit from these forms.
 """
 
 import triton
@@ -22,9 +24,13 @@ import triton.language as tl
 
 @triton.jit
 def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     MAGIC: tl.constexpr = False):
     """y (1, N) = x (1, K) @ dequant(W).T; BLOCK_K unpacked columns a step, a multiple of
-    GROUP."""
+    GROUP. ``MAGIC``: no int-to-float conversion, in FP32: (b & 15) | 0x4B000000 is the bit
+    pattern of 2^23 + the low nibble and (b & 0xF0) | 0x4B000000 that of 2^23 + 16 x the high
+    one (one LOP3 each), so one exact subtraction gives q and 16 q; x_odd / 16 (exact, once
+    per block) undoes the 16."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -37,8 +43,13 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                     mask=(rn[:, None] < N) & inside[None, :], other=136).to(tl.int32)
         x_even = tl.load(x_ptr + 2 * rb, mask=inside, other=0.0).to(tl.float32)
         x_odd = tl.load(x_ptr + 2 * rb + 1, mask=inside, other=0.0).to(tl.float32)
-        lo = ((b & 15) - 8).to(tl.float32)
-        hi = ((b >> 4) - 8).to(tl.float32)
+        if MAGIC:
+            lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            hi = ((b & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            x_odd = x_odd * 0.0625
+        else:
+            lo = ((b & 15) - 8).to(tl.float32)
+            hi = ((b >> 4) - 8).to(tl.float32)
         products = lo * x_even[None, :] + hi * x_odd[None, :]
         sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP // 2)), axis=2)
         rg = k0 // GROUP + tl.arange(0, GROUPS)

@@ -71,19 +71,21 @@ for n, k, group, tile in [(37, 384, 32, (8, 256, 4)), (20, 640, 128, (16, 256, 4
     q, scale = quantize_int4(w, group)
     x = torch.randn(1, k, generator=gen).bfloat16()
     ref = x.float() @ dequantize_int4(q, scale).t()
-    for f16, s in ((False, scale), (True, scale.half())):
-        y = int4_gemv(x, pack_nibbles(q), s, tile, f16)
-        print(n, k, group, f16, check(y, ref, f"triton f16={f16}"))
-        wrong = int4_gemv(x, pack_nibbles(-q), s, tile, f16)
+    for form in ("triton", "magic", "f16"):
+        s = scale.half() if form == "f16" else scale
+        y = int4_gemv(x, pack_nibbles(q), s, tile, form)
+        print(n, k, group, form, check(y, ref, form))
+        wrong = int4_gemv(x, pack_nibbles(-q), s, tile, form)
         assert ((wrong.float() + ref).norm() / ref.norm()) < 0.02  # (the sign is read)
 # large inputs: the FP16 form's running sums (x / 64) stay finite
 w = torch.randn(16, 4096, generator=gen).bfloat16()
 q, scale = quantize_int4(w, 128)
 x = (torch.randn(1, 4096, generator=gen) * 300).bfloat16()
 ref = x.float() @ dequantize_int4(q, scale).t()
-print("large", check(int4_gemv(x, pack_nibbles(q), scale.half(), (8, 1024, 4), True), ref, "f16"))
+print("large", check(int4_gemv(x, pack_nibbles(q), scale.half(), (8, 1024, 4), "f16"), ref, "f16"))
+print("large", check(int4_gemv(x, pack_nibbles(q), scale, (8, 1024, 4), "magic"), ref, "magic"))
 try:
-    int4_gemv(x, pack_nibbles(q), scale, (8, 1024, 4), True)
+    int4_gemv(x, pack_nibbles(q), scale, (8, 1024, 4), "f16")
     raise SystemExit("a BF16 scale reached the FP16 form")
 except ValueError as e:
     assert "FP16 scale" in str(e)
@@ -92,4 +94,4 @@ except ValueError as e:
 
 def test_triton_int4_gemv_against_dequantized():
     out = run_with_triton(CHILD)
-    assert len(out.strip().splitlines()) == 7
+    assert len(out.strip().splitlines()) == 11
