@@ -13,8 +13,9 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
   int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
             its best inner-K tiling) and three Triton GEMVs of ours (int4_gemv_kernel, fp32
             sums, "triton", and with MAGIC, no int-to-float conversions, "magic";
-            int4_gemv_f16_kernel, FP16 sums, "f16"; each at its best tile), each with a
-            scale per G columns, symmetric, as draft_bits.round_weight
+            int4_gemv_f16_kernel, FP16 sums, "f16"; int4_gemv_half2_kernel, packed FP16
+            dequantization and sums, "half2"; each at its best tile), each with a scale per
+            G columns, symmetric, as draft_bits.round_weight
 Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
 GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
@@ -47,9 +48,11 @@ TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (1
          (4, 2048, 8), (8, 2048, 8))
 # --wide: more bytes in flight per program (an int4 row holds half an FP8 row's bytes)
 WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512, 4),
-              (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8))
+              (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8),
+              (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8))  # (one group a step)
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
-FORMS = ("triton", "magic", "f16")  # our kernels (int4_gemv)
+FORMS = ("triton", "magic", "f16", "half2")  # our kernels (int4_gemv)
+F16_SCALE = ("f16", "half2")  # the forms that take an FP16 scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +91,9 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               tile: tuple[int, int, int] = (8, 1024, 4), form: str = "triton") -> torch.Tensor:
     """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by a FORMS kernel:
-    "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel (its
-    scale FP16: convert it once, not per call)."""
-    from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_kernel
-
+    "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel,
+    "half2" int4_gemv_half2_kernel (GPU only; K a multiple of BLOCK_K); the last two take an
+    FP16 scale (convert it once, not per call)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     group = k // scale.shape[1]
     block_n, block_k, warps = tile
@@ -100,14 +102,18 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          f"BLOCK_K {block_k} a multiple of the group {group}")
     if form not in FORMS:
         raise ValueError(f"int4_gemv: form {form!r} is not one of {FORMS}")
-    if (form == "f16") != (scale.dtype == torch.float16):
-        raise ValueError("int4_gemv: the f16 form takes an FP16 scale, the others not")
+    if (form in F16_SCALE) != (scale.dtype == torch.float16):
+        raise ValueError(f"int4_gemv: the forms {F16_SCALE} take an FP16 scale, the others not")
+    if form == "half2" and k % block_k:
+        raise ValueError(f"int4_gemv: the half2 form needs K ({k}) a multiple of BLOCK_K")
+    from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_half2_kernel, int4_gemv_kernel
+
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
     grid = (-(-n // block_n),)
     args = (x.contiguous(), packed, scale, y, n, k, packed.stride(0), scale.stride(0))
-    if form == "f16":
-        int4_gemv_f16_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   num_warps=warps)
+    if form in F16_SCALE:
+        kernel = int4_gemv_f16_kernel if form == "f16" else int4_gemv_half2_kernel
+        kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     else:
         int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
                                MAGIC=form == "magic", num_warps=warps)
@@ -187,7 +193,7 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
     row = {"name": name, "N": n, "K": k, "group": group, "MB": nbytes / 1e6}
     packed = pack_nibbles(q)
     for label in FORMS:
-        form_scale = scale.half() if label == "f16" else scale
+        form_scale = scale.half() if label in F16_SCALE else scale
         copies = bench_copies(packed, form_scale)
 
         def time_tile(tile, label=label, form_scale=form_scale, copies=copies):

@@ -1,7 +1,8 @@
 """bench/int4_gemv.py: the int4 format by hand and against draft_bits' rounding (the acceptance
 measured there is this format's), tinygemm's scale layout through torch's CPU twin of the
-kernel, and our Triton int4 GEMVs (fp32 sums; FP16 with no int-to-float conversions) under the
-interpreter against the dequantized weight."""
+kernel, and our Triton int4 GEMVs against the dequantized weight: under the interpreter (fp32
+sums with and without int-to-float conversions; FP16), and every form, half2's PTX included,
+compiled on a GPU."""
 
 import sys
 
@@ -95,3 +96,32 @@ except ValueError as e:
 def test_triton_int4_gemv_against_dequantized():
     out = run_with_triton(CHILD)
     assert len(out.strip().splitlines()) == 11
+
+
+def test_int4_gemv_refuses_what_its_forms_cannot_take():
+    q, scale = quantize_int4(torch.randn(8, 384), 128)
+    x = torch.randn(1, 384)
+    with pytest.raises(ValueError, match="form 'int3'"):
+        int4_gemv.int4_gemv(x, pack_nibbles(q), scale, (8, 128, 4), "int3")
+    with pytest.raises(ValueError, match="FP16 scale"):
+        int4_gemv.int4_gemv(x, pack_nibbles(q), scale, (8, 128, 4), "half2")
+    with pytest.raises(ValueError, match="multiple of BLOCK_K"):  # 384 = 1.5 x 256
+        int4_gemv.int4_gemv(x, pack_nibbles(q), scale.half(), (8, 256, 4), "half2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", int4_gemv.FORMS)
+def test_int4_gemv_forms_on_gpu(form):
+    """Each form compiled for the GPU (half2's PTX runs only there) against the dequantized
+    weight: N ragged past BLOCK_N, several groups per block and one, the sign read."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k, group, tile in [(37, 1024, 128, (8, 512, 4)), (300, 2560, 128, (32, 128, 4)),
+                              (64, 512, 64, (16, 256, 4))]:
+        q, scale = quantize_int4(torch.randn(n, k, generator=gen).bfloat16(), group)
+        q, scale = q.cuda(), scale.cuda()
+        s = scale.half() if form in int4_gemv.F16_SCALE else scale
+        x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+        ref = x.float() @ dequantize_int4(q, scale).t()
+        assert check(int4_gemv.int4_gemv(x, pack_nibbles(q), s, tile, form), ref, form) < 0.01
+        wrong = int4_gemv.int4_gemv(x, pack_nibbles(-q), s, tile, form)
+        assert ((wrong.float() + ref).norm() / ref.norm()) < 0.02
