@@ -14,7 +14,8 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
             its best inner-K tiling) and three Triton GEMVs of ours (int4_gemv_kernel, fp32
             sums, "triton", and with MAGIC, no int-to-float conversions, "magic";
             int4_gemv_f16_kernel, FP16 sums, "f16"; int4_gemv_half2_kernel, packed FP16
-            dequantization and sums, "half2"; each at its best tile), each with a scale per
+            dequantization and sums, "half2", and with x made ready outside, "half2x"; each
+            at its best tile), each with a scale per
             G columns, symmetric, as draft_bits.round_weight
 Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
 GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
@@ -51,8 +52,8 @@ WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512
               (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8),
               (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8))  # (one group a step)
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
-FORMS = ("triton", "magic", "f16", "half2")  # our kernels (int4_gemv)
-F16_SCALE = ("f16", "half2")  # the forms that take an FP16 scale
+FORMS = ("triton", "magic", "f16", "half2", "half2x")  # our kernels (int4_gemv)
+F16_SCALE = ("f16", "half2", "half2x")  # the forms that take an FP16 scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,13 +89,26 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
+def prepare_x(x: torch.Tensor) -> torch.Tensor:
+    """x (1, K) as the half2x form reads it: (2, K / 2) FP16, x / 64 (exact), the even columns
+    then the odd ones. (A draft would have its prologue write this; the bench makes it once,
+    outside the timed launches.)"""
+    return (x.float() * 0.015625).half().view(-1, 2).t().contiguous()
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               tile: tuple[int, int, int] = (8, 1024, 4), form: str = "triton") -> torch.Tensor:
     """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by a FORMS kernel:
     "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel,
-    "half2" int4_gemv_half2_kernel (GPU only; K a multiple of BLOCK_K); the last two take an
-    FP16 scale (convert it once, not per call)."""
+    "half2" int4_gemv_half2_kernel (GPU only; K a multiple of BLOCK_K), "half2x" the same with
+    PRE_X (x as prepare_x makes it, or made here); the last three take an FP16 scale (convert
+    it once, not per call)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
+    if form == "half2x":
+        x = x if x.dtype == torch.float16 else prepare_x(x)
+        if x.shape != (2, k // 2):
+            raise ValueError(f"int4_gemv: half2x takes x as prepare_x makes it, (2, {k // 2})")
+        x = x.view(1, k)  # (only its size is checked below)
     group = k // scale.shape[1]
     block_n, block_k, warps = tile
     if x.shape != (1, k) or block_k % group:
@@ -104,7 +118,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"int4_gemv: form {form!r} is not one of {FORMS}")
     if (form in F16_SCALE) != (scale.dtype == torch.float16):
         raise ValueError(f"int4_gemv: the forms {F16_SCALE} take an FP16 scale, the others not")
-    if form == "half2" and k % block_k:
+    if form.startswith("half2") and k % block_k:
         raise ValueError(f"int4_gemv: the half2 form needs K ({k}) a multiple of BLOCK_K")
     from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_half2_kernel, int4_gemv_kernel
 
@@ -112,8 +126,10 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     grid = (-(-n // block_n),)
     args = (x.contiguous(), packed, scale, y, n, k, packed.stride(0), scale.stride(0))
     if form in F16_SCALE:
-        kernel = int4_gemv_f16_kernel if form == "f16" else int4_gemv_half2_kernel
-        kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        kernel, extra = ((int4_gemv_f16_kernel, {}) if form == "f16" else
+                         (int4_gemv_half2_kernel, {"PRE_X": form == "half2x"}))
+        kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                     **extra)
     else:
         int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
                                MAGIC=form == "magic", num_warps=warps)
@@ -196,10 +212,12 @@ def int4_rows(name: str, n: int, k: int, group: int, bandwidth: float,
         form_scale = scale.half() if label in F16_SCALE else scale
         copies = bench_copies(packed, form_scale)
 
-        def time_tile(tile, label=label, form_scale=form_scale, copies=copies):
-            row.setdefault(f"{label}_err", check(int4_gemv(x, packed, form_scale, tile, label),
-                                                 ref, f"{name} {label} {tile}"))
-            return graph_us(lambda i: int4_gemv(x, *copies[i], tile, label), len(copies))
+        x_in = prepare_x(x) if label == "half2x" else x
+
+        def time_tile(tile, label=label, form_scale=form_scale, copies=copies, x_in=x_in):
+            row.setdefault(f"{label}_err", check(int4_gemv(x_in, packed, form_scale, tile,
+                                                           label), ref, f"{name} {label} {tile}"))
+            return graph_us(lambda i: int4_gemv(x_in, *copies[i], tile, label), len(copies))
 
         best = fastest(f"{name} int4/{group} {label}", [t for t in tiles if t[1] % group == 0],
                        time_tile)

@@ -120,12 +120,18 @@ def nibbles_to_f16(b):
 
 @triton.jit
 def int4_gemv_half2_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRE_X: tl.constexpr = False):
     """int4_gemv_kernel's result with packed FP16 arithmetic (GPU only: inline PTX, which the
     interpreter does not run): nibbles_to_f16, then per-lane FP16 running sums of scaled
     products over a (BLOCK_N, groups, GROUP / 2) tile, the group's scale (FP16) a broadcast,
     one reduction at the end. x is scaled by 1/64 first (exact), as ops.gemv's rows16; K a
-    multiple of BLOCK_K (no masks along K)."""
+    multiple of BLOCK_K (no masks along K).
+
+    ``PRE_X``: x comes ready (int4_gemv.prepare_x: FP16, / 64, the even columns then the odd
+    ones, each contiguous). Each thread holds its own rows, so x loaded, converted and scaled
+    here is paid per weight (ncu, fortieth session: ~5.7 instructions a weight in all); ready, it
+    is two vector loads per 16 weights."""
     HALF: tl.constexpr = GROUP // 2
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,8 +145,12 @@ def int4_gemv_half2_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_s
         b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :], mask=rows,
                     other=136)
         lo, hi = nibbles_to_f16(b)
-        x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
-        x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
+        if PRE_X:
+            x_even = tl.load(x_ptr + rb)
+            x_odd = tl.load(x_ptr + K // 2 + rb)
+        else:
+            x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
+            x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
         scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
                         other=0.0)
         acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
