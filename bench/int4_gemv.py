@@ -2,8 +2,10 @@
 runs now and the BF16 ones of the exact step: the measurement bench/draft_bits.py's acceptance
 figures wait for (an int4 body with group scales and the LM head at FP8 kept 0.94 of the demo
 model's drafts against FP8's 0.963; the block model says that buys ~1.47x BF16-only at 4B and
-acceptance 0.95 against FP8's 1.16x, if an int4 GEMV runs near its bytes). What it measured:
-bench/RESULTS.md, thirty-ninth session.
+acceptance 0.95 against FP8's 1.16x, if an int4 GEMV runs near its bytes). What it measured
+(bench/RESULTS.md, thirty-ninth and fortieth sessions): only the half2x form, with x made ready
+before the kernel, runs near its bytes (0.82 of the bandwidth; the 4B body 1041 us a step
+against the fused FP8 forms' 1481).
 
 Per draft linear of a shape (in_proj, out_proj, gate_up, down), in CUDA-graph replays over
 weight copies (ops.timing.graph_us, as the engine's timed choices):

@@ -6,16 +6,14 @@ Layout (int4_gemv.pack_nibbles): byte j of a row holds column 2j in its low nibb
 Each program streams BLOCK_N rows once, sums each group's products in fp32 and scales the
 group's sum, so the per-element work is two nibble extractions and two FMAs.
 
-Measured (H200, thirty-ninth and fortieth sessions): that form, and torch's tinygemm, stop at
-~4e12 weights a second whatever the size (0.47-0.49 of the copy bandwidth on a 537 MB
-FP8-equivalent linear, where the FP8 GEMV reaches 0.95-0.99). The guess that the int-to-float
-conversion (I2F) sets that rate did not hold: ``MAGIC`` (no I2F; one LOP3 and one FADD a
-nibble) runs at 0.49, the plain form at 0.47. ``int4_gemv_f16_kernel`` (FP16 from the bit
-pattern, nibble | 0x6400 = 1024 + nibble, the Marlin trick; FP16 products, sums and a scale
-gathered per element, x scaled by 1/64 first as ops.gemv's rows16) is slower still, 0.19. So
-the per-weight instruction count as a whole sets the rate, as ops.gemv found for FP8 (~2.5
-instructions a weight, fixed there by packed FP16); what is left to try is packed half2
-arithmetic on whole 32-bit words of nibbles, which Triton does not emit from these forms.
+Measured (H200, thirty-ninth and fortieth sessions, bench/RESULTS.md): that form, and torch's
+tinygemm, stop at ~4e12 weights a second whatever the size (0.47-0.49 of the copy bandwidth on a
+537 M-weight linear, where the FP8 GEMV reaches 0.95-0.99). Not for the int-to-float conversion
+(``MAGIC``, without it, runs at 0.49), nor for the FP16 form below (0.19; it gathers a scale per
+element): ncu counts ~6 instructions a weight in all of them, most of them x's loads and
+conversions, which each thread repeats for every weight, since it holds its own rows.
+``int4_gemv_half2_kernel`` with ``PRE_X`` (x ready before the kernel) needs 2.9 and reaches
+0.82 of the bandwidth.
 """
 
 import triton
