@@ -13,12 +13,12 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
   fp8       the draft's fused FP8 GEMV at its timed choice (prologue and residual included,
             as unimax.fused_draft runs it), and the plain FP8 GEMV (ops.gemv "rows")
   int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
-            its best inner-K tiling) and three Triton GEMVs of ours (int4_gemv_kernel, fp32
+            its best inner-K tiling) and Triton GEMVs of ours (int4_gemv_kernel, fp32
             sums, "triton", and with MAGIC, no int-to-float conversions, "magic";
             int4_gemv_f16_kernel, FP16 sums, "f16"; int4_gemv_half2_kernel, packed FP16
-            dequantization and sums, "half2", and with x made ready outside, "half2x"; each
-            at its best tile), each with a scale per
-            G columns, symmetric, as draft_bits.round_weight
+            dequantization and sums, "half2"; with x made ready outside, "half2x", and by a
+            launch of its own inside the timed graph, "half2p"; each at its best tile), each
+            with a scale per G columns, symmetric, as draft_bits.round_weight
 Each int4 result is checked against x @ dequantized(W).T first. The int4 kernels are plain
 GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are not fused
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
@@ -52,10 +52,11 @@ TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (1
 # --wide: more bytes in flight per program (an int4 row holds half an FP8 row's bytes)
 WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512, 4),
               (64, 512, 8), (2, 4096, 8), (4, 4096, 8), (8, 4096, 8),
-              (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8))  # (one group a step)
+              (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8),  # (one group a step)
+              (128, 128, 4), (256, 128, 4), (128, 256, 8))  # (rows past a CTA's: x reused?)
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
-FORMS = ("triton", "magic", "f16", "half2", "half2x")  # our kernels (int4_gemv)
-F16_SCALE = ("f16", "half2", "half2x")  # the forms that take an FP16 scale
+FORMS = ("triton", "magic", "f16", "half2", "half2x", "half2p")  # our kernels (int4_gemv)
+F16_SCALE = ("f16", "half2", "half2x", "half2p")  # the forms that take an FP16 scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,15 +99,28 @@ def prepare_x(x: torch.Tensor) -> torch.Tensor:
     return (x.float() * 0.015625).half().view(-1, 2).t().contiguous()
 
 
+def prepare_x_launch(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """prepare_x in one Triton launch (int4_gemv_kernel.prepare_x_kernel)."""
+    from int4_gemv_kernel import prepare_x_kernel
+
+    half = x.shape[-1] // 2
+    out = torch.empty(2, half, device=x.device, dtype=torch.float16)
+    prepare_x_kernel[(-(-half // block),)](x.contiguous(), out, half, BLOCK=block)
+    return out
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               tile: tuple[int, int, int] = (8, 1024, 4), form: str = "triton") -> torch.Tensor:
     """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by a FORMS kernel:
     "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel,
     "half2" int4_gemv_half2_kernel (GPU only; K a multiple of BLOCK_K), "half2x" the same with
-    PRE_X (x as prepare_x makes it, or made here); the last three take an FP16 scale (convert
-    it once, not per call)."""
+    PRE_X (x as prepare_x makes it, or made here), "half2p" that with x made here by one more
+    launch (prepare_x_launch; what a draft pays if its prologue is a kernel of its own); the
+    last four take an FP16 scale (convert it once, not per call)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
-    if form == "half2x":
+    if form == "half2p" and x.shape == (1, k):
+        x = prepare_x_launch(x)
+    if form in ("half2x", "half2p"):
         x = x if x.dtype == torch.float16 else prepare_x(x)
         if x.shape != (2, k // 2):
             raise ValueError(f"int4_gemv: half2x takes x as prepare_x makes it, (2, {k // 2})")
@@ -129,7 +143,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     args = (x.contiguous(), packed, scale, y, n, k, packed.stride(0), scale.stride(0))
     if form in F16_SCALE:
         kernel, extra = ((int4_gemv_f16_kernel, {}) if form == "f16" else
-                         (int4_gemv_half2_kernel, {"PRE_X": form == "half2x"}))
+                         (int4_gemv_half2_kernel, {"PRE_X": form != "half2"}))
         kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                      **extra)
     else:

@@ -154,3 +154,16 @@ def int4_gemv_half2_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_s
         acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
     y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * 64.0
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def prepare_x_kernel(x_ptr, out_ptr, HALF_K, BLOCK: tl.constexpr):
+    """x (1, K) -> (2, K / 2) FP16, x / 64, the even columns then the odd ones: what
+    int4_gemv_half2_kernel's PRE_X reads (int4_gemv.prepare_x is its torch twin). One launch,
+    as a draft's prologue kernel would be."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = r < HALF_K
+    x_even = tl.load(x_ptr + 2 * r, mask=inside, other=0.0).to(tl.float32) * 0.015625
+    x_odd = tl.load(x_ptr + 2 * r + 1, mask=inside, other=0.0).to(tl.float32) * 0.015625
+    tl.store(out_ptr + r, x_even.to(tl.float16), mask=inside)
+    tl.store(out_ptr + HALF_K + r, x_odd.to(tl.float16), mask=inside)

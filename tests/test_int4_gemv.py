@@ -63,8 +63,13 @@ CHILD = """
 import sys
 import torch
 sys.path.insert(0, "bench")
-from int4_gemv import check, dequantize_int4, int4_gemv, pack_nibbles, quantize_int4
+from int4_gemv import (check, dequantize_int4, int4_gemv, pack_nibbles, prepare_x,
+                       prepare_x_launch, quantize_int4)
 gen = torch.Generator().manual_seed(3)
+# the prologue kernel is its torch twin bit for bit (ragged: 100 pairs over blocks of 64)
+x = (torch.randn(1, 200, generator=gen) * 100).bfloat16()
+assert torch.equal(prepare_x_launch(x, block=64), prepare_x(x))
+print("prepare_x", prepare_x(x).shape)
 # ragged: N past the last BLOCK_N, K past the last BLOCK_K (masked bytes read as q = 0)
 for n, k, group, tile in [(37, 384, 32, (8, 256, 4)), (20, 640, 128, (16, 256, 4)),
                           (9, 192, 64, (4, 128, 4))]:
@@ -95,7 +100,7 @@ except ValueError as e:
 
 def test_triton_int4_gemv_against_dequantized():
     out = run_with_triton(CHILD)
-    assert len(out.strip().splitlines()) == 11
+    assert len(out.strip().splitlines()) == 12
 
 
 def test_int4_gemv_refuses_what_its_forms_cannot_take():
