@@ -123,7 +123,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if form in ("half2x", "half2p"):
         x = x if x.dtype == torch.float16 else prepare_x(x)
         if x.shape != (2, k // 2):
-            raise ValueError(f"int4_gemv: half2x takes x as prepare_x makes it, (2, {k // 2})")
+            raise ValueError(f"int4_gemv: {form} takes x (1, {k}) or as prepare_x makes it, "
+                             f"(2, {k // 2}); got {tuple(x.shape)}")
         x = x.view(1, k)  # (only its size is checked below)
     group = k // scale.shape[1]
     block_n, block_k, warps = tile
@@ -135,7 +136,8 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if (form in F16_SCALE) != (scale.dtype == torch.float16):
         raise ValueError(f"int4_gemv: the forms {F16_SCALE} take an FP16 scale, the others not")
     if form.startswith("half2") and k % block_k:
-        raise ValueError(f"int4_gemv: the half2 form needs K ({k}) a multiple of BLOCK_K")
+        raise ValueError(f"int4_gemv: the {form} form needs K ({k}) a multiple of BLOCK_K "
+                         f"({block_k})")
     from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_half2_kernel, int4_gemv_kernel
 
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)

@@ -112,6 +112,9 @@ def test_int4_gemv_refuses_what_its_forms_cannot_take():
         int4_gemv.int4_gemv(x, pack_nibbles(q), scale, (8, 128, 4), "half2")
     with pytest.raises(ValueError, match="multiple of BLOCK_K"):  # 384 = 1.5 x 256
         int4_gemv.int4_gemv(x, pack_nibbles(q), scale.half(), (8, 256, 4), "half2")
+    with pytest.raises(ValueError, match=r"half2x takes x .* got \(3, 128\)"):
+        int4_gemv.int4_gemv(torch.randn(3, 128).half(), pack_nibbles(q), scale.half(),
+                            (8, 128, 4), "half2x")
 
 
 @pytest.mark.gpu
