@@ -15,7 +15,7 @@ weight copies (ops.timing.graph_us, as the engine's timed choices):
   int4/G    torch's tinygemm (aten._weight_int4pack_mm, the kernel gpt-fast and torchao use;
             its best inner-K tiling) and Triton GEMVs of ours (int4_gemv_kernel, fp32
             sums, "triton", and with MAGIC, no int-to-float conversions, "magic";
-            int4_gemv_f16_kernel, FP16 sums, "f16"; int4_gemv_half2_kernel, packed FP16
+            int4_gemv_half2_kernel, packed FP16
             dequantization and sums, "half2"; with x made ready outside, "half2x", and by a
             launch of its own inside the timed graph, "half2p"; each at its best tile), each
             with a scale per G columns, symmetric, as draft_bits.round_weight
@@ -55,8 +55,8 @@ WIDE_TILES = ((2, 2048, 4), (4, 2048, 4), (16, 2048, 8), (32, 1024, 8), (32, 512
               (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8),  # (one group a step)
               (128, 128, 4), (256, 128, 4), (128, 256, 8))  # (rows past a CTA's: x reused?)
 INNER_K_TILES = (2, 4, 8)  # tinygemm's choices
-FORMS = ("triton", "magic", "f16", "half2", "half2x", "half2p")  # our kernels (int4_gemv)
-F16_SCALE = ("f16", "half2", "half2x", "half2p")  # the forms that take an FP16 scale
+FORMS = ("triton", "magic", "half2", "half2x", "half2p")  # our kernels (int4_gemv)
+F16_SCALE = ("half2", "half2x", "half2p")  # the forms that take an FP16 scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +112,13 @@ def prepare_x_launch(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               tile: tuple[int, int, int] = (8, 1024, 4), form: str = "triton") -> torch.Tensor:
     """x (1, K) @ the packed weight's dequantized transpose -> (1, N), by a FORMS kernel:
-    "triton" int4_gemv_kernel, "magic" the same with MAGIC, "f16" int4_gemv_f16_kernel,
+    "triton" int4_gemv_kernel, "magic" the same with MAGIC,
     "half2" int4_gemv_half2_kernel (GPU only; K a multiple of BLOCK_K), "half2x" the same with
     PRE_X (x as prepare_x makes it, or made here), "half2p" that with x made here by one more
     launch (prepare_x_launch; what a draft pays if its prologue is a kernel of its own); the
-    last four take an FP16 scale (convert it once, not per call)."""
+    last three take an FP16 scale (convert it once, not per call)."""
+    if form not in FORMS:
+        raise ValueError(f"int4_gemv: form {form!r} is not one of {FORMS}")
     n, k = packed.shape[0], 2 * packed.shape[1]
     if form == "half2p" and x.shape == (1, k):
         x = prepare_x_launch(x)
@@ -131,23 +133,19 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if x.shape != (1, k) or block_k % group:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} must be (1, {k}), and the tile's "
                          f"BLOCK_K {block_k} a multiple of the group {group}")
-    if form not in FORMS:
-        raise ValueError(f"int4_gemv: form {form!r} is not one of {FORMS}")
     if (form in F16_SCALE) != (scale.dtype == torch.float16):
         raise ValueError(f"int4_gemv: the forms {F16_SCALE} take an FP16 scale, the others not")
     if form.startswith("half2") and k % block_k:
         raise ValueError(f"int4_gemv: the {form} form needs K ({k}) a multiple of BLOCK_K "
                          f"({block_k})")
-    from int4_gemv_kernel import int4_gemv_f16_kernel, int4_gemv_half2_kernel, int4_gemv_kernel
+    from int4_gemv_kernel import int4_gemv_half2_kernel, int4_gemv_kernel
 
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
     grid = (-(-n // block_n),)
     args = (x.contiguous(), packed, scale, y, n, k, packed.stride(0), scale.stride(0))
     if form in F16_SCALE:
-        kernel, extra = ((int4_gemv_f16_kernel, {}) if form == "f16" else
-                         (int4_gemv_half2_kernel, {"PRE_X": form != "half2"}))
-        kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                     **extra)
+        int4_gemv_half2_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     PRE_X=form != "half2", num_warps=warps)
     else:
         int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
                                MAGIC=form == "magic", num_warps=warps)

@@ -9,11 +9,11 @@ group's sum, so the per-element work is two nibble extractions and two FMAs.
 Measured (H200, thirty-ninth and fortieth sessions, bench/RESULTS.md): that form, and torch's
 tinygemm, stop at ~4e12 weights a second whatever the size (0.47-0.49 of the copy bandwidth on a
 537 M-weight linear, where the FP8 GEMV reaches 0.95-0.99). Not for the int-to-float conversion
-(``MAGIC``, without it, runs at 0.49), nor for the FP16 form below (0.19; it gathers a scale per
-element): ncu counts ~6 instructions a weight in all of them, most of them x's loads and
-conversions, which each thread repeats for every weight, since it holds its own rows.
-``int4_gemv_half2_kernel`` with ``PRE_X`` (x ready before the kernel) needs 2.9 and reaches
-0.82 of the bandwidth.
+(``MAGIC``, without it, runs at 0.49), nor for want of FP16 arithmetic (an FP16 form that
+gathered a scale per element ran at 0.19; removed, its figures stay in RESULTS): ncu counts ~6
+instructions a weight in all of them, most of them x's loads and conversions, which each thread
+repeats for every weight, since it holds its own rows. ``int4_gemv_half2_kernel`` with
+``PRE_X`` (x ready before the kernel) needs 2.9 and reaches 0.82 of the bandwidth.
 """
 
 import triton
@@ -55,34 +55,6 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                         mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0)
         acc += sums * scale.to(tl.float32)
     y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def int4_gemv_f16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
-                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4_gemv_kernel's result with no int-to-float conversion per weight; s (N, K / GROUP)
-    in FP16. Each lane's running sum takes its group's scale per element (a broadcast load, the
-    same address across the group's lanes)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, HALF), dtype=tl.float16)
-    for k0 in range(0, K, BLOCK_K):
-        rb = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
-        inside = rb < K // 2
-        rows = (rn[:, None] < N) & inside[None, :]
-        b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=rows,
-                    other=136).to(tl.int16)
-        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        x_even = (tl.load(x_ptr + 2 * rb, mask=inside, other=0.0).to(tl.float32)
-                  * 0.015625).to(tl.float16)
-        x_odd = (tl.load(x_ptr + 2 * rb + 1, mask=inside, other=0.0).to(tl.float32)
-                 * 0.015625).to(tl.float16)
-        scale = tl.load(s_ptr + rn[:, None] * stride_sn + (2 * rb[None, :]) // GROUP,
-                        mask=rows, other=0.0)
-        acc += (lo * x_even[None, :] + hi * x_odd[None, :]) * scale
-    y = tl.sum(acc.to(tl.float32), axis=1) * 64.0
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
