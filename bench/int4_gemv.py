@@ -44,6 +44,8 @@ from gemv import FOLDS, bench_copies, fused_row, linear_shapes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from unimax.fp8 import quantize_rows  # noqa: E402
+from unimax.int4 import dequantize_int4, pack_nibbles, quantize_int4  # noqa: E402, F401
+from unimax.ops.int4_gemv import prepare_x  # noqa: E402
 from unimax.ops.timing import graph_us  # noqa: E402
 
 # The Triton kernel's tiles (BLOCK_N, BLOCK_K, warps), each tried per linear and group
@@ -59,44 +61,10 @@ FORMS = ("triton", "magic", "half2", "half2x", "half2p")  # our kernels (int4_ge
 F16_SCALE = ("half2", "half2x", "half2p")  # the forms that take an FP16 scale
 
 
-def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) -> q (N, K) int8 in -7..7 and a scale (N, K / group) in weight's dtype, absmax /
-    7 per group: draft_bits.round_weight's rounding for 4 bits, whose dequantized weight is
-    q * scale. K must be a multiple of ``group``."""
-    n, k = weight.shape
-    if k % group:
-        raise ValueError(f"int4: K {k} is not a multiple of the group {group}")
-    w = weight.float().reshape(n, k // group, group)
-    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7
-    q = torch.round(w / scale).clamp(-7, 7).to(torch.int8).reshape(n, k)
-    return q, scale.reshape(n, -1).to(weight.dtype)
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q (N, K), scale (N, K / group) -> the fp32 weight."""
-    n, k = q.shape
-    group = k // scale.shape[1]
-    return (q.float().reshape(n, -1, group) * scale.float()[..., None]).reshape(n, k)
-
-
 def stored_nibbles(q: torch.Tensor) -> torch.Tensor:
     """q in -7..7 -> the stored nibble values q + 8 (uint8, 1..15), as every layout here keeps
     them."""
     return (q.to(torch.int16) + 8).to(torch.uint8)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q (N, K) in -7..7 -> (N, K / 2) uint8: column 2j + 8 in byte j's low nibble, 2j + 1 + 8
-    in its high one (int4_gemv_kernel's layout)."""
-    u = stored_nibbles(q)
-    return u[:, 0::2] | (u[:, 1::2] << 4)
-
-
-def prepare_x(x: torch.Tensor) -> torch.Tensor:
-    """x (1, K) as the half2x form reads it: (2, K / 2) FP16, x / 64 (exact), the even columns
-    then the odd ones. (A draft would have its prologue write this; the bench makes it once,
-    outside the timed launches.)"""
-    return (x.float() * 0.015625).half().view(-1, 2).t().contiguous()
 
 
 def prepare_x_launch(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -138,7 +106,9 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if form.startswith("half2") and k % block_k:
         raise ValueError(f"int4_gemv: the {form} form needs K ({k}) a multiple of BLOCK_K "
                          f"({block_k})")
-    from int4_gemv_kernel import int4_gemv_half2_kernel, int4_gemv_kernel
+    from int4_gemv_kernel import int4_gemv_kernel
+
+    from unimax.ops.int4_gemv_kernels import int4_gemv_kernel as int4_gemv_half2_kernel
 
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
     grid = (-(-n // block_n),)

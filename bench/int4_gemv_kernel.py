@@ -12,8 +12,10 @@ tinygemm, stop at ~4e12 weights a second whatever the size (0.47-0.49 of the cop
 (``MAGIC``, without it, runs at 0.49), nor for want of FP16 arithmetic (an FP16 form that
 gathered a scale per element ran at 0.19; removed, its figures stay in RESULTS): ncu counts ~6
 instructions a weight in all of them, most of them x's loads and conversions, which each thread
-repeats for every weight, since it holds its own rows. ``int4_gemv_half2_kernel`` with
-``PRE_X`` (x ready before the kernel) needs 2.9 and reaches 0.82 of the bandwidth.
+repeats for every weight, since it holds its own rows. unimax.ops.int4_gemv_kernels'
+kernel (packed FP16 dequantization and sums) with x ready before it needs 2.9 and reaches 0.82
+of the bandwidth: the int4 draft's GEMV, which int4_gemv.py times as "half2" (x read inside),
+"half2x" (x ready) and "half2p" (x made ready by prepare_x_kernel, a launch of its own).
 """
 
 import triton
@@ -59,80 +61,10 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def nibbles_to_f16(b):
-    """(q of the low nibbles, q of the high ones) in FP16 from uint8 bytes, four bytes (eight
-    weights) in ten instructions, in PTX (the AWQ / Marlin dequantizer, spread by byte so that
-    each output keeps its byte's position): PRMT puts bytes 0, 1 (and 2, 3) in the low bytes
-    of two half-words; LOP3 (a & mask) | 0x6400 makes 1024 + low nibble and 1024 + 16 x high
-    nibble as half2; one sub.f16x2 (- 1032) and one fma.rn.f16x2 (x 1/16 - 72) leave q, all
-    exact. Outputs $0 $1 (low nibbles of bytes 0-1, 2-3) and $2 $3 (high), input $4."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 z, t, u, m, k16, k72;
-        mov.b32 z, 0;
-        prmt.b32 t, $4, z, 0x4140;
-        prmt.b32 u, $4, z, 0x4342;
-        lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
-        lop3.b32 $3, u, 0x00F000F0, 0x64006400, 0xEA;
-        mov.b32 m, 0x64086408;
-        mov.b32 k16, 0x2C002C00;
-        mov.b32 k72, 0xD480D480;
-        sub.f16x2 $0, $0, m;
-        sub.f16x2 $1, $1, m;
-        fma.rn.f16x2 $2, $2, k16, k72;
-        fma.rn.f16x2 $3, $3, k16, k72;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True,
-        pack=4)
-
-
-@triton.jit
-def int4_gemv_half2_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRE_X: tl.constexpr = False):
-    """int4_gemv_kernel's result with packed FP16 arithmetic (GPU only: inline PTX, which the
-    interpreter does not run): nibbles_to_f16, then per-lane FP16 running sums of scaled
-    products over a (BLOCK_N, groups, GROUP / 2) tile, the group's scale (FP16) a broadcast,
-    one reduction at the end. x is scaled by 1/64 first (exact), as ops.gemv's rows16; K a
-    multiple of BLOCK_K (no masks along K).
-
-    ``PRE_X``: x comes ready (int4_gemv.prepare_x: FP16, / 64, the even columns then the odd
-    ones, each contiguous). Each thread holds its own rows, so x loaded, converted and scaled
-    here is paid per weight (ncu, fortieth session: ~5.7 instructions a weight in all); ready, it
-    is two vector loads per 16 weights."""
-    HALF: tl.constexpr = GROUP // 2
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rg = tl.arange(0, GROUPS)
-    rh = tl.arange(0, HALF)
-    rows = rn[:, None, None] < N
-    acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float16)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP + rg  # (GROUPS,)
-        rb = g[:, None] * HALF + rh[None, :]  # packed byte columns (GROUPS, HALF)
-        b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :], mask=rows,
-                    other=136)
-        lo, hi = nibbles_to_f16(b)
-        if PRE_X:
-            x_even = tl.load(x_ptr + rb)
-            x_odd = tl.load(x_ptr + K // 2 + rb)
-        else:
-            x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
-            x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
-        scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
-                        other=0.0)
-        acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
-    y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * 64.0
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
 def prepare_x_kernel(x_ptr, out_ptr, HALF_K, BLOCK: tl.constexpr):
     """x (1, K) -> (2, K / 2) FP16, x / 64, the even columns then the odd ones: what
-    int4_gemv_half2_kernel's PRE_X reads (int4_gemv.prepare_x is its torch twin). One launch,
-    as a draft's prologue kernel would be."""
+    unimax.ops.int4_gemv_kernels' kernel reads (unimax.ops.int4_gemv.prepare_x is its torch
+    twin). One launch, as a draft's prologue kernel would be."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = r < HALF_K
     x_even = tl.load(x_ptr + 2 * r, mask=inside, other=0.0).to(tl.float32) * 0.015625

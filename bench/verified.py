@@ -3,7 +3,8 @@ decoding with FP8 drafts, at the draft's real acceptance and at forced acceptanc
 where a verified block's time goes.
 
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
-       [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--temperature 0.7]
+       [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--ab-draft int4]
+       [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
        [--ab-fold-blocks] [--ab-tape-apart] [--probe-every 64 128] [--kernels] [--json FILE]
@@ -51,6 +52,7 @@ import unimax.ops.in_proj_conv  # noqa: E402
 import unimax.ops.in_proj_tape  # noqa: E402
 import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
+from unimax.modes import DRAFTS  # noqa: E402
 from unimax.ops.fused_gemv import pdl_label  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
@@ -384,10 +386,10 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
 
-    def verified_engine(vocab: int | None = args.draft_vocab):
+    def verified_engine(vocab: int | None = args.draft_vocab, draft: str = args.draft):
         """A verified engine as this run's (the A/Bs' second engines too: each differs from
-        the first in its one switch, --draft-vocab included)."""
-        return build_engine(model, decode="fp8", draft=args.draft, block_size=k,
+        the first in its one switch, --draft-vocab and --draft included)."""
+        return build_engine(model, decode="fp8", draft=draft, block_size=k,
                             compile_step=True, draft_vocab=draft_vocab(vocab, peaked))
 
     start = time.perf_counter()
@@ -502,6 +504,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
         other = verified_engine(args.ab_draft_vocab)
         second_engine_rows(other, f"vocab{args.ab_draft_vocab}", args, k, parts, forced_row)
+    if args.ab_draft:  # another draft format (int4: unimax.int4), its own acceptance too
+        other = verified_engine(draft=args.ab_draft)
+        result = timed_generate(other, ids, args.new, "verified", draft_block=k)
+        emit(row_of(f"verified-{args.ab_draft}", result, weight_bytes, bandwidth, reference,
+                    model, ids))
+        second_engine_rows(other, args.ab_draft, args, k, parts, forced_row)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -629,7 +637,11 @@ def main() -> None:
                         choices=list(SHAPES))
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--block", type=int, default=8)
-    parser.add_argument("--draft", default="full", choices=["full", "tail"])
+    parser.add_argument("--draft", default="full", choices=DRAFTS)
+    parser.add_argument("--ab-draft", default=None, choices=DRAFTS,
+                        help="also a second verified engine with this draft (int4: the body in "
+                             "4 bits, unimax.int4), its natural and forced rows and its draft "
+                             "step beside the first's")
     parser.add_argument("--acceptance", type=float, nargs="*", default=[1.0, 0.95, 0.9, 0.8])
     parser.add_argument("--no-peak", dest="peak", action="store_false",
                         help="keep the random LM head as it is (flat logits)")

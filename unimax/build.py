@@ -8,6 +8,7 @@ from .engine import PREFILL_CHUNK, UniMaxEngine
 from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
+from .modes import DRAFTS
 
 # The gated delta rule kernel of the compiled step: fla's fused recurrent kernel where it runs
 # ("auto"), measured faster inside the compiled step than inductor's fusion of the torch loop
@@ -21,7 +22,9 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
                  prefill_chunk: int = PREFILL_CHUNK, draft_vocab=None) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
-    for fast and verified mode) or draft='full' (every linear; verified mode only).
+    for fast and verified mode) or draft='full' (every linear; verified mode only), or
+    draft='int4' (verified mode only, opt-in: the full draft with its body in 4 bits and its LM
+    head at FP8, unimax.int4: fewer bytes a draft step, some acceptance lost).
     Graphs are captured on CUDA by default, lazily at the first block of each size.
 
     compile_step: the fast step (unimax.fast_step), CUDA only: the decoder runs a view of its
@@ -36,9 +39,9 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
 
     prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact).
 
-    draft_vocab (decode='fp8', draft='full'): the draft's LM head scores only these tokens (the
-    ids, e.g. draft_vocab.ranked_ids; a number N: ids 0..N-1, for speed benches), reading N of
-    its rows (unimax.draft_vocab). Off: None."""
+    draft_vocab (decode='fp8', draft='full' or 'int4'): the draft's LM head scores only these
+    tokens (the ids, e.g. draft_vocab.ranked_ids; a number N: ids 0..N-1, for speed benches),
+    reading N of its rows (unimax.draft_vocab). Off: None."""
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):
@@ -47,14 +50,15 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     if decode == "bf16":
         decode_model, state_safe = model, True
     elif decode == "fp8":
-        if draft not in ("tail", "full"):
-            raise ValueError(f"unknown draft {draft!r}; use 'tail' or 'full'")
+        if draft not in DRAFTS:
+            raise ValueError(f"unknown draft {draft!r}; use one of {', '.join(DRAFTS)}")
         decode_model = quantize_view(model, draft, mode=fp8_mode, vocab=draft_vocab)
         state_safe = draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
     if draft_vocab is not None and decode != "fp8":
-        raise ValueError("draft_vocab is for the full FP8 draft (decode='fp8', draft='full')")
+        raise ValueError("draft_vocab is for the full FP8 draft or the int4 one (decode='fp8', "
+                         "draft='full' or 'int4')")
     if compile_step not in (True, False, "auto"):
         raise ValueError(f"compile_step must be True, False or 'auto', got {compile_step!r}")
     reason = fast_step_unavailable(model.device) if compile_step else None

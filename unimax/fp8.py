@@ -157,17 +157,21 @@ def tail_linear_names(model) -> list[str]:
 
 def quantize_view(model, kind: str = "tail", mode: str | None = None, vocab=None):
     """The model with FP8 linears: ``tail`` (state-safe) or ``full`` (every linear: a draft for
-    verified mode only, since it changes the states). ``vocab`` (``full`` only): its LM head
-    scores those tokens only (unimax.draft_vocab: a number N for ids 0..N-1, or the ids)."""
+    verified mode only, since it changes the states), or ``int4``: the full draft with its body
+    in 4 bits (unimax.int4: every linear but the LM head, which stays FP8; one whose columns no
+    int4 group divides stays FP8 too). ``vocab`` (``full``, ``int4``): its LM head scores those
+    tokens only (unimax.draft_vocab: a number N for ids 0..N-1, or the ids)."""
     if kind == "tail":
         names = tail_linear_names(model)
-    elif kind == "full":
+    elif kind in ("full", "int4"):
         names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     else:
-        raise ValueError(f"unknown quantization kind {kind!r}; use 'tail' or 'full'")
-    if vocab is not None and kind != "full":
-        raise ValueError("a draft vocabulary (draft_vocab) is for the full draft only: it "
-                         "limits what the decoder can emit, and only verified mode checks that")
+        raise ValueError(f"unknown quantization kind {kind!r}; use 'tail', 'full' or "
+                         "'int4'")
+    if vocab is not None and kind == "tail":
+        raise ValueError("a draft vocabulary (draft_vocab) is for a full draft only (full, "
+                         "int4): it limits what the decoder can emit, and only verified mode "
+                         "checks that")
     view = shallow_view(model)
     for name in names:
         if name == "lm_head" and vocab is not None:
@@ -178,6 +182,19 @@ def quantize_view(model, kind: str = "tail", mode: str | None = None, vocab=None
             continue
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
-        setattr(parent, child, FP8Linear(getattr(parent, child), mode=mode))
+        linear = getattr(parent, child)
+        setattr(parent, child, draft_linear(linear, kind, name == "lm_head", mode))
     view.quantized = kind
     return view
+
+
+def draft_linear(linear: nn.Linear, kind: str, head: bool, mode: str | None) -> nn.Module:
+    """``linear`` as the ``kind`` view stores it: int4 for the int4 draft's body where a group
+    divides its columns, FP8 otherwise."""
+    if kind == "int4" and not head:
+        from .int4 import Int4Linear, group_for  # (int4 builds on the ops, not on this module)
+
+        group = group_for(linear.in_features)
+        if group is not None:
+            return Int4Linear(linear, group)
+    return FP8Linear(linear, mode=mode)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The views decode="fp8" runs (unimax.fp8.quantize_view): "tail" (the final MLP and the LM head
+# at FP8; state-safe, for fast and verified mode), "full" (every linear FP8) and "int4" (the
+# body in 4 bits, the head FP8; opt-in): those two are drafts for verified mode only.
+DRAFTS = ("tail", "full", "int4")
+
 
 @dataclass(frozen=True)
 class Mode:

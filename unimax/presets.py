@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from .modes import MODES
+from .modes import DRAFTS, MODES
 from .settings import GenerationSettings, SettingsError, is_int
 
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
@@ -24,7 +24,8 @@ class Preset:
     device: str = "auto"
     mode: str = "fp8"
     block_size: int = 8
-    draft: str = "tail"  # verified mode's draft: tail (state-safe) or full (every linear FP8)
+    draft: str = "tail"  # verified mode's draft: tail (state-safe), full (every linear FP8)
+    # or int4 (the body in 4 bits, the head FP8; opt-in: modes.DRAFTS)
     # Verified mode's full draft scores only this many tokens, the most frequent in
     # draft_vocab_text (and the stop ids): a faster draft step on large vocabularies, exact
     # output either way, lower acceptance for each reply token outside them (docs/design.md)
@@ -50,7 +51,7 @@ class Preset:
         _check(self.mode in MODES, "mode", self.mode, ", ".join(MODES))
         _check(is_int(self.block_size) and 1 <= self.block_size <= 64, "block_size",
                self.block_size, "an integer in 1..64")
-        _check(self.draft in ("tail", "full"), "draft", self.draft, "tail, full")
+        _check(self.draft in DRAFTS, "draft", self.draft, ", ".join(DRAFTS))
         self._check_draft_vocab()
         _check(self.compile_step in (True, False, "auto"), "compile_step", self.compile_step,
                "auto (on where CUDA and Triton run), true or false")
@@ -79,9 +80,9 @@ class Preset:
             _check(self.draft_vocab_text == "", "draft_vocab_text", self.draft_vocab_text,
                    "empty unless draft_vocab is set (it ranks draft_vocab's tokens)")
             return
-        _check(self.draft == "full", "draft_vocab", self.draft_vocab,
+        _check(self.draft != "tail", "draft_vocab", self.draft_vocab,
                "null with draft: tail (the tail draft reads the full LM head); set draft: full "
-               "to use it")
+               "(or int4) to use it")
         _check(self.draft_vocab_text != "", "draft_vocab_text", self.draft_vocab_text,
                "a UTF-8 text file like the chats served, whose most frequent tokens the draft "
                "scores (required with draft_vocab)")

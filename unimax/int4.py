@@ -1,0 +1,107 @@
+"""Int4 linears for an opt-in draft: every linear of the body in 4 bits with an FP16 scale per
+group of columns, the LM head at FP8 (``quantize_view(model, "int4")``; build_engine's
+``draft="int4"``), for verified mode only.
+
+Why a second draft format beside the full-FP8 one: at 4B on the H200 the FP8 draft step costs
+0.64 of a BF16 step, about half of it the weights' bytes, and the block model wants <= 0.6 for
+verified mode to gain at acceptance 0.95. Four bits halve those bytes: the body's four linears
+take ~1050 us a step in int4 against ~1470 in the fused FP8 forms (bench/int4_gemv.py,
+fortieth and forty-first sessions). What it costs: acceptance (the demo model kept 0.94 of its
+drafts with int4/128 and an FP8 head against FP8's 0.963, bench/draft_bits.py). The verified
+output is the exact model's greedy tokens whatever the draft computes.
+
+The format is bench/draft_bits.py's ``int4/G``: symmetric, q = round(w / s) in -7..7, s = the
+group's absmax / 7, stored as q + 8, column 2j in byte j's low nibble and 2j + 1 in its high
+one (ops.int4_gemv reads that layout); the scale in FP16 (a group whose absmax is below ~4e-7
+rounds to zero there: its weights are lost, a draft's rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops.int4_gemv import int4_matvec, prepare_x, rounded_x
+
+GROUP = 128  # columns per scale (draft_bits' int4/128)
+
+
+def group_for(k: int) -> int | None:
+    """The group size for K columns: GROUP, or the largest power of two >= 16 dividing K for a
+    small model's narrower linears; None where none does (that linear stays FP8)."""
+    group = GROUP
+    while group >= 16:
+        if k % group == 0:
+            return group
+        group //= 2
+    return None
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> q (N, K) int8 in -7..7 and a scale (N, K / group) in weight's dtype, absmax /
+    7 per group (draft_bits.round_weight's rounding for 4 bits): the weight is q * scale."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"int4: K {k} is not a multiple of the group {group}")
+    w = weight.float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7
+    q = torch.round(w / scale).clamp(-7, 7).to(torch.int8).reshape(n, k)
+    return q, scale.reshape(n, -1).to(weight.dtype)
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q (N, K), scale (N, K / group) -> the fp32 weight."""
+    n, k = q.shape
+    group = k // scale.shape[1]
+    return (q.float().reshape(n, -1, group) * scale.float()[..., None]).reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in -7..7 -> (N, K / 2) uint8: q + 8 of column 2j in byte j's low nibble, of
+    2j + 1 in its high one."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: (N, K / 2) uint8 -> q (N, K) int8."""
+    q = torch.stack(((packed & 15).to(torch.int8), (packed >> 4).to(torch.int8)), dim=-1)
+    return (q - 8).reshape(packed.shape[0], -1)
+
+
+def quantize_packed(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored form: (packed (N, K / 2) uint8, scale (N, K / group) float16)."""
+    q, scale = quantize_int4(weight, group)
+    return pack_nibbles(q), scale.to(torch.float16)
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequantize_int4(unpack_nibbles(packed), scale)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T with W in 4 bits (module docstring). One row of x on CUDA: the Triton GEMV
+    (ops.int4_gemv) on x made ready by ``prepare_x``; anything else: the twin (the weight
+    dequantized, fp32 sums), as the FP8 linears' emulation does."""
+
+    def __init__(self, linear: nn.Linear, group: int):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int4Linear supports bias-free linears only (every GDN linear is)")
+        self.in_features, self.out_features, self.group = (linear.in_features,
+                                                           linear.out_features, group)
+        packed, scale = quantize_packed(linear.weight.detach(), group)
+        self.register_buffer("weight", packed)  # (named as the other linears': shapes, device)
+        self.register_buffer("weight_scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and x2.shape[0] == 1:
+            y = int4_matvec(prepare_x(x2), self.weight, self.weight_scale, x.dtype)
+        else:  # (x rounded as the kernel takes it)
+            weight = dequantize_packed(self.weight, self.weight_scale)
+            y = ((rounded_x(x2).float() * 64.0) @ weight.t()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, int4/{self.group}"
