@@ -101,6 +101,10 @@ SWITCH_ABS = (
              "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
              "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
              "verify block side by side", verify=True),
+    SwitchAB("--ab-int4-unfused", unimax.fused_draft, "FUSE_INT4", False, "int4_unfused",
+             "with --draft int4: a second verified engine whose int4 draft runs its blocks "
+             "unfused (unimax.fused_draft.FUSE_INT4 off: the norms, gates and x made ready in "
+             "inductor's kernels, the GEMVs apart): forced rows and draft step side by side"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

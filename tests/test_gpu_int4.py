@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import unimax
+import unimax.fused_draft as fused_draft
 from helpers import gpu_model
 from helpers import gpu_prompt as prompt
 from unimax import build_engine
@@ -42,8 +43,50 @@ def test_int4_kernel_is_its_twin(n, k, group):
     assert (n, k, group) in int4_gemv.CHOICES  # (timed once, kept)
 
 
+def test_int4_fused_kernel_is_its_twin():
+    """The fused int4 GEMV (ops.int4_fused) at a 4B draft's four linears, with their prologues
+    and epilogues (the in-projection's convolution and beta, the residuals), at every tile
+    they take, against the twin; the conv window rolled."""
+    from unimax.int4 import quantize_packed
+    from unimax.ops.int4_fused import int4_fused, int4_fused_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    hidden, value, mlp = 2560, 4096, 9216
+    cases = [  # (N, K, prologue, x, z, norm weight, residual?, conv?)
+        (12352, hidden, "rms", randn(1, hidden, scale=3), None, 1 + randn(hidden, scale=0.1),
+         False, True),
+        (hidden, value, "gated_silu", randn(1, value), randn(1, value), 1 + randn(128,
+                                                                              scale=0.1),
+         True, False),
+        (2 * mlp, hidden, "rms", randn(1, hidden, scale=3), None, 1 + randn(hidden, scale=0.1),
+         False, False),
+        (hidden, mlp, "swiglu", randn(1, 2 * mlp), None, None, True, False)]
+    for n, k, prologue, x, z, norm, res, conv in cases:
+        packed, scale = quantize_packed(torch.randn(n, k, device="cuda", generator=gen) / 50,
+                                        128)
+        residual = randn(1, n) if res else None
+        conv_w, state, beta = (randn(8192, 4), randn(1, 8192, 4), (12320, 32, False)) \
+            if conv else (None, None, None)
+        want_state = None if state is None else state.clone()
+        ref = int4_fused_ref(x, packed, scale, prologue, norm, z, residual, 1e-6, 0.0,
+                             want_state, conv_w, beta)
+        for tile in int4_gemv.tiles_for(k, 128):
+            got_state = None if state is None else state.clone()
+            y = int4_fused(x, packed, scale, prologue, norm, z, residual, 1e-6, 0.0, got_state,
+                           conv_w, beta, tile=tile)
+            assert rel(y, ref) < 1e-2, (n, k, prologue, tile, rel(y, ref))
+            if conv:
+                assert torch.equal(got_state[..., :3], state[..., 1:])
+                assert rel(got_state[..., 3], want_state[..., 3]) < 1e-2
+
+
 def test_int4_draft_engine_on_gpu():
-    """The int4 draft compiled over the GEMV: graphs decode what it decodes eagerly; verified
+    """The int4 draft compiled (its blocks fused: ops.int4_fused): graphs decode what it decodes
+    eagerly, its one-token steps the unfused int4 draft's logits up to rounding; verified
     mode with it (its graphs captured as blocks need them) gives the one-token exact
     reference up to near-ties."""
     model = gpu_model()
@@ -52,7 +95,23 @@ def test_int4_draft_engine_on_gpu():
     assert sum(isinstance(m, Int4Linear) for m in graphs.decode_model.modules()) == 16
     eager = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
                          use_graphs=False)
+    assert all(block.fused for block in graphs.decode_model.layers)
     assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
+    fused_draft.FUSE_INT4 = False
+    try:
+        unfused = build_engine(model, decode="fp8", draft="int4", block_size=8,
+                               compile_step=True).decode_model
+    finally:
+        fused_draft.FUSE_INT4 = True
+    assert not any(getattr(block, "fused", False) for block in unfused.layers)
+    fused = graphs.decode_model
+    caches = fused.make_recurrent_cache(), unfused.make_recurrent_cache()
+    with torch.inference_mode():  # (eager one-token steps: the fused ops against the plain)
+        for token in x[0, :12]:
+            ids = token.view(1, 1)
+            a, b = (view(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                    for view, cache in zip((fused, unfused), caches, strict=True))
+            assert rel(a, b) < 2e-2, rel(a, b)
     got, report = graphs.generate_verified(x, 64)
     reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
     divergence = first_divergence(model, x, got[0].tolist(), reference)

@@ -41,12 +41,17 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8Linear
+from .int4 import Int4Linear
 from .ops import in_proj_conv
 from .ops.fused_gemv import fused_small_m_linear
 from .ops.in_proj_conv import fused_in_proj_conv
+from .ops.int4_fused import int4_fused_linear, int4_in_proj_conv
 
 FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
+# the int4 draft's blocks too (ops.int4_fused; its kernel checked on the interpreter and, from
+# the forty-first session's code on, awaiting its first GPU run: bench/verified.py --draft int4)
+FUSE_INT4 = True
 # Blocks fold forwards of up to this many rows (the block's ``fold_rows``, set by fuse_blocks;
 # at most ops.gemv.GEMV_ROWS): one, the steps and the verifier's one-token forwards. The
 # verifier's blocks fold too where its view asks (unimax.verifier.FOLD_BLOCKS: the tensor-core
@@ -59,7 +64,10 @@ def fusable(linear) -> bool:
     """A linear whose decode GEMV the fused kernel replaces: an FP8 linear in the Triton GEMV's
     mode on a GPU with FP8 (the same kernel family), or the CPU's emulation (where the op runs
     the twin, the emulation's own arithmetic); or a BF16 GemvLinear marked ``fused``
-    (``fuse_blocks(bf16=True)``)."""
+    (``fuse_blocks(bf16=True)``); an Int4Linear with ``FUSE_INT4`` (ops.int4_fused: the
+    kernel on CUDA, its twin elsewhere)."""
+    if isinstance(linear, Int4Linear):
+        return FUSE_INT4
     if isinstance(linear, FP8Linear):
         return linear.mode == "fp8_gemv" or (linear.mode == "emulated"
                                              and not linear.weight.is_cuda)
@@ -72,6 +80,11 @@ def fused_linear(linear, x: torch.Tensor, prologue: str, norm=None,
     """``linear(prologue(x)) (+ residual)`` for x (M, ...) through the fused GEMV; ``linear``:
     a ``fusable`` one (FP8, or a marked GemvLinear: no scales); ``norm``: the RMSNorm or
     GatedRMSNorm module whose weight, eps (and offset) the prologue takes."""
+    if isinstance(linear, Int4Linear):
+        return int4_fused_linear(x, linear.weight, linear.weight_scale, prologue,
+                                 None if norm is None else norm.weight, z, residual,
+                                 1e-6 if norm is None else norm.eps,
+                                 getattr(norm, "offset", 0.0))
     return fused_small_m_linear(
         x, linear.weight, getattr(linear, "weight_scale", None), linear.out_features,
         linear.in_features,
@@ -86,6 +99,11 @@ def fused_in_proj_conv_linear(mixer, x: torch.Tensor, norm, state,
     mixer's rounded write strength (the op's beta epilogue)."""
     linear, cfg = mixer.in_proj, mixer.config
     heads = cfg.num_v_heads if beta else 0
+    if isinstance(linear, Int4Linear):
+        return int4_in_proj_conv(x, linear.weight, linear.weight_scale, norm.weight, norm.eps,
+                                 getattr(norm, "offset", 0.0), state.conv_states[0],
+                                 mixer.conv_weight, cfg.conv_dim + cfg.value_dim, heads,
+                                 cfg.allow_neg_eigval)
     return fused_in_proj_conv(x, linear.weight, getattr(linear, "weight_scale", None),
                               linear.out_features, linear.in_features, norm.weight, norm.eps,
                               getattr(norm, "offset", 0.0), state.conv_states[0],

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .gemv import tile_text, timed_choice
+from .gemv import _interpreted, tile_text, timed_choice
 
 # (BLOCK_N, BLOCK_K, warps): those that won a 4B or 0.8B draft linear, or the 537 M-weight one,
 # on the H200 (bench/int4_gemv.py), and smaller ones; a shape takes those whose BLOCK_K divides
@@ -63,7 +63,7 @@ def tiles_for(k: int, group: int) -> tuple[tuple[int, int, int], ...]:
 
 def launch(ready: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
            out_dtype: torch.dtype, tile: tuple[int, int, int]) -> torch.Tensor:
-    """One launch of the kernel at ``tile`` (CUDA)."""
+    """One launch of the kernel at ``tile`` (CUDA, or the interpreter: no PTX there)."""
     from .int4_gemv_kernels import int4_gemv_kernel
 
     n, k = packed.shape[0], 2 * packed.shape[1]
@@ -71,7 +71,8 @@ def launch(ready: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(1, n, device=ready.device, dtype=out_dtype)
     int4_gemv_kernel[(-(-n // block_n),)](ready, packed, scale, y, n, k, packed.stride(0),
                                          scale.stride(0), GROUP=k // scale.shape[1],
-                                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                                         BLOCK_N=block_n, BLOCK_K=block_k,
+                                         PTX=not _interpreted(), num_warps=warps)
     return y
 
 

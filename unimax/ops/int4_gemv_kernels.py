@@ -1,9 +1,13 @@
-"""The Triton kernel behind unimax.ops.int4_gemv (imported by it lazily, on CUDA only: its
-dequantizer is inline PTX, which Triton's CPU interpreter does not run). Dispatch and the tile
-choice live there; the layout is unimax.int4's."""
+"""The Triton kernels behind unimax.ops.int4_gemv and unimax.ops.int4_fused (imported by them
+lazily). Their dequantizer is inline PTX, which Triton's CPU interpreter does not run: with
+``PTX`` off (the interpreter tests) ``nibbles`` takes plain integer arithmetic to the same
+values, so the rest of each kernel is checked on the CPU too. Dispatch and the tile choice live
+in those modules; the layout is unimax.int4's."""
 
 import triton
 import triton.language as tl
+
+from .fused_gemv_kernels import finish, row_rstd, x_loads, x_math
 
 
 @triton.jit
@@ -37,9 +41,50 @@ def nibbles_to_f16(b):
 
 
 @triton.jit
+def nibbles(b, PTX: tl.constexpr):
+    """nibbles_to_f16, or with PTX off the same values by integer arithmetic (exact)."""
+    if PTX:
+        lo, hi = nibbles_to_f16(b)
+    else:
+        u = b.to(tl.int32)
+        lo = ((u & 15) - 8).to(tl.float16)
+        hi = ((u >> 4) - 8).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def half2_sums(x_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_X: tl.constexpr,
+               PTX: tl.constexpr):
+    """Rows rn of dequant(W) . x in fp32 (BLOCK_N,): see int4_gemv_kernel."""
+    HALF: tl.constexpr = GROUP // 2
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    rg = tl.arange(0, GROUPS)
+    rh = tl.arange(0, HALF)
+    rows = rn[:, None, None] < N
+    acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float16)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP + rg  # (GROUPS,)
+        rb = g[:, None] * HALF + rh[None, :]  # packed byte columns (GROUPS, HALF)
+        b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :], mask=rows,
+                    other=136)
+        lo, hi = nibbles(b, PTX)
+        if PRE_X:
+            x_even = tl.load(x_ptr + rb)
+            x_odd = tl.load(x_ptr + K // 2 + rb)
+        else:
+            x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
+            x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
+        scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
+                        other=0.0)
+        acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
+    return tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * 64.0
+
+
+@triton.jit
 def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRE_X: tl.constexpr = True):
+                     PRE_X: tl.constexpr = True, PTX: tl.constexpr = True):
     """y (1, N) = x (1, K) @ dequant(W).T with packed FP16 arithmetic: nibbles_to_f16, then
     per-lane FP16 running sums of scaled products over a (BLOCK_N, groups, GROUP / 2) tile, the
     group's scale (FP16) a broadcast, one fp32 reduction at the end, times 64. K a multiple of
@@ -50,27 +95,47 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
     kernel reads x (1, K) and makes it so itself: each thread holds its own rows, so that work
     is paid per weight, and ncu counted 5.7 instructions a weight against 2.9 ready, 0.52 of
     the H200's copy bandwidth against 0.82 (bench/int4_gemv.py compares the two)."""
-    HALF: tl.constexpr = GROUP // 2
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rg = tl.arange(0, GROUPS)
-    rh = tl.arange(0, HALF)
-    rows = rn[:, None, None] < N
-    acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float16)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP + rg  # (GROUPS,)
-        rb = g[:, None] * HALF + rh[None, :]  # packed byte columns (GROUPS, HALF)
-        b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :], mask=rows,
-                    other=136)
-        lo, hi = nibbles_to_f16(b)
-        if PRE_X:
-            x_even = tl.load(x_ptr + rb)
-            x_odd = tl.load(x_ptr + K // 2 + rb)
-        else:
-            x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
-            x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
-        scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
-                        other=0.0)
-        acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
-    y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * 64.0
+    y = half2_sums(x_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
+                   BLOCK_K, PRE_X, PTX)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def int4_fused_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ready_ptr, N, K,
+                      stride_wn, stride_sn, eps, offset, cs_ptr, cw_ptr, C, stride_csm, B0, NB,
+                      PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
+                      HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRE_BLOCK: tl.constexpr,
+                      CONV_W: tl.constexpr = 0, CONV_WP: tl.constexpr = 1,
+                      BETA: tl.constexpr = 0, PTX: tl.constexpr = True):
+    """y (1, N) = prologue(x) @ dequant(W)^T (+ r), one row: the int4 draft's linear with the
+    small kernel before it folded in, as the FP8 draft's fused GEMVs fold theirs
+    (fused_gemv_kernels: the same prologues PRO, x_loads / x_math, and the same epilogue,
+    ``finish``: the convolution CONV_W, beta BETA, the residual).
+
+    Why not the FP8 kernels' way, x's slice made per tile inside the K loop: an int4 GEMV's
+    threads hold their own rows, so per-tile work on x is paid per weight, and that is what
+    held every int4 kernel near half the bandwidth (ops.int4_gemv). Here each program first
+    runs the prologue over all of x once, in slices of PRE_BLOCK (whole heads for a gated
+    prologue), and writes it ready (FP16, / 64, even columns then odd: ops.int4_gemv's
+    prepare_x) to ``ready`` (K FP16 values, one buffer for the launch); then a barrier; then
+    the GEMV of int4_gemv_kernel reads it. Every program writes the same values there, so
+    what any program reads after its own writes is its own value whichever program wrote it
+    last; launches on one stream do not overlap (no PDL on these). The prologue costs each
+    program ~K / threads elements, against BLOCK_N x K / threads weights."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = 1.0
+    if PRO == 1:
+        rstd = row_rstd(x_ptr, 0, K, 0, eps, KP, PRE_BLOCK)
+    for k0 in range(0, K, PRE_BLOCK):
+        rk = k0 + tl.arange(0, PRE_BLOCK)
+        x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, 0, rk, K, 0, 0, PRO, HEAD)
+        x = x_math(x, a, b, rstd, eps, offset, PRO, HEAD, PRE_BLOCK).to(tl.float32)
+        x16 = tl.clamp(x * 0.015625, -65504.0, 65504.0).to(tl.float16)
+        tl.store(ready_ptr + (rk % 2) * (K // 2) + rk // 2, x16, mask=rk < K)
+    tl.debug_barrier()  # (this program's writes seen by all its threads)
+    y = half2_sums(ready_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
+                   BLOCK_K, True, PTX)
+    finish(y, rn, 0, 0, 0, N, s_ptr, r_ptr, y_ptr, y_ptr, y_ptr, 0, 0, cs_ptr, cw_ptr, C,
+           stride_csm, B0, NB, False, HAS_RES, 1, CONV_W, CONV_WP, BETA)
