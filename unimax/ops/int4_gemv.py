@@ -8,7 +8,9 @@ every weight; with x loaded, converted and scaled inside, every int4 kernel meas
 (ours, and torch's tinygemm) stopped near 0.5 of the copy bandwidth at ~6 instructions a weight,
 issue-bound, and with x ready the same kernel needed 2.9 and reached 0.82 (bench/int4_gemv.py,
 bench/RESULTS.md, fortieth session). Inside a compiled step ``prepare_x`` is plain torch, so
-inductor folds it into the kernel that makes x (the RMSNorm, the gated norm, the SwiGLU).
+inductor folds it into the kernel that makes x (the RMSNorm, the gated norm, the SwiGLU); where
+the draft's blocks are fused (unimax.fused_draft, the default) ops.int4_fused makes x ready in
+the GEMV's own launch instead, and this op serves Int4Linear's plain forward.
 
 ``int4_matvec`` is a torch custom op (``unimax::int4_matvec``) with a fake kernel, so a compiled
 step traces through it without a graph break; it chooses its tile once per shape at first use,
