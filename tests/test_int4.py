@@ -148,3 +148,25 @@ def test_int4_draft_names_are_checked():
     assert Preset(model="tiny-random", draft="int4").draft == "int4"
     with pytest.raises(PresetError, match="allowed: tail, full, int4"):
         Preset(model="tiny-random", draft="int5")
+
+
+def test_a_preset_with_the_int4_draft_serves_exact_replies():
+    """What a user sets: ``draft: int4`` in a preset. The service's verified mode drafts with
+    int4 linears and replies the exact greedy reply; the page's header names the draft."""
+    from test_service import reference_reply, reply_tokens, run, user
+
+    from ui.page import header
+    from unimax.service import EngineService, GenerationSettings
+
+    preset = Preset(model="tiny-random", block_size=4, draft="int4",
+                    generation=GenerationSettings(max_new_tokens=16))
+    service = EngineService(preset).start()
+    try:
+        events = run(service, "one", [user("tea")], mode="verified", max_new_tokens=16)
+        assert events[-1].kind == "done", events[-1].text
+        draft = service.engines["verified"].decode_model
+        assert any(isinstance(m, Int4Linear) for m in draft.modules())
+        assert reply_tokens(service, events) == reference_reply(service, [user("tea")], 16)
+        assert header(service, preset).endswith("verified draft `int4`")
+    finally:
+        service.stop()
