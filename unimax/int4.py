@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops.int4_gemv import int4_matvec, prepare_x, rounded_x
+from .ops.int4_gemv import int4_linear_ref, int4_matvec, prepare_x
 
 GROUP = 128  # columns per scale (draft_bits' int4/128)
 
@@ -102,9 +102,8 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.is_cuda and x2.shape[0] == 1:
             y = int4_matvec(prepare_x(x2), self.weight, self.weight_scale, x.dtype)
-        else:  # (x rounded as the kernel takes it)
-            weight = dequantize_packed(self.weight, self.weight_scale)
-            y = ((rounded_x(x2).float() * 64.0) @ weight.t()).to(x.dtype)
+        else:
+            y = int4_linear_ref(x2, self.weight, self.weight_scale)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -61,6 +61,14 @@ def fused_in_proj_conv_ref(x, weight, scale, out_features: int, in_features: int
     channels' write strength (ops.decode_step.write_strength), with beta_heads."""
     y = fused_small_m_linear_ref(x, weight, scale, out_features, in_features, "rms",
                                  norm_weight, None, None, eps, offset)
+    return conv_and_beta_ref(y, conv_state, conv_weight, beta_start, beta_heads, beta_double)
+
+
+def conv_and_beta_ref(y, conv_state, conv_weight, beta_start: int = -1, beta_heads: int = 0,
+                      beta_double: bool = False) -> torch.Tensor:
+    """The epilogue's twin on a projection y: its first C channels through the convolution,
+    the state written with copy_, then the b channels' write strength with beta_heads (also
+    ops.int4_fused's twin)."""
     channels = conv_weight.shape[0]
     conv, window = causal_conv1d_step(y[:, None, :channels], conv_weight,
                                       conv_state[:, :channels])

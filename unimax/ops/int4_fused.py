@@ -21,13 +21,10 @@ from typing import Optional
 
 import torch
 
-from ..int4 import dequantize_packed
-from .conv import causal_conv1d_step
-from .decode_step import write_strength
 from .fused_gemv import PROLOGUES, _head, check, check_conv, prologue_ref
 from .gemv import _interpreted, tile_text, timed_choice
-from .in_proj_conv import check_beta
-from .int4_gemv import _tile, rounded_x, tiles_for
+from .in_proj_conv import check_beta, conv_and_beta_ref
+from .int4_gemv import _tile, check_storage, int4_linear_ref, tiles_for
 
 PRE_BLOCK = 1024  # the prologue's slice of x (at least one head)
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, conv?, N, K, group) -> tile text
@@ -36,19 +33,12 @@ CHOICES: dict[tuple, str] = {}  # (prologue, residual?, conv?, N, K, group) -> t
 def int4_fused_ref(x, packed, scale, prologue: str, norm_weight=None, z=None, residual=None,
                    eps: float = 1e-6, offset: float = 0.0, conv_state=None, conv_weight=None,
                    beta: tuple[int, int, bool] | None = None) -> torch.Tensor:
-    """The twin (module docstring); conv_state rolled in place with conv_weight."""
+    """The twin (module docstring); conv_state rolled in place with conv_weight, and beta
+    (the in-projection's) with it."""
     xin = prologue_ref(x, prologue, 2 * packed.shape[1], norm_weight, z, eps, offset)
-    weight = dequantize_packed(packed, scale)
-    y = ((rounded_x(xin).float() * 64.0) @ weight.t()).to(x.dtype)
+    y = int4_linear_ref(xin, packed, scale)
     if conv_weight is not None:
-        channels = conv_weight.shape[0]
-        conv, window = causal_conv1d_step(y[:, None, :channels], conv_weight,
-                                          conv_state[:, :channels])
-        conv_state[:, :channels].copy_(window)
-        y = torch.cat([conv[:, 0], y[:, channels:]], dim=1)
-    if beta is not None:
-        end = beta[0] + beta[1]
-        y[:, beta[0]:end] = write_strength(y[:, beta[0]:end], beta[2])
+        y = conv_and_beta_ref(y, conv_state, conv_weight, *(beta or (-1, 0, False)))
     return y if residual is None else residual + y
 
 
@@ -57,11 +47,7 @@ def check_int4(x, packed, scale, prologue: str, norm_weight, z, residual) -> Non
     int4 storage."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     check(x, torch.empty(n, k, device="meta"), n, k, prologue, norm_weight, z, residual)
-    if packed.dtype != torch.uint8 or scale.dtype != torch.float16 or scale.shape[0] != n \
-            or k % scale.shape[1]:
-        raise ValueError(f"int4_fused: packed (N, K / 2) uint8 and scale (N, K / group) "
-                         f"float16 (unimax.int4.quantize_packed); got {packed.dtype} "
-                         f"{tuple(packed.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    check_storage(packed, scale, "int4_fused")
 
 
 def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residual=None,
@@ -81,6 +67,8 @@ def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residu
     group = k // scale.shape[1]
     if conv_state is not None:
         check_conv(x, n, conv_state, conv_weight)
+    elif beta is not None:
+        raise ValueError("int4_fused: beta is the in-projection's, with the convolution")
     block_n, block_k, warps = tile or tiles_for(k, group)[0]
     head = _head(prologue, norm_weight)
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)

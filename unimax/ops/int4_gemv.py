@@ -57,6 +57,15 @@ def int4_matvec_ref(ready: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     return (unprepare_x(ready) @ dequantize_packed(packed, scale).t()).to(out_dtype)
 
 
+def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ dequant(W)^T in x's dtype, x rounded as the kernel takes it (rounded_x) and
+    fp32 sums: the twin for any number of rows (Int4Linear's, ops.int4_fused's)."""
+    from ..int4 import dequantize_packed
+
+    weight = dequantize_packed(packed, scale)
+    return ((rounded_x(x).float() * 64.0) @ weight.t()).to(x.dtype)
+
+
 def tiles_for(k: int, group: int) -> tuple[tuple[int, int, int], ...]:
     """The INT4_TILES that fit K and the group, or one of a single group a step if none does."""
     fit = tuple(t for t in INT4_TILES if t[1] % group == 0 and k % t[1] == 0)
@@ -104,10 +113,15 @@ def check_args(ready: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
         raise ValueError(f"int4_matvec: x must come as prepare_x makes it, (2, {k // 2}) "
                          f"float16, for a packed weight of K = {k}; got {tuple(ready.shape)} "
                          f"{ready.dtype}")
+    check_storage(packed, scale, "int4_matvec")
+
+
+def check_storage(packed: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """Names a weight not stored as unimax.int4 stores it (``what``: the caller)."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.float16 or \
-            scale.shape[0] != packed.shape[0] or k % scale.shape[1]:
-        raise ValueError(f"int4_matvec: packed (N, K / 2) uint8 and scale (N, K / group) "
-                         f"float16 (unimax.int4.quantize_packed); got {packed.dtype} "
+            scale.shape[0] != packed.shape[0] or (2 * packed.shape[1]) % scale.shape[1]:
+        raise ValueError(f"{what}: packed (N, K / 2) uint8 and scale (N, K / group) float16 "
+                         f"(unimax.int4.quantize_packed); got {packed.dtype} "
                          f"{tuple(packed.shape)} and {scale.dtype} {tuple(scale.shape)}")
 
 
