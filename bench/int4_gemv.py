@@ -24,8 +24,12 @@ GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
 Prints us and the fraction of the copy bandwidth per linear, and the per-step sums.
 
+--fused: the fused int4 kernel (ops.int4_fused, what the compiled int4 draft runs) per draft
+linear at every tile, beside half2x on ready x at the same tile: what the prologue run by
+each program costs.
+
 usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--wide]
-       [--linears 65536x4096 ...] [--json FILE]
+       [--linears 65536x4096 ...] [--fused] [--json FILE]
 """
 
 from __future__ import annotations
@@ -254,6 +258,87 @@ def reference_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     return row
 
 
+# --fused: wider tiles too, where more rows share each program's prologue pass over x
+FUSED_WIDE_TILES = ((32, 512, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4), (128, 256, 8),
+                    (256, 128, 8))
+
+
+def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
+    """One draft linear's fused int4 kernel (ops.int4_fused: the prologue run by each program
+    into a ready buffer, then the GEMV) at every tile that fits, beside the same GEMV on x made
+    ready outside (half2x: what the prologue costs inside) and the fused FP8 GEMV's timed
+    choice. Each int4 result is checked against the twin first. (The in-projection's
+    convolution is left out here: the prologue is what is measured.)"""
+    from gemv import fold_inputs
+
+    from unimax.int4 import quantize_packed
+    from unimax.ops.int4_fused import int4_fused, int4_fused_ref
+    from unimax.ops.int4_gemv import INT4_TILES
+
+    prologue, _, _, _, x, z, norm, res = fold_inputs(cfg, name, n, k)
+    torch.manual_seed(1)
+    packed, scale = quantize_packed(torch.randn(n, k, device="cuda") * 0.02, 128)
+    copies = bench_copies(packed, scale)
+    nbytes = packed.nbytes + scale.nbytes
+    ref = int4_fused_ref(x, packed, scale, prologue, norm, z, res)
+    ready = prepare_x(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+    row = {"name": name, "N": n, "K": k, "prologue": prologue, "MB": nbytes / 1e6,
+           "tiles": {}}
+    for tile in dict.fromkeys(INT4_TILES + FUSED_WIDE_TILES):
+        if tile[1] % 128 or k % tile[1]:
+            continue
+        try:
+            err = check(int4_fused(x, packed, scale, prologue, norm, z, res, tile=tile), ref,
+                        f"{name} fused {tile}")
+            fused_us = graph_us(lambda i, t=tile: int4_fused(x, *copies[i], prologue, norm, z,
+                                                             res, tile=t), len(copies))
+            ready_us = graph_us(lambda i, t=tile: int4_gemv(ready, *copies[i], t, "half2x"),
+                                len(copies))
+        except Exception as e:  # (a tile past the registers)
+            print(f"{name} {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        row["tiles"][tile_name(tile)] = {"fused_us": fused_us, "half2x_us": ready_us,
+                                         "err": err}
+    for form in ("fused", "half2x"):
+        best = min(row["tiles"], key=lambda t, f=form: row["tiles"][t][f + "_us"])
+        us = row["tiles"][best][form + "_us"]
+        row.update({f"{form}_us": us, f"{form}_tile": best,
+                    f"{form}_bw": bandwidth_fraction(nbytes, us, bandwidth)})
+    fp8 = fused_row(cfg, name, n, k, bandwidth)
+    if "chosen_us" in fp8:
+        row.update(fp8_fused_us=fp8["chosen_us"], fp8_fused_choice=fp8["chosen"])
+    return row
+
+
+def tile_name(tile: tuple[int, int, int]) -> str:
+    return "x".join(map(str, tile))
+
+
+def fused_main(shape: str, bandwidth: float, json_path: Path | None) -> None:
+    """--fused: the fused int4 kernel per draft linear of ``shape``, every tile, and the
+    per-step sums."""
+    cfg = SHAPES[shape]
+    rows = []
+    for name, (n, k, calls) in linear_shapes(cfg).items():
+        if name in FOLDS:
+            rows.append({"calls": calls, **fused_rows(cfg, name, n, k, bandwidth)})
+            print(json.dumps(rows[-1]), flush=True)
+            if json_path:
+                json_path.write_text(json.dumps(rows, indent=1))
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {shape}, M = 1, us per call: the "
+          "fused int4 kernel at each tile / half2x on ready x at the same tile")
+    for r in rows:
+        cells = "  ".join(f"{t} {v['fused_us']:.1f}/{v['half2x_us']:.1f}"
+                          for t, v in r["tiles"].items())
+        print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {r['prologue']:10} {cells}")
+    for form in ("fused", "half2x", "fp8_fused"):
+        if all(form + "_us" in r for r in rows):
+            total = sum(r[form + "_us"] * r["calls"] for r in rows)
+            tiles = ", ".join(f"{r['name']} {r.get(form + '_tile', r.get('fp8_fused_choice'))}"
+                              for r in rows)
+            print(f"per step, best tiles: {form} {total:.0f} us ({tiles})")
+
+
 def parse_linear(text: str) -> tuple[int, int]:
     """"NxK" -> (N, K)."""
     n, sep, k = text.partition("x")
@@ -310,9 +395,15 @@ def main() -> None:
     parser.add_argument("--linears", nargs="+", type=parse_linear, default=[],
                         help="also these NxK linears (e.g. 65536x4096: large enough that the "
                              "H200 is byte-bound, as an L4 is at a 4B model's sizes)")
+    parser.add_argument("--fused", action="store_true",
+                        help="instead: the fused int4 kernel (ops.int4_fused) per draft linear "
+                             "of the first shape, every tile, beside half2x on ready x")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    if args.fused:
+        fused_main(args.shapes[0], bandwidth, args.json)
+        return
     tiles = TILES + WIDE_TILES if args.wide else TILES
     rows = []
     for shape in args.shapes + (["linears"] if args.linears else []):

@@ -101,10 +101,11 @@ SWITCH_ABS = (
              "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
              "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
              "verify block side by side", verify=True),
-    SwitchAB("--ab-int4-unfused", unimax.fused_draft, "FUSE_INT4", False, "int4_unfused",
-             "with --draft int4: a second verified engine whose int4 draft runs its blocks "
-             "unfused (unimax.fused_draft.FUSE_INT4 off: the norms, gates and x made ready in "
-             "inductor's kernels, the GEMVs apart): forced rows and draft step side by side"),
+    SwitchAB("--ab-int4-fused", unimax.fused_draft, "FUSE_INT4", True, "int4_fused",
+             "with --draft int4: a second verified engine whose int4 draft folds its blocks' "
+             "small kernels into the int4 GEMVs (unimax.fused_draft.FUSE_INT4 on; off by "
+             "default, measured slower: each program runs the prologue over x): forced rows "
+             "and draft step side by side"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

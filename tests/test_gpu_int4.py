@@ -3,6 +3,8 @@ dequantizer runs only here) against its twin at a 4B model's shapes and every ti
 and the int4 draft compiled in captured graphs: graphs == eager, verified == exact greedy up to
 BF16 near-ties."""
 
+import copy
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ import unimax.fused_draft as fused_draft
 from helpers import gpu_model
 from helpers import gpu_prompt as prompt
 from unimax import build_engine
+from unimax.fast_step import gemv_view
+from unimax.fp8 import quantize_view
 from unimax.int4 import Int4Linear, pack_nibbles, quantize_int4
 from unimax.ops import int4_gemv
 from unimax.reference import first_divergence, is_near_tie
@@ -84,34 +88,42 @@ def test_int4_fused_kernel_is_its_twin():
                 assert rel(got_state[..., 3], want_state[..., 3]) < 1e-2
 
 
-def test_int4_draft_engine_on_gpu():
-    """The int4 draft compiled (its blocks fused: ops.int4_fused): graphs decode what it decodes
-    eagerly, its one-token steps the unfused int4 draft's logits up to rounding; verified
-    mode with it (its graphs captured as blocks need them) gives the one-token exact
-    reference up to near-ties."""
+def test_int4_draft_engine_on_gpu(monkeypatch):
+    """The int4 draft compiled (unfused by default: fused_draft.FUSE_INT4): graphs decode what
+    it decodes eagerly; the fused view's one-token steps (ops.int4_fused) the unfused view's
+    logits up to rounding; verified mode with it (its graphs captured as blocks need them)
+    gives the one-token exact reference up to near-ties."""
     model = gpu_model()
     x = prompt(60, seed=6)
     graphs = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True)
     assert sum(isinstance(m, Int4Linear) for m in graphs.decode_model.modules()) == 16
     eager = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
                          use_graphs=False)
-    assert all(block.fused for block in graphs.decode_model.layers)
+    assert not any(getattr(block, "fused", False) for block in graphs.decode_model.layers)
     assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
-    fused_draft.FUSE_INT4 = False
-    try:
-        unfused = build_engine(model, decode="fp8", draft="int4", block_size=8,
-                               compile_step=True).decode_model
-    finally:
-        fused_draft.FUSE_INT4 = True
-    assert not any(getattr(block, "fused", False) for block in unfused.layers)
-    fused = graphs.decode_model
-    caches = fused.make_recurrent_cache(), unfused.make_recurrent_cache()
-    with torch.inference_mode():  # (eager one-token steps: the fused ops against the plain)
-        for token in x[0, :12]:
-            ids = token.view(1, 1)
-            a, b = (view(input_ids=ids, past_key_values=cache, use_cache=True).logits
-                    for view, cache in zip((fused, unfused), caches, strict=True))
-            assert rel(a, b) < 2e-2, rel(a, b)
+    # The fused int4 view against the unfused one, one-token steps. In fp32 the two compute
+    # the same logits up to sum order; in BF16 they round in different places and drift apart
+    # on this random model (the FP8 fused draft's ~2% on average, single steps more:
+    # tests/test_gpu_fused.py; the forty-second session's first run saw a 2.7% step), so the
+    # BF16 bound is on the mean, as there.
+    monkeypatch.setattr(fused_draft, "FUSE_INT4", True)
+    drafts = [quantize_view(m, "int4") for m in (model, copy.deepcopy(model).float())]
+    views = [gemv_view(d, fuse=f) for d in drafts for f in (True, False)]
+    assert all(block.fused for block in views[0].layers)
+    assert not any(getattr(block, "fused", False) for block in views[1].layers)
+    caches = [view.make_recurrent_cache() for view in views]
+    errors = {"bf16": [], "fp32": []}
+    with torch.inference_mode():
+        for i in range(20):
+            a, b, a32, b32 = (view(input_ids=x[:, i: i + 1], past_key_values=cache,
+                                   use_cache=True).logits
+                              for view, cache in zip(views, caches, strict=True))
+            errors["bf16"].append(rel(a, b))
+            errors["fp32"].append(rel(a32, b32))
+    print("int4 fused vs unfused view, rel err", {k: (sum(v) / len(v), max(v))
+                                                  for k, v in errors.items()})
+    assert max(errors["fp32"]) < 1e-2, errors
+    assert sum(errors["bf16"]) / len(errors["bf16"]) < 5e-2, errors
     got, report = graphs.generate_verified(x, 64)
     reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
     divergence = first_divergence(model, x, got[0].tolist(), reference)
