@@ -24,9 +24,9 @@ GEMVs: the draft's prologues (RMSNorm, gated SiLU, SwiGLU) and residual adds are
 into them, so their per-step sum is a lower bound on what an int4 draft body's linears cost.
 Prints us and the fraction of the copy bandwidth per linear, and the per-step sums.
 
---fused: the fused int4 kernel (ops.int4_fused, what the compiled int4 draft runs) per draft
-linear at every tile, beside half2x on ready x at the same tile: what the prologue run by
-each program costs.
+--fused: the fused int4 form (ops.int4_fused, what the compiled int4 draft runs with
+fused_draft.FUSE_INT4 on) per draft linear at every tile, beside half2x on ready x at the same
+tile: what the prologue costs.
 
 usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--wide]
        [--linears 65536x4096 ...] [--fused] [--json FILE]
@@ -258,17 +258,18 @@ def reference_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     return row
 
 
-# --fused: wider tiles too, where more rows share each program's prologue pass over x
+# --fused: wider tiles too (they paid for the first fused form, whose every program ran the
+# prologue over x; bench/RESULTS.md, forty-second session)
 FUSED_WIDE_TILES = ((32, 512, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4), (128, 256, 8),
                     (256, 128, 8))
 
 
 def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
-    """One draft linear's fused int4 kernel (ops.int4_fused: the prologue run by each program
-    into a ready buffer, then the GEMV) at every tile that fits, beside the same GEMV on x made
-    ready outside (half2x: what the prologue costs inside) and the fused FP8 GEMV's timed
-    choice. Each int4 result is checked against the twin first. (The in-projection's
-    convolution is left out here: the prologue is what is measured.)"""
+    """One draft linear's fused int4 form (ops.int4_fused: the prologue's launch, then the GEMV
+    with its epilogue) at every tile that fits, beside the same GEMV on x made ready outside
+    (half2x: what the prologue costs) and the fused FP8 GEMV's timed choice. Each int4 result
+    is checked against the twin first. (The in-projection's convolution is left out here: the
+    prologue is what is measured.)"""
     from gemv import fold_inputs
 
     from unimax.int4 import quantize_packed
@@ -315,7 +316,7 @@ def tile_name(tile: tuple[int, int, int]) -> str:
 
 
 def fused_main(shape: str, bandwidth: float, json_path: Path | None) -> None:
-    """--fused: the fused int4 kernel per draft linear of ``shape``, every tile, and the
+    """--fused: the fused int4 form per draft linear of ``shape``, every tile, and the
     per-step sums."""
     cfg = SHAPES[shape]
     rows = []
@@ -326,7 +327,7 @@ def fused_main(shape: str, bandwidth: float, json_path: Path | None) -> None:
             if json_path:
                 json_path.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {shape}, M = 1, us per call: the "
-          "fused int4 kernel at each tile / half2x on ready x at the same tile")
+          "fused int4 form at each tile / half2x on ready x at the same tile")
     for r in rows:
         cells = "  ".join(f"{t} {v['fused_us']:.1f}/{v['half2x_us']:.1f}"
                           for t, v in r["tiles"].items())
@@ -396,7 +397,7 @@ def main() -> None:
                         help="also these NxK linears (e.g. 65536x4096: large enough that the "
                              "H200 is byte-bound, as an L4 is at a 4B model's sizes)")
     parser.add_argument("--fused", action="store_true",
-                        help="instead: the fused int4 kernel (ops.int4_fused) per draft linear "
+                        help="instead: the fused int4 form (ops.int4_fused) per draft linear "
                              "of the first shape, every tile, beside half2x on ready x")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -29,9 +29,16 @@ for n, k, group in ((70, 256, 64), (33, 384, 128)):
     for tile in int4_gemv.tiles_for(k, group)[-3:]:
         assert rel(int4_gemv.launch(ready, packed, scale, torch.float32, tile), ref) < 2e-3
     print("gemv ok", n, k)
-# the fused kernel: every prologue, with and without the residual, fp32 and bf16, two tiles
-for dtype in (torch.float32, torch.bfloat16):
-    n, k, head = 70, 256, 64
+# the fused kernel: every prologue, with and without the residual, fp32 and bf16, two tiles;
+# x made ready by one program (K 256), and by three, the last one's slice cut short (K 320,
+# slices of 128: each program takes RMSNorm's factor over the whole row itself)
+import itertools
+from unimax.ops import int4_fused as fused_mod
+for dtype, (k, pre_block, tiles) in itertools.product(
+        (torch.float32, torch.bfloat16),
+        ((256, 1024, ((16, 64, 4), (4, 256, 4))), (320, 128, ((16, 64, 4), (8, 64, 4))))):
+    fused_mod.PRE_BLOCK = pre_block
+    n, head = 70, 64
     packed, scale = quantize_packed(torch.randn(n, k), 64)
     for prologue in ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate"):
         gated = prologue.startswith("gated")
@@ -42,16 +49,17 @@ for dtype in (torch.float32, torch.bfloat16):
         offset = 1.0 if prologue == "rms" else 0.0
         for res in (None, torch.randn(1, n).to(dtype)):
             ref = int4_fused_ref(x, packed, scale, prologue, norm, z, res, 1e-6, offset)
-            for tile in ((16, 64, 4), (4, 256, 4)):
+            for tile in tiles:
                 y = int4_fused(x, packed, scale, prologue, norm, z, res, 1e-6, offset,
                                tile=tile)
                 assert y.shape == (1, n) and y.dtype == dtype
                 assert rel(y, ref) < (2e-3 if dtype == torch.float32 else 2e-2), (
-                    dtype, prologue, res is None, tile, rel(y, ref))
+                    dtype, k, prologue, res is None, tile, rel(y, ref))
             # (the op takes the twin on the CPU: the same numbers)
             assert torch.equal(int4_fused_linear(x, packed, scale, prologue, norm, z, res,
                                                  1e-6, offset), ref)
-    print("fused ok", dtype)
+    print("fused ok", dtype, k)
+fused_mod.PRE_BLOCK = 1024
 # the in-projection with the convolution and beta folded in: the window rolled in place
 for dtype in (torch.float32, torch.bfloat16):
     packed, scale = quantize_packed(torch.randn(100, 256), 128)
@@ -92,7 +100,7 @@ print("compiled", float((traced(x) - want).abs().max()))
 
 def test_int4_kernels_match_their_twins_in_the_interpreter():
     out = run_with_triton(CHILD)
-    assert out.count("gemv ok") == 2 and out.count("fused ok") == 2, out
+    assert out.count("gemv ok") == 2 and out.count("fused ok") == 4, out
     assert out.count("conv ok") == 2 and "compiled 0.0" in out, out
 
 

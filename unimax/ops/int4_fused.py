@@ -6,9 +6,16 @@ the short convolution and beta in the epilogue), one launch each, for one-token 
 Why: unfused, the int4 draft's 4B step (H200, forty-first session, bench/verified.py --kernels)
 was 454 kernels, its four int4 GEMVs a layer 1032 us of 1708 busy, with ~360 us of small
 inductor kernels (norms, x made ready, gates) and the gaps between them, and took 1.841 ms a
-step against the fused FP8 draft's ~1.75: the GEMVs' savings spent on launches. The kernel
-(int4_gemv_kernels.int4_fused_kernel) runs the prologue once per program into x ready, then
-ops.int4_gemv's GEMV.
+step against the fused FP8 draft's ~1.75: the GEMVs' savings spent on launches.
+
+How: two launches a linear. int4_gemv_kernels.int4_ready_kernel runs the prologue and writes x
+ready (ops.int4_gemv.prepare_x's form), a slice a program; int4_epilogue_kernel is
+ops.int4_gemv's GEMV on it with the epilogue (the convolution, beta, the residual). The first
+form ran the prologue inside the GEMV, each program over all of x before its tile: measured
+(forty-second session, bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
+1059 on x made ready, so it was replaced; a prologue launch of its own measured ~1.5 us a linear
+(half2p, forty-first session: 1245 us). This form has not run on a GPU yet, which is why
+fused_draft.FUSE_INT4 is off.
 
 ``int4_fused_ref`` is the twin: the prologue's torch form (ops.fused_gemv.prologue_ref), x
 rounded as the kernel takes it, the dequantized weight in fp32, then the convolution, beta and
@@ -26,7 +33,7 @@ from .gemv import _interpreted, tile_text, timed_choice
 from .in_proj_conv import check_beta, conv_and_beta_ref
 from .int4_gemv import _tile, check_storage, int4_linear_ref, tiles_for
 
-PRE_BLOCK = 1024  # the prologue's slice of x (at least one head)
+PRE_BLOCK = 1024  # a prologue program's slice of x (at least one head)
 CHOICES: dict[tuple, str] = {}  # (prologue, residual?, conv?, N, K, group) -> tile text
 
 
@@ -54,11 +61,12 @@ def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residu
                eps: float = 1e-6, offset: float = 0.0, conv_state=None, conv_weight=None,
                beta: tuple[int, int, bool] | None = None,
                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The Triton kernel (CUDA, or the interpreter), x one row; the twin's contract. ``tile``:
-    one of ops.int4_gemv.tiles_for (the first where None)."""
+    """The Triton kernels (CUDA, or the interpreter): the prologue's launch, then the GEMV's,
+    x one row; the twin's contract. ``tile``: the GEMV's, one of ops.int4_gemv.tiles_for (the
+    first where None)."""
     import triton
 
-    from .int4_gemv_kernels import int4_fused_kernel
+    from .int4_gemv_kernels import int4_epilogue_kernel, int4_ready_kernel
 
     check_int4(x, packed, scale, prologue, norm_weight, z, residual)
     if x.shape[0] != 1:
@@ -71,20 +79,22 @@ def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residu
         raise ValueError("int4_fused: beta is the in-projection's, with the convolution")
     block_n, block_k, warps = tile or tiles_for(k, group)[0]
     head = _head(prologue, norm_weight)
+    pre_block = max(PRE_BLOCK, head)
+    ready = torch.empty(k, device=x.device, dtype=torch.float16)
+    int4_ready_kernel[(triton.cdiv(k, pre_block),)](
+        x, x if z is None else z, x if norm_weight is None else norm_weight, ready, k, eps,
+        offset, PRO=PROLOGUES.index(prologue), HEAD=head,
+        KP=triton.next_power_of_2(k) if prologue == "rms" else 1, PRE_BLOCK=pre_block,
+        num_warps=4)
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    ready = torch.empty(k, device=x.device, dtype=torch.float16)  # (x ready, this launch's)
     width = 0 if conv_weight is None else conv_weight.shape[1]
     conv = (y, y, 0, 0) if conv_state is None else (conv_state, conv_weight,
                                                     conv_weight.shape[0], conv_state.stride(0))
-    int4_fused_kernel[(triton.cdiv(n, block_n),)](
-        x, x if z is None else z, x if norm_weight is None else norm_weight, packed, scale,
-        x if residual is None else residual, y, ready, n, k, packed.stride(0), scale.stride(0),
-        eps, offset, *conv, *((0, 0) if beta is None else beta[:2]),
-        PRO=PROLOGUES.index(prologue), HEAD=head,
-        KP=triton.next_power_of_2(k) if prologue == "rms" else 1,
+    int4_epilogue_kernel[(triton.cdiv(n, block_n),)](
+        ready, packed, scale, x if residual is None else residual, y, n, k, packed.stride(0),
+        scale.stride(0), *conv, *((0, 0) if beta is None else beta[:2]),
         HAS_RES=residual is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE_BLOCK=max(PRE_BLOCK, head), CONV_W=width,
-        CONV_WP=triton.next_power_of_2(max(width, 1)),
+        CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
         BETA=0 if beta is None else 1 + bool(beta[2]), PTX=not _interpreted(),
         num_warps=warps)
     return y

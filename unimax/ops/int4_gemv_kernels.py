@@ -102,39 +102,39 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def int4_fused_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ready_ptr, N, K,
-                      stride_wn, stride_sn, eps, offset, cs_ptr, cw_ptr, C, stride_csm, B0, NB,
-                      PRO: tl.constexpr, HEAD: tl.constexpr, KP: tl.constexpr,
-                      HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRE_BLOCK: tl.constexpr,
-                      CONV_W: tl.constexpr = 0, CONV_WP: tl.constexpr = 1,
-                      BETA: tl.constexpr = 0, PTX: tl.constexpr = True):
-    """y (1, N) = prologue(x) @ dequant(W)^T (+ r), one row: the int4 draft's linear with the
-    small kernel before it folded in, as the FP8 draft's fused GEMVs fold theirs
-    (fused_gemv_kernels: the same prologues PRO, x_loads / x_math, and the same epilogue,
-    ``finish``: the convolution CONV_W, beta BETA, the residual).
+def int4_ready_kernel(x_ptr, z_ptr, nw_ptr, ready_ptr, K, eps, offset, PRO: tl.constexpr,
+                      HEAD: tl.constexpr, KP: tl.constexpr, PRE_BLOCK: tl.constexpr):
+    """The int4 draft linear's prologue, x (1, K) -> ready (K FP16: prologue(x) / 64, the even
+    columns then the odd ones, as ops.int4_gemv.prepare_x), PRE_BLOCK columns a program (whole
+    heads for a gated prologue), each program taking RMSNorm's factor over the whole row itself
+    (one load: every program reads the same vector, from L2). The same prologues PRO, x_loads /
+    x_math, as the FP8 draft's fused GEMVs (fused_gemv_kernels).
 
-    Why not the FP8 kernels' way, x's slice made per tile inside the K loop: an int4 GEMV's
-    threads hold their own rows, so per-tile work on x is paid per weight, and that is what
-    held every int4 kernel near half the bandwidth (ops.int4_gemv). Here each program first
-    runs the prologue over all of x once, in slices of PRE_BLOCK (whole heads for a gated
-    prologue), and writes it ready (FP16, / 64, even columns then odd: ops.int4_gemv's
-    prepare_x) to ``ready`` (K FP16 values, one buffer for the launch); then a barrier; then
-    the GEMV of int4_gemv_kernel reads it. Every program writes the same values there, so
-    what any program reads after its own writes is its own value whichever program wrote it
-    last; launches on one stream do not overlap (no PDL on these). The prologue costs each
-    program ~K / threads elements, against BLOCK_N x K / threads weights."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    A launch of its own, not run inside the GEMV: there every program ran it over all of x
+    before its tile, and that serial pass cost each program about what a narrow tile's GEMV
+    does (the 4B body's linears 2170 us a step at their best tiles, against 1059 for the GEMV
+    on x made ready: bench/int4_gemv.py --fused, forty-second session). A separate launch
+    costs ~1.5 us a linear instead (half2p there, forty-first session: 1245 us)."""
+    rk = tl.program_id(0) * PRE_BLOCK + tl.arange(0, PRE_BLOCK)
     rstd = 1.0
     if PRO == 1:
         rstd = row_rstd(x_ptr, 0, K, 0, eps, KP, PRE_BLOCK)
-    for k0 in range(0, K, PRE_BLOCK):
-        rk = k0 + tl.arange(0, PRE_BLOCK)
-        x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, 0, rk, K, 0, 0, PRO, HEAD)
-        x = x_math(x, a, b, rstd, eps, offset, PRO, HEAD, PRE_BLOCK).to(tl.float32)
-        x16 = tl.clamp(x * 0.015625, -65504.0, 65504.0).to(tl.float16)
-        tl.store(ready_ptr + (rk % 2) * (K // 2) + rk // 2, x16, mask=rk < K)
-    tl.debug_barrier()  # (this program's writes seen by all its threads)
+    x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, 0, rk, K, 0, 0, PRO, HEAD)
+    x = x_math(x, a, b, rstd, eps, offset, PRO, HEAD, PRE_BLOCK).to(tl.float32)
+    x16 = tl.clamp(x * 0.015625, -65504.0, 65504.0).to(tl.float16)
+    tl.store(ready_ptr + (rk % 2) * (K // 2) + rk // 2, x16, mask=rk < K)
+
+
+@triton.jit
+def int4_epilogue_kernel(ready_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, stride_wn, stride_sn,
+                         cs_ptr, cw_ptr, C, stride_csm, B0, NB, HAS_RES: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CONV_W: tl.constexpr = 0, CONV_WP: tl.constexpr = 1,
+                         BETA: tl.constexpr = 0, PTX: tl.constexpr = True):
+    """y (1, N) = ready @ dequant(W)^T (+ r): int4_gemv_kernel's GEMV on x made ready
+    (int4_ready_kernel), with the FP8 draft's epilogue, ``finish``: the convolution CONV_W,
+    beta BETA, the residual."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = half2_sums(ready_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
                    BLOCK_K, True, PTX)
     finish(y, rn, 0, 0, 0, N, s_ptr, r_ptr, y_ptr, y_ptr, y_ptr, 0, 0, cs_ptr, cw_ptr, C,
