@@ -1,7 +1,7 @@
 """The int4 draft's linears with their small kernels folded in (unimax.fused_draft), as the FP8
 draft's are (ops.fused_gemv, ops.in_proj_conv): ``int4_fused_linear`` (a prologue: RMSNorm, the
 gated norm, SwiGLU, the sigmoid gate; and the residual add) and ``int4_in_proj_conv`` (RMSNorm,
-the short convolution and beta in the epilogue), one launch each, for one-token steps.
+the short convolution and beta in the epilogue), two launches each (below), for one-token steps.
 
 Why: unfused, the int4 draft's 4B step (H200, forty-first session, bench/verified.py --kernels)
 was 454 kernels, its four int4 GEMVs a layer 1032 us of 1708 busy, with ~360 us of small
