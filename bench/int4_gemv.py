@@ -273,6 +273,7 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     from gemv import fold_inputs
 
     from unimax.int4 import quantize_packed
+    from unimax.ops.gemv import tile_text
     from unimax.ops.int4_fused import int4_fused, int4_fused_ref
     from unimax.ops.int4_gemv import INT4_TILES
 
@@ -298,7 +299,7 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
         except Exception as e:  # (a tile past the registers)
             print(f"{name} {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        row["tiles"][tile_name(tile)] = {"fused_us": fused_us, "half2x_us": ready_us,
+        row["tiles"][tile_text(tile)] = {"fused_us": fused_us, "half2x_us": ready_us,
                                          "err": err}
     for form in ("fused", "half2x"):
         best = min(row["tiles"], key=lambda t, f=form: row["tiles"][t][f + "_us"])
@@ -309,10 +310,6 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     if "chosen_us" in fp8:
         row.update(fp8_fused_us=fp8["chosen_us"], fp8_fused_choice=fp8["chosen"])
     return row
-
-
-def tile_name(tile: tuple[int, int, int]) -> str:
-    return "x".join(map(str, tile))
 
 
 def fused_main(shape: str, bandwidth: float, json_path: Path | None) -> None:
