@@ -103,9 +103,10 @@ SWITCH_ABS = (
              "verify block side by side", verify=True),
     SwitchAB("--ab-int4-fused", unimax.fused_draft, "FUSE_INT4", True, "int4_fused",
              "with --draft int4: a second verified engine whose int4 draft folds its blocks' "
-             "small kernels into the int4 GEMVs (unimax.fused_draft.FUSE_INT4 on; off by "
-             "default, measured slower: each program runs the prologue over x): forced rows "
-             "and draft step side by side"),
+             "small kernels into its int4 linears (unimax.fused_draft.FUSE_INT4 on: "
+             "ops.int4_fused, the prologue a launch of its own, then the GEMV with its "
+             "epilogue; off by default until measured): forced rows and draft step side by "
+             "side"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

@@ -8,10 +8,12 @@ verified mode to gain at acceptance 0.95. Four bits halve those bytes: the body'
 take ~1050 us a step in int4 against ~1470 in the fused FP8 forms (bench/int4_gemv.py,
 fortieth and forty-first sessions). Built unfused (these modules in inductor's compiled step),
 the whole 4B draft step still took 0.694 BF16 steps against the fused FP8 draft's ~0.65, its
-small kernels and launches spending the saving; so the compiled draft folds them into the
-int4 GEMVs as the FP8 draft does (unimax.fused_draft, ops.int4_fused), which the GPU has not
-timed yet. What it costs: acceptance (the demo model kept 0.94 of its drafts with int4/128 and
-an FP8 head against FP8's 0.963, bench/draft_bits.py). The verified output is the exact
+small kernels and launches spending the saving (1.30x BF16-only verified at forced acceptance
+1.0 against the full-FP8 draft's 1.40x, same run, forty-second session). Folding them in as the
+FP8 draft does (unimax.fused_draft, ops.int4_fused) is off by default (fused_draft.FUSE_INT4):
+its first form measured slower, its second awaits a GPU run. What it costs: acceptance (the
+demo model kept 0.94 of its drafts with int4/128 and an FP8 head against FP8's 0.963,
+bench/draft_bits.py). The verified output is the exact
 model's greedy tokens whatever the draft computes.
 
 The format is bench/draft_bits.py's ``int4/G``: symmetric, q = round(w / s) in -7..7, s = the
