@@ -101,12 +101,11 @@ SWITCH_ABS = (
              "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
              "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
              "verify block side by side", verify=True),
-    SwitchAB("--ab-int4-fused", unimax.fused_draft, "FUSE_INT4", True, "int4_fused",
-             "with --draft int4: a second verified engine whose int4 draft folds its blocks' "
-             "small kernels into its int4 linears (unimax.fused_draft.FUSE_INT4 on: "
+    SwitchAB("--ab-int4-unfused", unimax.fused_draft, "FUSE_INT4", False, "int4_unfused",
+             "with --draft int4: a second verified engine whose int4 draft leaves its blocks' "
+             "small kernels to inductor (unimax.fused_draft.FUSE_INT4 off; on by default: "
              "ops.int4_fused, the prologue a launch of its own, then the GEMV with its "
-             "epilogue; off by default until measured): forced rows and draft step side by "
-             "side"),
+             "epilogue): forced rows and draft step side by side"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "

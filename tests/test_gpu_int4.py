@@ -89,12 +89,13 @@ def test_int4_fused_kernel_is_its_twin():
 
 
 def test_int4_draft_engine_on_gpu(monkeypatch):
-    """The int4 draft compiled, unfused (the default: fused_draft.FUSE_INT4) and fused
-    (ops.int4_fused): graphs decode what they decode eagerly; the fused view's one-token steps
+    """The int4 draft compiled, unfused (fused_draft.FUSE_INT4 off) and fused (ops.int4_fused,
+    the default): graphs decode what they decode eagerly; the fused view's one-token steps
     the unfused view's logits up to rounding; verified mode with either (its graphs captured as
     blocks need them) gives the one-token exact reference up to near-ties."""
     model = gpu_model()
     x = prompt(60, seed=6)
+    monkeypatch.setattr(fused_draft, "FUSE_INT4", False)
     graphs = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True)
     assert sum(isinstance(m, Int4Linear) for m in graphs.decode_model.modules()) == 16
     eager = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
@@ -130,8 +131,8 @@ def test_int4_draft_engine_on_gpu(monkeypatch):
     assert is_near_tie(divergence), divergence
     assert report.drafted_tokens > 0
     print("int4 draft: acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
-    # the fused form compiled and captured (FUSE_INT4 on, set above): graphs == eager, and
-    # verified with it the exact reference up to near-ties
+    # the fused form compiled and captured (FUSE_INT4 on, the default, set above): graphs ==
+    # eager, and verified with it the exact reference up to near-ties
     fused = {g: build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
                              use_graphs=g) for g in (True, False)}
     assert all(block.fused for block in fused[True].decode_model.layers)

@@ -49,14 +49,13 @@ from .ops.int4_fused import int4_fused_linear, int4_in_proj_conv
 
 FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
-# the int4 draft's blocks too (ops.int4_fused): off. Its first form ran each linear's prologue
-# inside the GEMV, every program over all of x before its tile, and measured slower: the 4B
-# body's linears 2170 us a step at their best tiles against 1059 for the same GEMVs on x made
-# ready and 1472 for the fused FP8 forms (bench/int4_gemv.py --fused, forty-second session);
-# the verified int4 engine ran at 1.00x BF16-only at acceptance 1.0 against 1.30x unfused. Its
-# second form (the prologue a launch of its own, then the GEMV with its epilogue) awaits its
-# first GPU run: bench/verified.py --draft int4 --ab-int4-fused
-FUSE_INT4 = False
+# the int4 draft's blocks too (ops.int4_fused): on. Its two-launch form (the prologue a launch
+# of its own, then the GEMV with its epilogue) took the 4B body's linears 1269 us a step at their
+# best tiles against 1470 for the fused FP8 forms (bench/int4_gemv.py --fused, forty-third
+# session), and verified with it ran 1.48x / 1.25x BF16-only at forced acceptance 1.0 / 0.95
+# against 1.33x / 1.12x unfused (bench/verified.py --draft int4 --ab-int4-fused, same run). Its
+# first form (the prologue inside every GEMV program) measured slower than unfused and is gone.
+FUSE_INT4 = True
 # Blocks fold forwards of up to this many rows (the block's ``fold_rows``, set by fuse_blocks;
 # at most ops.gemv.GEMV_ROWS): one, the steps and the verifier's one-token forwards. The
 # verifier's blocks fold too where its view asks (unimax.verifier.FOLD_BLOCKS: the tensor-core
