@@ -13,9 +13,9 @@ ready (ops.int4_gemv.prepare_x's form), a slice a program; int4_epilogue_kernel 
 ops.int4_gemv's GEMV on it with the epilogue (the convolution, beta, the residual). The first
 form ran the prologue inside the GEMV, each program over all of x before its tile: measured
 (forty-second session, bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
-1059 on x made ready, so it was replaced; a prologue launch of its own measured ~1.5 us a linear
-(half2p, forty-first session: 1245 us). This form has not run on a GPU yet, which is why
-fused_draft.FUSE_INT4 is off.
+1059 on x made ready, so it was replaced. This form costs ~1.7 us a linear over the ready GEMV,
+1269 us a step against 1470 for the fused FP8 forms (forty-third session), and is the default
+(fused_draft.FUSE_INT4).
 
 ``int4_fused_ref`` is the twin: the prologue's torch form (ops.fused_gemv.prologue_ref), x
 rounded as the kernel takes it, the dequantized weight in fp32, then the convolution, beta and
