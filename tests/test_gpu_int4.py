@@ -47,11 +47,14 @@ def test_int4_kernel_is_its_twin(n, k, group):
     assert (n, k, group) in int4_gemv.CHOICES  # (timed once, kept)
 
 
-def test_int4_fused_kernel_is_its_twin():
+def test_int4_fused_kernel_is_its_twin(monkeypatch):
     """The fused int4 GEMV (ops.int4_fused) at a 4B draft's four linears, with their prologues
     and epilogues (the in-projection's convolution and beta, the residuals), at every tile
-    they take, against the twin; the conv window rolled."""
+    they take, against the twin; the conv window rolled. Launched with programmatic dependent
+    launch (signalled at the start or the end; two tiles a linear), the same values bit for
+    bit."""
     from unimax.int4 import quantize_packed
+    from unimax.ops import fused_gemv
     from unimax.ops.int4_fused import int4_fused, int4_fused_ref
 
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -86,6 +89,16 @@ def test_int4_fused_kernel_is_its_twin():
             if conv:
                 assert torch.equal(got_state[..., :3], state[..., 1:])
                 assert rel(got_state[..., 3], want_state[..., 3]) < 1e-2
+            if tile in int4_gemv.tiles_for(k, 128)[:2]:  # (PDL: each a compile of its own)
+                for trigger in fused_gemv.PDL_TRIGGERS:
+                    monkeypatch.setattr(fused_gemv, "PDL", True)
+                    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+                    pdl_state = None if state is None else state.clone()
+                    got = int4_fused(x, packed, scale, prologue, norm, z, residual, 1e-6, 0.0,
+                                     pdl_state, conv_w, beta, tile=tile)
+                    monkeypatch.undo()
+                    assert torch.equal(got, y), (n, k, prologue, tile, trigger)
+                    assert state is None or torch.equal(pdl_state, got_state)
 
 
 def test_int4_draft_engine_on_gpu(monkeypatch):

@@ -15,7 +15,10 @@ form ran the prologue inside the GEMV, each program over all of x before its til
 (forty-second session, bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
 1059 on x made ready, so it was replaced. This form costs ~1.7 us a linear over the ready GEMV,
 1269 us a step against 1470 for the fused FP8 forms (forty-third session), and is the default
-(fused_draft.FUSE_INT4).
+(fused_draft.FUSE_INT4). Under programmatic dependent launch (ops.fused_gemv.pdl_launch: the
+draft's setting, as for its FP8 GEMVs; compute capability 9+, so not on an L4) the ready
+kernel lets the GEMV launch at once, which reads its first tile of W before it waits for x:
+that launch's gap is what the second form added. Not yet measured.
 
 ``int4_fused_ref`` is the twin: the prologue's torch form (ops.fused_gemv.prologue_ref), x
 rounded as the kernel takes it, the dequantized weight in fp32, then the convolution, beta and
@@ -28,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .fused_gemv import PROLOGUES, _head, check, check_conv, prologue_ref
+from .fused_gemv import PROLOGUES, _head, check, check_conv, pdl_launch, prologue_ref
 from .gemv import _interpreted, tile_text, timed_choice
 from .in_proj_conv import check_beta, conv_and_beta_ref
 from .int4_gemv import _tile, check_storage, int4_linear_ref, tiles_for
@@ -81,11 +84,12 @@ def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residu
     head = _head(prologue, norm_weight)
     pre_block = max(PRE_BLOCK, head)
     ready = torch.empty(k, device=x.device, dtype=torch.float16)
+    pdl = pdl_launch(x, packed)  # (the draft's setting: the packed bytes are one-byte weights)
     int4_ready_kernel[(triton.cdiv(k, pre_block),)](
         x, x if z is None else z, x if norm_weight is None else norm_weight, ready, k, eps,
         offset, PRO=PROLOGUES.index(prologue), HEAD=head,
         KP=triton.next_power_of_2(k) if prologue == "rms" else 1, PRE_BLOCK=pre_block,
-        num_warps=4)
+        num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
     width = 0 if conv_weight is None else conv_weight.shape[1]
     conv = (y, y, 0, 0) if conv_state is None else (conv_state, conv_weight,
@@ -96,7 +100,7 @@ def int4_fused(x, packed, scale, prologue: str, norm_weight=None, z=None, residu
         HAS_RES=residual is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
         CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
         BETA=0 if beta is None else 1 + bool(beta[2]), PTX=not _interpreted(),
-        num_warps=warps)
+        num_warps=warps, **pdl)
     return y
 
 

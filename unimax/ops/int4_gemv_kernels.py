@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv_kernels import finish, row_rstd, x_loads, x_math
+from .gemv_kernels import launch_dependents, wait_for_the_kernel_before
 
 
 @triton.jit
@@ -53,31 +54,56 @@ def nibbles(b, PTX: tl.constexpr):
 
 
 @triton.jit
+def w_bytes(w_ptr, s_ptr, rn, k0, N, stride_wn, stride_sn, GROUP: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """The tile of W at columns k0..k0 + BLOCK_K: its bytes (BLOCK_N, groups, GROUP / 2), their
+    groups' scales (BLOCK_N, groups) and the byte columns rb (groups, GROUP / 2)."""
+    HALF: tl.constexpr = GROUP // 2
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # (GROUPS,)
+    rb = g[:, None] * HALF + tl.arange(0, HALF)[None, :]  # packed byte columns (GROUPS, HALF)
+    b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :],
+                mask=rn[:, None, None] < N, other=136)
+    scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
+                    other=0.0)
+    return b, scale, rb
+
+
+@triton.jit
+def half2_tile(acc, b, scale, rb, x_ptr, K, PRE_X: tl.constexpr, PTX: tl.constexpr):
+    """acc plus a tile's scaled products (w_bytes' b, scale, rb) with x's columns."""
+    lo, hi = nibbles(b, PTX)
+    if PRE_X:
+        x_even = tl.load(x_ptr + rb)
+        x_odd = tl.load(x_ptr + K // 2 + rb)
+    else:
+        x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
+        x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
+    return acc + (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
+
+
+@triton.jit
 def half2_sums(x_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_X: tl.constexpr,
-               PTX: tl.constexpr):
-    """Rows rn of dequant(W) . x in fp32 (BLOCK_N,): see int4_gemv_kernel."""
-    HALF: tl.constexpr = GROUP // 2
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    rg = tl.arange(0, GROUPS)
-    rh = tl.arange(0, HALF)
-    rows = rn[:, None, None] < N
-    acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float16)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP + rg  # (GROUPS,)
-        rb = g[:, None] * HALF + rh[None, :]  # packed byte columns (GROUPS, HALF)
-        b = tl.load(w_ptr + rn[:, None, None] * stride_wn + rb[None, :, :], mask=rows,
-                    other=136)
-        lo, hi = nibbles(b, PTX)
-        if PRE_X:
-            x_even = tl.load(x_ptr + rb)
-            x_odd = tl.load(x_ptr + K // 2 + rb)
-        else:
-            x_even = (tl.load(x_ptr + 2 * rb).to(tl.float32) * 0.015625).to(tl.float16)
-            x_odd = (tl.load(x_ptr + 2 * rb + 1).to(tl.float32) * 0.015625).to(tl.float16)
-        scale = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=rn[:, None] < N,
-                        other=0.0)
-        acc += (lo * x_even[None, :, :] + hi * x_odd[None, :, :]) * scale[:, :, None]
+               PTX: tl.constexpr, PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
+    """Rows rn of dequant(W) . x in fp32 (BLOCK_N,): see int4_gemv_kernel. ``PDL``
+    (launched with programmatic dependent launch): the next kernel may launch at once (or,
+    ``PDL_LATE``, once past the K loop), and the first tile of W, which no kernel writes, is
+    read before waiting for the kernel before (which writes x); the same sums in the same
+    order as without."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP, GROUP // 2), dtype=tl.float16)
+    start = 0
+    if PDL:
+        if not PDL_LATE:
+            launch_dependents()
+        b, scale, rb = w_bytes(w_ptr, s_ptr, rn, 0, N, stride_wn, stride_sn, GROUP, BLOCK_K)
+        wait_for_the_kernel_before()
+        acc = half2_tile(acc, b, scale, rb, x_ptr, K, PRE_X, PTX)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        b, scale, rb = w_bytes(w_ptr, s_ptr, rn, k0, N, stride_wn, stride_sn, GROUP, BLOCK_K)
+        acc = half2_tile(acc, b, scale, rb, x_ptr, K, PRE_X, PTX)
+    if PDL and PDL_LATE:
+        launch_dependents()
     return tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * 64.0
 
 
@@ -103,7 +129,8 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
 
 @triton.jit
 def int4_ready_kernel(x_ptr, z_ptr, nw_ptr, ready_ptr, K, eps, offset, PRO: tl.constexpr,
-                      HEAD: tl.constexpr, KP: tl.constexpr, PRE_BLOCK: tl.constexpr):
+                      HEAD: tl.constexpr, KP: tl.constexpr, PRE_BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """The int4 draft linear's prologue, x (1, K) -> ready (K FP16: prologue(x) / 64, the even
     columns then the odd ones, as ops.int4_gemv.prepare_x), PRE_BLOCK columns a program (whole
     heads for a gated prologue), each program taking RMSNorm's factor over the whole row itself
@@ -114,7 +141,14 @@ def int4_ready_kernel(x_ptr, z_ptr, nw_ptr, ready_ptr, K, eps, offset, PRO: tl.c
     before its tile, and that serial pass cost each program about what a narrow tile's GEMV
     does (the 4B body's linears 2170 us a step at their best tiles, against 1059 for the GEMV
     on x made ready: bench/int4_gemv.py --fused, forty-second session). A separate launch
-    costs ~1.5 us a linear instead (half2p there, forty-first session: 1245 us)."""
+    costs ~1.7 us a linear instead (forty-third session: 1269 us).
+
+    ``PDL`` (programmatic dependent launch): the GEMV after it may launch at once and read its
+    first tile of W while this runs; this waits for the kernel before it (which writes x)
+    before reading anything."""
+    if PDL:
+        launch_dependents()
+        wait_for_the_kernel_before()
     rk = tl.program_id(0) * PRE_BLOCK + tl.arange(0, PRE_BLOCK)
     rstd = 1.0
     if PRO == 1:
@@ -130,12 +164,14 @@ def int4_epilogue_kernel(ready_ptr, w_ptr, s_ptr, r_ptr, y_ptr, N, K, stride_wn,
                          cs_ptr, cw_ptr, C, stride_csm, B0, NB, HAS_RES: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          CONV_W: tl.constexpr = 0, CONV_WP: tl.constexpr = 1,
-                         BETA: tl.constexpr = 0, PTX: tl.constexpr = True):
+                         BETA: tl.constexpr = 0, PTX: tl.constexpr = True,
+                         PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
     """y (1, N) = ready @ dequant(W)^T (+ r): int4_gemv_kernel's GEMV on x made ready
     (int4_ready_kernel), with the FP8 draft's epilogue, ``finish``: the convolution CONV_W,
-    beta BETA, the residual."""
+    beta BETA, the residual. ``PDL``: half2_sums' (the residual, the conv state and y are
+    touched only after its wait)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = half2_sums(ready_ptr, w_ptr, s_ptr, rn, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                   BLOCK_K, True, PTX)
+                   BLOCK_K, True, PTX, PDL, PDL_LATE)
     finish(y, rn, 0, 0, 0, N, s_ptr, r_ptr, y_ptr, y_ptr, y_ptr, 0, 0, cs_ptr, cw_ptr, C,
            stride_csm, B0, NB, False, HAS_RES, 1, CONV_W, CONV_WP, BETA)
