@@ -26,7 +26,9 @@ Prints us and the fraction of the copy bandwidth per linear, and the per-step su
 
 --fused: the fused int4 form (ops.int4_fused, what the compiled int4 draft runs with
 fused_draft.FUSE_INT4 on) per draft linear at every tile, beside half2x on ready x at the same
-tile: what the prologue costs.
+tile: what the prologue costs; and at its best tile under programmatic dependent launch
+(fused_pdl_start / fused_pdl_end: signalled at each trigger, the calls chained in the graph as
+a step chains them; compute capability 9+).
 
 usage: python bench/int4_gemv.py [--shapes gdn-4b gdn24-0.8b] [--groups 32 128] [--wide]
        [--linears 65536x4096 ...] [--fused] [--json FILE]
@@ -273,6 +275,7 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     from gemv import fold_inputs
 
     from unimax.int4 import quantize_packed
+    from unimax.ops import fused_gemv
     from unimax.ops.gemv import tile_text
     from unimax.ops.int4_fused import int4_fused, int4_fused_ref
     from unimax.ops.int4_gemv import INT4_TILES
@@ -306,6 +309,20 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
         us = row["tiles"][best][form + "_us"]
         row.update({f"{form}_us": us, f"{form}_tile": best,
                     f"{form}_bw": bandwidth_fraction(nbytes, us, bandwidth)})
+    # the fused form at its best tile under programmatic dependent launch, the calls chained
+    # in the graph as a step chains them (each trigger; compute capability 9+ only)
+    tile = next(t for t in INT4_TILES + FUSED_WIDE_TILES if tile_text(t) == row["fused_tile"])
+    for trigger in fused_gemv.PDL_TRIGGERS if fused_gemv.pdl_possible(x.device) else ():
+        saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER
+        fused_gemv.PDL, fused_gemv.PDL_TRIGGER = True, trigger
+        try:
+            check(int4_fused(x, packed, scale, prologue, norm, z, res, tile=tile), ref,
+                  f"{name} fused pdl@{trigger}")
+            row[f"fused_pdl_{trigger}_us"] = graph_us(
+                lambda i: int4_fused(x, *copies[i], prologue, norm, z, res, tile=tile),
+                len(copies))
+        finally:
+            fused_gemv.PDL, fused_gemv.PDL_TRIGGER = saved
     fp8 = fused_row(cfg, name, n, k, bandwidth)
     if "chosen_us" in fp8:
         row.update(fp8_fused_us=fp8["chosen_us"], fp8_fused_choice=fp8["chosen"])
@@ -329,11 +346,13 @@ def fused_main(shape: str, bandwidth: float, json_path: Path | None) -> None:
         cells = "  ".join(f"{t} {v['fused_us']:.1f}/{v['half2x_us']:.1f}"
                           for t, v in r["tiles"].items())
         print(f"{r['name']:9} {r['N']:>6}x{r['K']:<6} {r['prologue']:10} {cells}")
-    for form in ("fused", "half2x", "fp8_fused"):
+    labels = {"fused": "fused_tile", "fused_pdl_start": "fused_tile",
+              "fused_pdl_end": "fused_tile", "half2x": "half2x_tile",
+              "fp8_fused": "fp8_fused_choice"}  # (where each form's tile is named)
+    for form, label in labels.items():
         if all(form + "_us" in r for r in rows):
             total = sum(r[form + "_us"] * r["calls"] for r in rows)
-            tiles = ", ".join(f"{r['name']} {r.get(form + '_tile', r.get('fp8_fused_choice'))}"
-                              for r in rows)
+            tiles = ", ".join(f"{r['name']} {r[label]}" for r in rows)
             print(f"per step, best tiles: {form} {total:.0f} us ({tiles})")
 
 
