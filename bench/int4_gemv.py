@@ -278,7 +278,7 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
     from unimax.ops import fused_gemv
     from unimax.ops.gemv import tile_text
     from unimax.ops.int4_fused import int4_fused, int4_fused_ref
-    from unimax.ops.int4_gemv import INT4_TILES
+    from unimax.ops.int4_gemv import INT4_TILES, _tile
 
     prologue, _, _, _, x, z, norm, res = fold_inputs(cfg, name, n, k)
     torch.manual_seed(1)
@@ -311,18 +311,15 @@ def fused_rows(cfg, name: str, n: int, k: int, bandwidth: float) -> dict:
                     f"{form}_bw": bandwidth_fraction(nbytes, us, bandwidth)})
     # the fused form at its best tile under programmatic dependent launch, the calls chained
     # in the graph as a step chains them (each trigger; compute capability 9+ only)
-    tile = next(t for t in INT4_TILES + FUSED_WIDE_TILES if tile_text(t) == row["fused_tile"])
+    # (PDL "auto", the default: auto_pdl sets what it means, as each graph owner does)
+    tile = _tile(row["fused_tile"])
     for trigger in fused_gemv.PDL_TRIGGERS if fused_gemv.pdl_possible(x.device) else ():
-        saved = fused_gemv.PDL, fused_gemv.PDL_TRIGGER
-        fused_gemv.PDL, fused_gemv.PDL_TRIGGER = True, trigger
-        try:
+        with fused_gemv.auto_pdl(True, trigger):
             check(int4_fused(x, packed, scale, prologue, norm, z, res, tile=tile), ref,
                   f"{name} fused pdl@{trigger}")
             row[f"fused_pdl_{trigger}_us"] = graph_us(
                 lambda i: int4_fused(x, *copies[i], prologue, norm, z, res, tile=tile),
                 len(copies))
-        finally:
-            fused_gemv.PDL, fused_gemv.PDL_TRIGGER = saved
     fp8 = fused_row(cfg, name, n, k, bandwidth)
     if "chosen_us" in fp8:
         row.update(fp8_fused_us=fp8["chosen_us"], fp8_fused_choice=fp8["chosen"])
