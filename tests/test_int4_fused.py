@@ -130,3 +130,77 @@ def test_fused_int4_draft_steps_equal_the_unfused_one(pure_or_hybrid, monkeypatc
         assert float((a - b).norm() / b.norm()) < 1e-5
     monkeypatch.setattr(fused_draft, "FUSE_INT4", False)
     assert not any(block.fused for block in gemv_view(draft).layers)
+
+
+# The int4 draft's kernels compiled to PTX in a child process, no GPU needed: sm_90 (H200)
+# with and without programmatic dependent launch, sm_89 (the L4, which the product demos on
+# and this project has no card of) without it, as ops.fused_gemv.pdl_launch asks there.
+PTX_CHILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from unimax.ops.fused_gemv import PROLOGUES
+from unimax.ops.int4_gemv_kernels import (int4_epilogue_kernel, int4_gemv_kernel,
+                                          int4_ready_kernel)
+
+def ptx(kernel, sig, consts, arch):
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+def counts(code):
+    return (code.count("prmt.b32"), code.count("fma.rn.f16x2"),
+            code.count("griddepcontrol.launch_dependents"), code.count("griddepcontrol.wait"))
+
+ready_sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "ready_ptr": "*fp16",
+             "K": "i32", "eps": "fp32", "offset": "fp32", "PRO": "constexpr",
+             "HEAD": "constexpr", "KP": "constexpr", "PRE_BLOCK": "constexpr",
+             "PDL": "constexpr"}
+gemm_sig = {"ready_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "r_ptr": "*bf16",
+            "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32",
+            "cs_ptr": "*bf16", "cw_ptr": "*bf16", "C": "i32", "stride_csm": "i32", "B0": "i32",
+            "NB": "i32", "HAS_RES": "constexpr", "GROUP": "constexpr", "BLOCK_N": "constexpr",
+            "BLOCK_K": "constexpr", "CONV_W": "constexpr", "CONV_WP": "constexpr",
+            "BETA": "constexpr", "PTX": "constexpr", "PDL": "constexpr",
+            "PDL_LATE": "constexpr"}
+plain_sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "y_ptr": "*bf16",
+             "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32",
+             "GROUP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+             "PRE_X": "constexpr", "PTX": "constexpr"}
+for arch, pdls in ((90, ((False, False), (True, False), (True, True))), (89, ((False, False),))):
+    for pdl, late in pdls:
+        for pro in range(len(PROLOGUES)) if not late else ():  # (it signals at its start)
+            code = ptx(int4_ready_kernel, ready_sig,
+                       {"PRO": pro, "HEAD": 128, "KP": 4096 if pro == 1 else 1,
+                        "PRE_BLOCK": 1024, "PDL": pdl}, arch)
+            print("ready", arch, int(pdl), int(late), pro, *counts(code))
+        # the in-projection's epilogue (convolution and beta) and the residual one
+        for conv, beta, res in ((4, 1, False), (0, 0, True)):
+            code = ptx(int4_epilogue_kernel, gemm_sig,
+                       {"HAS_RES": res, "GROUP": 128, "BLOCK_N": 16, "BLOCK_K": 512,
+                        "CONV_W": conv, "CONV_WP": max(conv, 1), "BETA": beta, "PTX": True,
+                        "PDL": pdl, "PDL_LATE": late}, arch)
+            print("gemv", arch, int(pdl), int(late), conv, *counts(code))
+    code = ptx(int4_gemv_kernel, plain_sig, {"GROUP": 128, "BLOCK_N": 16, "BLOCK_K": 512,
+                                             "PRE_X": True, "PTX": True}, arch)
+    print("plain", arch, 0, 0, 0, *counts(code))
+"""
+
+
+def test_int4_kernels_compile_for_hopper_and_ada():
+    """The int4 draft's three kernels compile for the H200 (sm_90) and the L4 (sm_89) without
+    a GPU (the interpreter tests swap the PTX dequantizer out, and only sm_90 is ever run
+    here): the GEMVs with the dequantizer's PRMTs and packed FP16 FMAs, the ready kernel with
+    every prologue; PDL's launch signal and wait exactly where asked (once each in each
+    kernel under PDL, none on sm_89 or without it), so an L4 never meets an sm_90 instruction."""
+    out = run_with_triton(PTX_CHILD, interpret=False)
+    rows = [line.split() for line in out.strip().splitlines()]
+    ready = [[int(v) for v in row[1:]] for row in rows if row[0] == "ready"]
+    gemv = [[int(v) for v in row[1:]] for row in rows if row[0] == "gemv"]
+    plain = [[int(v) for v in row[1:]] for row in rows if row[0] == "plain"]
+    assert len(ready) == 3 * 6 and len(gemv) == 4 * 2 and len(plain) == 2, out
+    for arch, pdl, late, _, _, _, signal, wait in ready:
+        assert (signal, wait) == ((1, 1) if pdl else (0, 0)), (arch, pdl, late, out)
+    for arch, pdl, late, _, prmt, hfma2, signal, wait in gemv + plain:
+        assert prmt > 0 and hfma2 > 0, (arch, pdl, out)
+        assert (signal, wait) == ((1, 1) if pdl else (0, 0)), (arch, pdl, late, out)
+    assert {row[0] for row in ready + gemv if row[1]} == {90}, out

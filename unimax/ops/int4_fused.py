@@ -18,7 +18,8 @@ form ran the prologue inside the GEMV, each program over all of x before its til
 (fused_draft.FUSE_INT4). Under programmatic dependent launch (ops.fused_gemv.pdl_launch: the
 draft's setting, as for its FP8 GEMVs; compute capability 9+, so not on an L4) the ready
 kernel lets the GEMV launch at once, which reads its first tile of W before it waits for x:
-that launch's gap is what the second form added. Not yet measured.
+that launch's gap is what the second form added, and PDL hides nearly all of it (forty-fourth
+session: 1099 us a step with the signal at the end, against 1066 on x made ready).
 
 ``int4_fused_ref`` is the twin: the prologue's torch form (ops.fused_gemv.prologue_ref), x
 rounded as the kernel takes it, the dequantized weight in fp32, then the convolution, beta and
