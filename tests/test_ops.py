@@ -69,6 +69,25 @@ def test_unknown_backend_is_named():
         gated_delta_rule(q, k, v, g, beta, state, backend="cuda")
 
 
+def test_fla_lookup_reads_as_a_constant_when_compiled():
+    """fla_ops, once looked up (the engines do before they compile), is a constant to
+    torch.compile: a compiled caller neither imports inside its trace (here, where fla is
+    hidden, that import fails and breaks the graph: fullgraph raises) nor warns about a cache
+    wrapper (functools.cache did both)."""
+    import warnings
+
+    from unimax.ops.gated_delta import fla_ops
+
+    answer = fla_ops()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + (1.0 if fla_ops() is None else 2.0), fullgraph=True,
+                             backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = compiled(torch.zeros(2))
+    assert out.tolist() == [1.0 if answer is None else 2.0] * 2
+
+
 def test_conv_matches_padded_conv_and_steps():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 11, 6, generator=gen)

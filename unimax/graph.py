@@ -16,6 +16,7 @@ import torch
 
 from .cache import RecurrentCache, copy_cache_
 from .ops import fused_gemv
+from .ops.gated_delta import fla_ops
 from .ops.timing import gc_paused, median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
 
@@ -221,7 +222,10 @@ class MaxTurboGraphDecoder:
         self.pdl_trigger = "start"  # (where its launches signal the next: the choice's too)
         self.pdl_ms: dict[str, float] = {}
         # torch.compile (inductor) fuses the step's many small elementwise kernels; the graphs
-        # are still captured here, around the compiled step.
+        # are still captured here, around the compiled step. fla is looked up first, so that
+        # the compiled step reads the answer and never imports (ops.gated_delta.fla_ops).
+        if compile and self.device.type == "cuda":
+            fla_ops()
         self._step = torch.compile(self._step_eager, dynamic=False) if compile else \
             self._step_eager
 

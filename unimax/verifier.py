@@ -39,6 +39,7 @@ import torch
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
 from .ops import fused_gemv
+from .ops.gated_delta import fla_ops
 from .ops.gemv import GEMV_ROWS
 from .ops.short_recurrence import choose_for_blocks
 from .sampling import sample_from_logits, warped_probs
@@ -187,6 +188,8 @@ class Verifier:
             # their span block's forward, padded (``span``); only where a hybrid's KV buffers
             # leave no room for the padding does a block run the plain forward.
             allow_recompiles()
+            if cuda:
+                fla_ops()  # (looked up before tracing, so that the compiled forward never imports)
             self.compiled = torch.compile(exact_view(exact_model).forward_unchecked,
                                           dynamic=False)
 

@@ -17,8 +17,6 @@ CUDA when fla is importable; tests hold every path to the same numbers.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -127,18 +125,28 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=None, chunk_size:
     return o.transpose(1, 2).to(out_dtype), state
 
 
-@functools.cache
+_FLA: list = []  # [fla_ops' answer], once looked up
+
+
 def fla_ops():
     """flash-linear-attention's kernels, or None. Imported lazily and only for CUDA work:
-    an importable fla also redirects transformers' CPU reference to Triton."""
-    try:
-        from fla.ops.gated_delta_rule import (
-            chunk_gated_delta_rule,
-            fused_recurrent_gated_delta_rule,
-        )
-    except Exception:  # ImportError, or Triton failing to initialise on this machine
-        return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    an importable fla also redirects transformers' CPU reference to Triton.
+
+    Remembered in a plain list, not functools.cache: torch.compile traces through a cache
+    wrapper (warning that it ignores it) and runs the import inside every trace; a list
+    already filled it reads as a constant. The engines look fla up before they compile
+    (``fla_ops`` in unimax.graph and unimax.verifier), so a compiled step never imports."""
+    if not _FLA:
+        try:
+            from fla.ops.gated_delta_rule import (
+                chunk_gated_delta_rule,
+                fused_recurrent_gated_delta_rule,
+            )
+        except Exception:  # ImportError, or Triton failing to initialise on this machine
+            _FLA.append(None)
+        else:
+            _FLA.append((chunk_gated_delta_rule, fused_recurrent_gated_delta_rule))
+    return _FLA[0]
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, initial_state=None, final_state: bool = True):
