@@ -133,8 +133,8 @@ def fla_ops():
     an importable fla also redirects transformers' CPU reference to Triton.
 
     Remembered in a plain list, not functools.cache: torch.compile traces through a cache
-    wrapper (warning that it ignores it) and runs the import inside every trace; a list
-    already filled it reads as a constant. The engines look fla up before they compile
+    wrapper (warning that it ignores it) and runs the import inside every trace, while it
+    reads a list already filled as a constant. The engines look fla up before they compile
     (``fla_ops`` in unimax.graph and unimax.verifier), so a compiled step never imports."""
     if not _FLA:
         try:
