@@ -406,9 +406,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
     streams = {}  # the latest forced stream per engine (by id: one reused by a later engine
     # only gives that one a start its resyncs correct) and draft_block (k, or None: adaptive)
 
-    def forced_row(engine, rate: float, label: str, draft_block: int | None = k) -> None:
+    def forced_row(engine, rate: float, label: str, draft_block: int | None = k,
+                   draft: str = args.draft) -> None:
         """A row at a forced acceptance ``rate``: per corruption pattern (``--seeds``; one
-        at 1.0, where none corrupts) the best of two runs, after a warm-up; pooled_row."""
+        at 1.0, where none corrupts) the best of two runs, after a warm-up; pooled_row.
+        ``draft`` names the engine's draft format in the label."""
         results, resyncs, shielded = [], 0, 0
         for seed in range(1 if rate >= 1.0 else args.seeds):
             # each pattern starts from the stream the last one left (its resyncs' corrections
@@ -424,7 +426,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
             resyncs += forced.resyncs
             shielded += forced.shielded
             streams[key] = forced.stream
-        emit({**pooled_row(f"verified-{args.draft} @{rate}{label}", results, natural,
+        emit({**pooled_row(f"verified-{draft} @{rate}{label}", results, natural,
                            weight_bytes, bandwidth, reference, model, ids),
               "resyncs": resyncs, "shielded": shielded})
 
@@ -514,7 +516,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         result = timed_generate(other, ids, args.new, "verified", draft_block=k)
         emit(row_of(f"verified-{args.ab_draft}", result, weight_bytes, bandwidth, reference,
                     model, ids))
-        second_engine_rows(other, args.ab_draft, args, k, parts, forced_row)
+        second_engine_rows(other, args.ab_draft, args, k, parts, forced_row,
+                           draft=args.ab_draft)
     base = parts["bf16_step_ms"]
     # A full block's replays against the block's measured time (forced 1.0, fixed k, the plain
     # loop: every block drafts k after the host read the block before): the rest is the host's
@@ -602,13 +605,27 @@ def with_short_tile(model, verified_engine, args, k: int, window, parts: dict,
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
-                       verify: bool = False, window=None, exact: bool = False) -> None:
+                       verify: bool = False, window=None, exact: bool = False,
+                       draft: str | None = None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
     the first engine's in the same process (the A/B options); ``verify``: its verify block of
     k drafts too, in the KV bucket ``window`` (the first engine's; None on pure GDN models);
-    ``exact``: its exact step and exact run (exact_parts), in that bucket."""
+    ``exact``: its exact step and exact run (exact_parts), in that bucket; ``draft``: the
+    second engine has another draft format (--ab-draft), which its rows are labelled with
+    instead. Under --adaptive-only its rows are adaptive too, its policy calibrated from its
+    own graphs, as the first engine's."""
+    draft_block = None if args.adaptive_only else k
+    if draft_block is None:
+        other.capture_graphs(verified=True)
+        parts[f"policy_costs_ms_{name}"] = {"draft": other.draft_length.draft_ms,
+                                            "verify": other.draft_length.verify_ms,
+                                            "rewind": other.draft_length.rewind_ms}
+    label = " adaptive" if draft_block is None else ""
+    if draft is None:
+        label += f" {name.replace('_', '-')}"
     for rate in args.acceptance:
-        forced_row(other, rate, f" {name.replace('_', '-')}")
+        other.draft_length.forget()
+        forced_row(other, rate, label, draft_block, draft=draft or args.draft)
     base = parts["bf16_step_ms"]
     parts[f"draft_step_ms_{name}"] = replay_ms(other.decode_graph.runner, (k, False)) / k
     parts["pdl"][f"draft_{name}"] = pdl_of(other.decode_graph)
@@ -646,7 +663,7 @@ def main() -> None:
     parser.add_argument("--ab-draft", default=None, choices=DRAFTS,
                         help="also a second verified engine with this draft (int4: the body in "
                              "4 bits, unimax.int4), its natural and forced rows and its draft "
-                             "step beside the first's")
+                             "step beside the first's; adaptive rows under --adaptive-only")
     parser.add_argument("--acceptance", type=float, nargs="*", default=[1.0, 0.95, 0.9, 0.8])
     parser.add_argument("--no-peak", dest="peak", action="store_false",
                         help="keep the random LM head as it is (flat logits)")
