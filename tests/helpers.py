@@ -40,7 +40,7 @@ def gpu_prompt(length, seed=0):
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()  # (callers pass outputs made in grad mode)
     return float((a - b).norm() / b.norm())
 
 
