@@ -435,9 +435,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     for draft_block in (k,) if args.fixed_only else (None,) if args.adaptive_only else (k, None):
         if draft_block is None:
             engine.capture_graphs(verified=True)
-            parts["policy_costs_ms"] = {"draft": engine.draft_length.draft_ms,
-                                        "verify": engine.draft_length.verify_ms,
-                                        "rewind": engine.draft_length.rewind_ms}
+            parts["policy_costs_ms"] = policy_costs(engine)
             print(json.dumps({"policy_costs_ms": parts["policy_costs_ms"]}), flush=True)  # (a
             # cut run keeps them: the draft-length simulation, bench/draft_policy.py, reads them)
             engine.draft_length.forget()
@@ -604,6 +602,12 @@ def with_short_tile(model, verified_engine, args, k: int, window, parts: dict,
             short.CHOICES[key] = was
 
 
+def policy_costs(engine) -> dict:
+    """The draft-length policy's calibrated costs (ms), as bench/draft_policy.py reads them."""
+    policy = engine.draft_length
+    return {"draft": policy.draft_ms, "verify": policy.verify_ms, "rewind": policy.rewind_ms}
+
+
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
                        verify: bool = False, window=None, exact: bool = False,
                        draft: str | None = None) -> None:
@@ -617,9 +621,7 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
     draft_block = None if args.adaptive_only else k
     if draft_block is None:
         other.capture_graphs(verified=True)
-        parts[f"policy_costs_ms_{name}"] = {"draft": other.draft_length.draft_ms,
-                                            "verify": other.draft_length.verify_ms,
-                                            "rewind": other.draft_length.rewind_ms}
+        parts[f"policy_costs_ms_{name}"] = policy_costs(other)
     label = " adaptive" if draft_block is None else ""
     if draft is None:
         label += f" {name.replace('_', '-')}"
