@@ -29,6 +29,7 @@ reply left the one-token reference and whether that was a near tie.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -106,6 +107,12 @@ SWITCH_ABS = (
              "small kernels to inductor (unimax.fused_draft.FUSE_INT4 off; on by default: "
              "ops.int4_fused, the prologue a launch of its own, then the GEMV with its "
              "epilogue): forced rows and draft step side by side"),
+    SwitchAB("--ab-decode-sdpa", unimax.attention, "DECODE_KERNEL", False, "decode_sdpa",
+             "hybrid shapes: a second verified engine whose one-token steps (the draft's, the "
+             "exact runs') attend through SDPA over the whole KV buffer under a mask "
+             "(unimax.attention.DECODE_KERNEL off; on by default: ops.decode_attention reads "
+             "only the stored entries): forced rows, draft step, exact step and exact run side "
+             "by side (see --max-context)", exact=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
@@ -357,6 +364,8 @@ def pdl_of(owner, run: bool = False) -> dict:
 
 def bench_shape(shape, args, bandwidth) -> dict:
     config = SHAPES[shape]
+    if args.max_context and config.has_attention:
+        config = dataclasses.replace(config, max_context=args.max_context)
     model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
     peaked = peak_head(model) if args.peak else []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -726,6 +735,10 @@ def main() -> None:
                         help="also a second verified engine whose draft's LM head scores N "
                              "tokens (as --draft-vocab), its forced rows and draft step beside "
                              "the first's")
+    parser.add_argument("--max-context", type=int, default=None,
+                        help="the hybrid shapes' KV buffers (tokens; default the shape's: "
+                             "2048 at qwen3.5-4b, 4096 at qwen3.5-0.8b; the L4 presets' are "
+                             "8192)")
     for ab in SWITCH_ABS:
         parser.add_argument(ab.flag, action="store_true", help=ab.help)
     parser.add_argument("--json", type=Path)

@@ -10,9 +10,11 @@ With a cache, new keys/values are written at the cache's device-side position an
 attends over the leading ``attend_length`` entries of the buffer under a mask (key index <=
 query position): fixed shapes and no host sync, so the step can be captured in a CUDA graph.
 ``attend_length`` is the whole buffer unless the host set a window (RecurrentCache.set_window).
-Chosen by measurement (bench/attention.py, RESULTS.md): at 4k-8k contexts a one-token step pays
-19 us per layer on the H200 over the whole buffer against 17 us over a power-of-two bucket,
-which would need a graph (and a compilation) per bucket: steps read the whole buffer. Several
+A one-token step over a graph's window goes through ops.decode_attention, which reads the
+position on the device and only the entries up to it: one graph serves every length (SDPA over
+the whole buffer under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k
+buffers, whatever the conversation's length; the kernel 6 us at 512 stored entries,
+bench/decode_attention.py, forty-sixth session). Several
 query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer over 4k
 keys and 66 us over 512: the verifier's graphs are keyed by bucket (engine.py), eager forwards
 read exactly the stored entries (model.py). There the mask is not needed at all: the queries are
@@ -33,6 +35,13 @@ from torch.nn.attention.bias import causal_lower_right
 from .cache import AttentionLayerState
 from .config import GDNConfig
 from .norms import RMSNorm
+from .ops.decode_attention import decode_attention, supported
+
+# One token over a graph's window (every decode step: BF16-only, the FP8 draft, the verifier's
+# exact runs) through ops.decode_attention, which reads only the entries stored so far, instead
+# of SDPA over the whole buffer under a mask. Off CUDA the op is that masked SDPA itself. The
+# op has no backward: a forward that autograd records keeps SDPA.
+DECODE_KERNEL = True
 
 # A few query rows under a mask (the verifier's block in a graph's KV window) through
 # ``rows_attention`` instead of SDPA, whose masked multi-row case is the slow one. Measured on
@@ -154,6 +163,11 @@ class GatedAttention(nn.Module):
             if state.window_exact and length == seq_len:  # from an empty cache
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=seq_len > 1,
                                                      scale=scale, enable_gqa=gqa)
+            elif seq_len == 1 and not state.window_exact and DECODE_KERNEL and \
+                    not (q.requires_grad and torch.is_grad_enabled()) and \
+                    supported(q, state.key_cache, state.value_cache):
+                out = decode_attention(q[:, :, 0], state.key_cache, state.value_cache,
+                                       positions, scale)[:, :, None]
             else:
                 cached_k, cached_v = (state.key_cache[:, :, :length].to(q.dtype),
                                       state.value_cache[:, :, :length].to(q.dtype))

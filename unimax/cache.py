@@ -140,7 +140,8 @@ class RecurrentCache:
     # 66 us over 512 keys). The host knows how many tokens are stored (seen_tokens), so it can
     # hand a forward only the leading entries it needs: the exact count for eager forwards, a
     # power-of-two bucket for captured graphs (the graph is keyed by it). One-token decode
-    # steps keep the whole buffer (None): there the difference is ~2 us per layer.
+    # steps keep the whole buffer (None): their kernel (ops.decode_attention) reads the
+    # position on the device and stops there, so one graph serves every length.
 
     MIN_WINDOW = 256
 
