@@ -13,7 +13,7 @@ query position): fixed shapes and no host sync, so the step can be captured in a
 A one-token step over a graph's window goes through ops.decode_attention, which reads the
 position on the device and only the entries up to it: one graph serves every length (SDPA over
 the whole buffer under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k
-buffers, whatever the conversation's length; the kernel 6 us at 512 stored entries,
+buffers, whatever the conversation's length; the kernel 7 us at 512 stored entries,
 bench/decode_attention.py, forty-sixth session). Several
 query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer over 4k
 keys and 66 us over 512: the verifier's graphs are keyed by bucket (engine.py), eager forwards
