@@ -35,34 +35,38 @@ from unimax.ops import decode_attention as attn  # noqa: E402
 
 SETTINGS = ((16, 16, 4), (16, 32, 4), (32, 16, 4), (32, 32, 4), (32, 64, 4), (64, 16, 8),
             (64, 32, 8))
-HEADS = {"0.8b": (8, 2), "4b": (16, 4)}
+# the attention layers' heads of the two hybrid shapes: (heads, KV heads, head size)
+HEADS = {name: (SHAPES[shape].num_attention_heads, SHAPES[shape].num_key_value_heads,
+                SHAPES[shape].attn_head_dim)
+         for name, shape in (("0.8b", "qwen3.5-0.8b"), ("4b", "qwen3.5-4b"))}
 
 
 @torch.inference_mode()
 def kernel_rows(buffers: list[int]) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (heads, kv_heads) in HEADS.items():
+    for name, (heads, kv_heads, dim) in HEADS.items():
+        scale = dim ** -0.5
         for buffer in buffers:
-            k = torch.randn(1, kv_heads, buffer, 256, device="cuda", generator=gen).bfloat16()
+            k = torch.randn(1, kv_heads, buffer, dim, device="cuda", generator=gen).bfloat16()
             v = torch.randn_like(k)
-            q = torch.randn(1, heads, 256, device="cuda", generator=gen).bfloat16()
+            q = torch.randn(1, heads, dim, device="cuda", generator=gen).bfloat16()
             for length in sorted({512, 4096, buffer} & set(range(1, buffer + 1))):
                 position = torch.tensor([length - 1], device="cuda")
-                ref = attn.decode_attention_ref(q, k, v, position, 0.0625)
+                ref = attn.decode_attention_ref(q, k, v, position, scale)
                 row = {"heads": name, "buffer": buffer, "length": length,
                        "sdpa-mask_us": time_graph(partial(attn.decode_attention_ref, q, k, v,
-                                                          position, 0.0625)) * 1e6}
+                                                          position, scale)) * 1e6}
                 exact_k, exact_v = k[:, :, :length], v[:, :, :length]
                 row["sdpa-exact_us"] = time_graph(partial(
                     F.scaled_dot_product_attention, q[:, :, None], exact_k, exact_v,
-                    scale=0.0625, enable_gqa=True)) * 1e6
+                    scale=scale, enable_gqa=True)) * 1e6
                 for block_n, splits, warps in SETTINGS:
-                    out = attn.launch(q, k, v, position, 0.0625, block_n, splits, warps)
+                    out = attn.launch(q, k, v, position, scale, block_n, splits, warps)
                     err = float((out.float() - ref.float()).norm() / ref.float().norm())
                     assert err < 1e-2, (name, buffer, length, block_n, splits, warps, err)
                     row[f"{block_n}x{splits}x{warps}_us"] = time_graph(partial(
-                        attn.launch, q, k, v, position, 0.0625, block_n, splits, warps)) * 1e6
+                        attn.launch, q, k, v, position, scale, block_n, splits, warps)) * 1e6
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
