@@ -2,7 +2,8 @@
 (unimax.ops.decode_attention) at Qwen3.5-0.8B's and -4B's heads against torch's SDPA over the
 whole buffer under the position's mask (what the graphs ran before), at every launch setting
 bench/decode_attention.py times; the op captured in a CUDA graph replays what it computes
-eagerly as the position moves; and a hybrid model's one-token forward agrees with SDPA's."""
+eagerly as the position moves; the same for the verifier's blocks of tokens; and a hybrid
+model's one-token forward and 9-token block agree with the paths the op replaced."""
 
 import dataclasses
 
@@ -53,6 +54,34 @@ def test_decode_attention_in_a_graph_follows_the_position_on_gpu():
 
 
 @torch.inference_mode()
+def test_decode_attention_of_a_block_matches_sdpa_and_replays_on_gpu():
+    """The verifier's blocks (9 and 17 tokens, causal among themselves) at both heads against
+    the twin, at each rows-a-program setting; captured, the replay follows the position."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for heads, kv_heads, buffer in ((8, 2, 4096), (16, 4, 8192)):
+        k = torch.randn(1, kv_heads, buffer, 256, device="cuda", generator=gen).bfloat16()
+        v = torch.randn_like(k)
+        for tokens in (9, 17):
+            q = torch.randn(1, tokens, heads, 256, device="cuda",
+                            generator=gen).bfloat16().transpose(1, 2)
+            for pos in (0, 5, 511, 4000, buffer - tokens):
+                position = torch.tensor([pos], device="cuda")
+                ref = attn.decode_attention_ref(q, k, v, position, 256 ** -0.5)
+                for rows in (16, 32, 64):
+                    out = attn.launch(q, k, v, position, 256 ** -0.5, rows=rows)
+                    assert rel_err(out, ref) < 1e-2, (heads, tokens, pos, rows)
+    position = torch.tensor([0], device="cuda")
+    attn.decode_attention(q, k, v, position, 0.0625)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.decode_attention(q, k, v, position, 0.0625)
+    for pos in (7, 700, 8000, 3):
+        position.fill_(pos)
+        graph.replay()
+        assert torch.equal(out, attn.decode_attention(q, k, v, position, 0.0625)), pos
+
+
+@torch.inference_mode()
 def test_hybrid_one_token_forward_agrees_with_sdpa_on_gpu(monkeypatch):
     """A Qwen3.5-shaped hybrid (tiny widths, real head sizes) in BF16: the one-token forward
     over the static buffer through the op, against the same forward through SDPA, from the
@@ -73,3 +102,12 @@ def test_hybrid_one_token_forward_agrees_with_sdpa_on_gpu(monkeypatch):
         model(input_ids=ids[:, :299], past_key_values=cache)
         outs.append(model.forward_unchecked(ids[:, 299:], cache).float())
     assert rel_err(outs[0], outs[1]) < 1e-2
+    # a verifier's block of 9 (the op's block form against rows_attention over the buffer)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    blocks = []
+    for tokens_limit in (17, 1):
+        monkeypatch.setattr(attention, "DECODE_KERNEL_TOKENS", tokens_limit)
+        cache = model.make_recurrent_cache()
+        model(input_ids=ids[:, :291], past_key_values=cache)
+        blocks.append(model.forward_unchecked(ids[:, 291:], cache).float())
+    assert rel_err(blocks[0], blocks[1]) < 1e-2

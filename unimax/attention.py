@@ -42,6 +42,10 @@ from .ops.decode_attention import decode_attention, supported
 # of SDPA over the whole buffer under a mask. Off CUDA the op is that masked SDPA itself. The
 # op has no backward: a forward that autograd records keeps SDPA.
 DECODE_KERNEL = True
+# Up to this many tokens over a graph's window through the same op (the verifier's blocks of
+# k drafts + 1, causal among themselves), instead of rows_attention over the window; 1: one
+# token only.
+DECODE_KERNEL_TOKENS = 1
 
 # A few query rows under a mask (the verifier's block in a graph's KV window) through
 # ``rows_attention`` instead of SDPA, whose masked multi-row case is the slow one. Measured on
@@ -163,11 +167,10 @@ class GatedAttention(nn.Module):
             if state.window_exact and length == seq_len:  # from an empty cache
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=seq_len > 1,
                                                      scale=scale, enable_gqa=gqa)
-            elif seq_len == 1 and not state.window_exact and DECODE_KERNEL and \
-                    not (q.requires_grad and torch.is_grad_enabled()) and \
+            elif seq_len <= DECODE_KERNEL_TOKENS and not state.window_exact and \
+                    DECODE_KERNEL and not (q.requires_grad and torch.is_grad_enabled()) and \
                     supported(q, state.key_cache, state.value_cache):
-                out = decode_attention(q[:, :, 0], state.key_cache, state.value_cache,
-                                       positions, scale)[:, :, None]
+                out = decode_attention(q, state.key_cache, state.value_cache, positions, scale)
             else:
                 cached_k, cached_v = (state.key_cache[:, :, :length].to(q.dtype),
                                       state.value_cache[:, :, :length].to(q.dtype))
