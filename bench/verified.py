@@ -58,6 +58,7 @@ from unimax.ops.fused_gemv import pdl_label  # noqa: E402
 from unimax.reference import first_divergence, is_near_tie  # noqa: E402
 
 STARTED = time.perf_counter()
+PROMPT = 512  # tokens of every row's prompt (random ids)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,12 @@ SWITCH_ABS = (
              "(unimax.attention.DECODE_KERNEL off; on by default: ops.decode_attention reads "
              "only the stored entries): forced rows, draft step, exact step and exact run side "
              "by side (see --max-context)", exact=True),
+    SwitchAB("--ab-block-rows", unimax.attention, "DECODE_KERNEL_TOKENS", 1, "block_rows",
+             "hybrid shapes: a second verified engine whose verify blocks attend through "
+             "rows_attention over their graph's KV window under a mask (unimax.attention."
+             "DECODE_KERNEL_TOKENS at 1; 17 by default: ops.decode_attention's block form reads "
+             "only the stored entries): forced rows and verify block side by side",
+             verify=True),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
@@ -369,7 +376,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
     peaked = peak_head(model) if args.peak else []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (1, 512), device="cuda", generator=gen)
+    ids = torch.randint(0, config.vocab_size, (1, PROMPT), device="cuda", generator=gen)
     start = time.perf_counter()
     reference = unimax.exact_greedy_tokens(model, ids, args.new)[0].tolist()
     print(f"[{shape}] reference in {time.perf_counter() - start:.0f} s", flush=True)
@@ -479,7 +486,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
     del bf16
 
     verifier = engine.verifier
-    window = engine.exact_cache.window_for(512 + args.new)
+    window = engine.verifier.window_for(PROMPT + args.new)
     parts["draft_step_ms"] = replay_ms(engine.decode_graph.runner, (k, False)) / k
     parts["pdl"]["draft"] = pdl_of(engine.decode_graph)
     parts["pdl"]["verifier"] = pdl_of(engine.verifier)
@@ -622,12 +629,16 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
                        draft: str | None = None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
     the first engine's in the same process (the A/B options); ``verify``: its verify block of
-    k drafts too, in the KV bucket ``window`` (the first engine's; None on pure GDN models);
-    ``exact``: its exact step and exact run (exact_parts), in that bucket; ``draft``: the
+    k drafts too, in its own KV window for the rows' length (``window``: the first engine's,
+    None on pure GDN models); ``exact``: its exact step and exact run (exact_parts), in that
+    window; ``draft``: the
     second engine has another draft format (--ab-draft), which its rows are labelled with
     instead. Under --adaptive-only its rows are adaptive too, its policy calibrated from its
     own graphs, as the first engine's."""
     draft_block = None if args.adaptive_only else k
+    if window is not None:  # its own KV window: a switch may give it buckets where the first
+        # engine has one window (verifier.one_window), or the other way round
+        window = other.verifier.window_for(PROMPT + args.new)
     if draft_block is None:
         other.capture_graphs(verified=True)
         parts[f"policy_costs_ms_{name}"] = policy_costs(other)

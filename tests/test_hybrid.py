@@ -235,6 +235,46 @@ def test_verifier_reads_kv_bucket_by_bucket(hybrid_model, monkeypatch):
         assert stored + span <= window
 
 
+def test_verifier_keeps_one_window_where_the_kernel_attends(hybrid_model, monkeypatch):
+    """Where ops.decode_attention serves every attention call of the verifier's forwards
+    (attention.kernel_attends: on CUDA), the KV window changes nothing they compute, so the
+    verifier keys every graph by one window, the whole buffer, instead of a bucket per power
+    of two: forced on here (the CPU keeps buckets), the reply is still exact greedy through
+    rejections, every block reads the whole buffer, and capture prepares one set."""
+    from test_engine import erring_engine
+
+    from unimax import attention
+
+    monkeypatch.setattr(unimax.cache.RecurrentCache, "MIN_WINDOW", 16)
+    x = ids(10, seed=3)
+    expected = unimax.exact_greedy_tokens(hybrid_model, x, 70)
+    engine = erring_engine(hybrid_model, block_size=8, period=3)
+    verifier = engine.verifier
+    assert not verifier.one_window  # the CPU: buckets
+    assert len(verifier.windows()) == 5
+    verifier.one_window = True
+    assert verifier.windows() == [256] and verifier.window_for(20) == 256
+    seen = verifier_launches(engine, monkeypatch, lambda key: (
+        key, engine.exact_cache.layers[3].attend_length))
+    got, report = engine.generate_verified(x, 70)
+    assert torch.equal(got, expected) and report.rejected_blocks > 0
+    windows = {key[3] if key[0] == "verify" else key[2] for key, _ in seen}
+    assert seen and windows == {256} and {n for _, n in seen} == {256}
+
+    # the rule: the flags on, CUDA, a head size the kernel takes, caches in the activations'
+    # dtype; blocks up to DECODE_KERNEL_TOKENS tokens
+    cache = engine.exact_cache
+    cuda = types.SimpleNamespace(layers=cache.layers, device=torch.device("cuda"))
+    dim, dtype = hybrid_model.config.attn_head_dim, hybrid_model.dtype
+    assert attention.kernel_attends(cuda, 9, dim, dtype)
+    assert not attention.kernel_attends(cache, 9, dim, dtype)
+    assert not attention.kernel_attends(cuda, attention.DECODE_KERNEL_TOKENS + 1, dim, dtype)
+    assert not attention.kernel_attends(cuda, 9, 24, dtype)
+    assert not attention.kernel_attends(cuda, 9, dim, torch.bfloat16)
+    monkeypatch.setattr(attention, "DECODE_KERNEL_TOKENS", 1)
+    assert not attention.kernel_attends(cuda, 9, dim, dtype)
+
+
 @torch.inference_mode()
 def test_attend_window_limits_what_attention_reads(hybrid_model):
     """Entries past the window are never read: NaN there leaves a windowed forward untouched,

@@ -10,19 +10,21 @@ With a cache, new keys/values are written at the cache's device-side position an
 attends over the leading ``attend_length`` entries of the buffer under a mask (key index <=
 query position): fixed shapes and no host sync, so the step can be captured in a CUDA graph.
 ``attend_length`` is the whole buffer unless the host set a window (RecurrentCache.set_window).
-A one-token step over a graph's window goes through ops.decode_attention, which reads the
-position on the device and only the entries up to it: one graph serves every length (SDPA over
-the whole buffer under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k
-buffers, whatever the conversation's length; the kernel 7 us at 512 stored entries,
-bench/decode_attention.py, forty-sixth session). Several
-query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer over 4k
-keys and 66 us over 512: the verifier's graphs are keyed by bucket (engine.py), eager forwards
-read exactly the stored entries (model.py). There the mask is not needed at all: the queries are
-the window's last T positions, which is causal attention aligned to the bottom right. A prefill
-from an empty cache runs SDPA's causal kernel (flash) on the new keys themselves; one on top of
-kept KV passes ``causal_lower_right`` (flash / memory-efficient kernels on CUDA, the same mask
-materialized elsewhere); a one-token eager step needs no mask. A 16k-token prefill's attention
-through the mask took 8.6 ms per layer on the H200, against 1.6 ms in transformers' causal call.
+A step of up to DECODE_KERNEL_TOKENS tokens over a graph's window (one-token decode steps, the
+verifier's blocks) goes through ops.decode_attention, which reads the position on the device and
+only the entries up to each token's: one graph serves every length (SDPA over the whole buffer
+under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k buffers, whatever the
+conversation's length; the kernel 7 us at 512 stored entries, bench/decode_attention.py,
+forty-sixth session). Several query rows under a mask (the verifier's block) are SDPA's slow
+case, 215 us per layer over 4k keys and 66 us over 512: where the op does not serve (no CUDA
+kernel for the shape, autograd recording, longer blocks) the verifier's graphs are keyed by
+bucket (engine.py) and rows_attention reads the bucket; eager forwards read exactly the stored
+entries (model.py). There the mask is not needed at all: the queries are the window's last T
+positions, which is causal attention aligned to the bottom right. A prefill from an empty cache
+runs SDPA's causal kernel (flash) on the new keys themselves; one on top of kept KV passes
+``causal_lower_right`` (flash / memory-efficient kernels on CUDA, the same mask materialized
+elsewhere); a one-token eager step needs no mask. A 16k-token prefill's attention through the
+mask took 8.6 ms per layer on the H200, against 1.6 ms in transformers' causal call.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ from .ops.decode_attention import decode_attention, supported
 # op has no backward: a forward that autograd records keeps SDPA.
 DECODE_KERNEL = True
 # Up to this many tokens over a graph's window through the same op (the verifier's blocks of
-# k drafts + 1, causal among themselves), instead of rows_attention over the window; 1: one
-# token only.
-DECODE_KERNEL_TOKENS = 1
+# k drafts + 1 up to k = 16, causal among themselves; the short prefill's 16-token bucket)
+# instead of rows_attention or SDPA over the window under a mask. H200, us per attention layer
+# (bench/decode_attention.py --blocks, forty-seventh session), 9 tokens over
+# 512 / 4096 stored entries: Qwen3.5-4B heads 26.9 / 56.0 with rows_attention, 9.4 / 13.4 with
+# the op; 0.8B heads 23.5 / 38.9 against 8.9 / 10.9; 17 tokens at 4B 27.3 / 69.6 against
+# 9.3 / 15.0 (SDPA under the mask 62-433). 1: one token only.
+DECODE_KERNEL_TOKENS = 17
 
 # A few query rows under a mask (the verifier's block in a graph's KV window) through
 # ``rows_attention`` instead of SDPA, whose masked multi-row case is the slow one. Measured on
@@ -59,6 +65,19 @@ ROWS_ATTENTION_MAX = 9
 # us busy (bench/RESULTS.md, 2026-12-01). Tested on the H200 (eleventh session), not yet
 # timed there (bench/attention.py's "rows" beside "rows-fp32"); False gives the fp32 form back.
 ROWS_TENSOR_CORES = True
+
+
+def kernel_attends(cache, tokens: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether every attention call of a captured forward of up to ``tokens`` tokens on
+    ``cache`` goes through ops.decode_attention (the flags on, CUDA, a head size the kernel
+    takes, the caches in the activations' dtype and laid out as it reads them), so that the KV
+    window it is given changes nothing it computes."""
+    layers = [layer for layer in cache.layers if isinstance(layer, AttentionLayerState)]
+    return (DECODE_KERNEL and tokens <= DECODE_KERNEL_TOKENS and cache.device.type == "cuda"
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and all(layer.key_cache.dtype == dtype and layer.value_cache.dtype == dtype
+                    and layer.key_cache.stride(-1) == 1 and layer.value_cache.stride(-1) == 1
+                    for layer in layers))
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -141,7 +141,8 @@ class RecurrentCache:
     # hand a forward only the leading entries it needs: the exact count for eager forwards, a
     # power-of-two bucket for captured graphs (the graph is keyed by it). One-token decode
     # steps keep the whole buffer (None): their kernel (ops.decode_attention) reads the
-    # position on the device and stops there, so one graph serves every length.
+    # position on the device and stops there, so one graph serves every length; the verifier
+    # does the same where that kernel serves all of its forwards (Verifier.one_window).
 
     MIN_WINDOW = 256
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import kernel_attends
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
 from .ops import fused_gemv
@@ -133,6 +134,14 @@ class Verifier:
         self.resync_draft = resync_draft
         self.block_size = decoder.block_size
         self.span_blocks = span_blocks(self.block_size)  # (the compiled forwards' lengths - 1)
+        # Hybrid models on CUDA: where every attention call of the verifier's forwards (its
+        # blocks, the one-token exact runs) goes through ops.decode_attention, which reads only
+        # the entries stored, the KV window changes nothing a graph computes: one window (the
+        # whole buffer) and one set of graphs, not a set per power-of-two bucket (at an 8k
+        # buffer six sets, at 32k eight, each compiled and captured at start-up).
+        self.one_window = exact_cache.has_attention and kernel_attends(
+            exact_cache, self.span_blocks[-1] + 1, exact_model.config.attn_head_dim,
+            exact_model.dtype)
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
         # a block of k > 0 drafts: the rewind moves the recurrent states (ONE_PASS_REWIND)
@@ -192,6 +201,15 @@ class Verifier:
                 fla_ops()  # (looked up before tracing, so that the compiled forward never imports)
             self.compiled = torch.compile(exact_view(exact_model).forward_unchecked,
                                           dynamic=False)
+
+    def window_for(self, total: int) -> int | None:
+        """The KV window a forward ending with ``total`` stored tokens reads (its graphs are
+        keyed by it): the cache's bucket, or the whole buffer under ``one_window``."""
+        return self.cache.max_kv_length if self.one_window else self.cache.window_for(total)
+
+    def windows(self) -> list[int | None]:
+        """Every window window_for can return."""
+        return [self.cache.max_kv_length] if self.one_window else self.cache.windows()
 
     # --- graph bodies --------------------------------------------------------------------
 
@@ -292,7 +310,7 @@ class Verifier:
         leave no room for the padding; exact runs of 2..block_size steps (``sampled``: the
         verified-sampling graphs too). The caches are left as they were."""
         self.choose_pdl()
-        windows = self.cache.windows()
+        windows = self.windows()
         writes = [self.cache, self.snapshot, self.decoder.cache]
         for window in windows:  # hybrid models: one set per KV bucket
             spans = {k: {self.span(k, 0)} for k in range(self.block_size + 1)}
@@ -336,7 +354,7 @@ class Verifier:
         candidate = self.compiled is not None  # (eager forwards: cuBLAS, nothing to launch early)
         if not pdl_timable(candidate, self.runner):
             return
-        window, k = self.cache.windows()[0], self.block_size
+        window, k = self.windows()[0], self.block_size
         span = self.span(k, 0)
         writes = [self.cache, self.snapshot, self.decoder.cache]
 
@@ -402,7 +420,7 @@ class Verifier:
             self.u_final.uniform_(generator=self.decoder.generator)
         writes = [self.cache, self.snapshot, self.decoder.cache]
         if steps > 1:
-            window = self.cache.window_for(seen + steps)
+            window = self.window_for(seen + steps)
             with self.cache.attending(window):
                 self.runner.run(self.run_key(steps, window, sampled),
                                 lambda: self._exact_steps(steps, sampled),
@@ -412,7 +430,7 @@ class Verifier:
             # The verifier's forward ends at seen + span: it reads the KV bucket holding that
             # many entries (its graphs are keyed by it; None: pure GDN).
             span = self.span(k, seen)
-            window = self.cache.window_for(seen + span)
+            window = self.window_for(seen + span)
             with self.cache.attending(window):
                 self.runner.run(self.graph_key(k, span, window, sampled),
                                 lambda: self._verify(k, sampled, span),
