@@ -450,9 +450,12 @@ def bench_shape(shape, args, bandwidth) -> dict:
     # policy, and the same rows with k chosen per block ("adaptive", the app's default).
     for draft_block in (k,) if args.fixed_only else (None,) if args.adaptive_only else (k, None):
         if draft_block is None:
-            engine.capture_graphs(verified=True)
+            start = time.perf_counter()
+            engine.capture_graphs(verified=True)  # (the app's warm-up)
+            parts["capture_graphs_s"] = time.perf_counter() - start
             parts["policy_costs_ms"] = policy_costs(engine)
-            print(json.dumps({"policy_costs_ms": parts["policy_costs_ms"]}), flush=True)  # (a
+            print(json.dumps({"policy_costs_ms": parts["policy_costs_ms"],
+                              "capture_graphs_s": parts["capture_graphs_s"]}), flush=True)  # (a
             # cut run keeps them: the draft-length simulation, bench/draft_policy.py, reads them)
             engine.draft_length.forget()
             result = timed_generate(engine, ids, args.new, "verified")
@@ -640,7 +643,10 @@ def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
         # engine has one window (verifier.one_window), or the other way round
         window = other.verifier.window_for(PROMPT + args.new)
     if draft_block is None:
-        other.capture_graphs(verified=True)
+        start = time.perf_counter()
+        other.capture_graphs(verified=True)  # (after the first engine's: the compiles they
+        # share are warm)
+        parts[f"capture_graphs_s_{name}"] = time.perf_counter() - start
         parts[f"policy_costs_ms_{name}"] = policy_costs(other)
     label = " adaptive" if draft_block is None else ""
     if draft is None:
