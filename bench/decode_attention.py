@@ -100,8 +100,7 @@ def block_rows(buffers: list[int], tokens: list[int]) -> list[dict]:
                                 generator=gen).bfloat16().transpose(1, 2)
                 for stored in sorted({512, 4096} & set(range(1, buffer - count + 1))):
                     position = torch.tensor([stored], device="cuda")
-                    window = min(buffer, max(RecurrentCache.MIN_WINDOW,
-                                             1 << (stored + count - 1).bit_length()))
+                    window = RecurrentCache.bucket(stored + count, buffer)
                     last = stored + torch.arange(count, device="cuda")
                     mask = torch.arange(window, device="cuda")[None, :] <= last[:, None]
                     wk, wv = k[:, :, :window], v[:, :, :window]

@@ -72,12 +72,10 @@ def kernel_attends(cache, tokens: int, head_dim: int, dtype: torch.dtype) -> boo
     ``cache`` goes through ops.decode_attention (the flags on, CUDA, a head size the kernel
     takes, the caches in the activations' dtype and laid out as it reads them), so that the KV
     window it is given changes nothing it computes."""
-    layers = [layer for layer in cache.layers if isinstance(layer, AttentionLayerState)]
+    query = torch.empty(1, 1, head_dim, dtype=dtype, device="meta")  # a query's size, dtype
     return (DECODE_KERNEL and tokens <= DECODE_KERNEL_TOKENS and cache.device.type == "cuda"
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and all(layer.key_cache.dtype == dtype and layer.value_cache.dtype == dtype
-                    and layer.key_cache.stride(-1) == 1 and layer.value_cache.stride(-1) == 1
-                    for layer in layers))
+            and all(supported(query, layer.key_cache, layer.value_cache)
+                    for layer in cache.layers if isinstance(layer, AttentionLayerState)))
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -177,8 +177,12 @@ class RecurrentCache:
         layers (pure GDN: nothing to key graphs by)."""
         if not self.has_attention:
             return None
-        limit = self.max_kv_length
-        return min(limit, max(self.MIN_WINDOW, 1 << max(total - 1, 0).bit_length()))
+        return self.bucket(total, self.max_kv_length)
+
+    @classmethod
+    def bucket(cls, total: int, limit: int) -> int:
+        """The next power of two >= total, at least MIN_WINDOW, at most ``limit``."""
+        return min(limit, max(cls.MIN_WINDOW, 1 << max(total - 1, 0).bit_length()))
 
     def windows(self) -> list[int | None]:
         """Every bucket window_for can return (capture every graph up front)."""
