@@ -103,11 +103,9 @@ def test_splits_stay_a_power_of_two_within_the_buffer_and_one_wave():
     assert splits_for(64, 4, 8192) == 1
 
 
-def test_a_graphs_one_token_step_goes_through_the_op(monkeypatch):
-    """A hybrid model's one-token forward over the static buffer (forward_unchecked: what the
-    graphs capture) calls the op with the cache's position and agrees with the eager step,
-    which reads exactly the stored entries without it; the eager step and a multi-token
-    forward never call it."""
+def spied_hybrid(monkeypatch, record):
+    """A tiny hybrid (GDN and attention layers alternating, 4 query heads on 2 KV heads of 16)
+    whose attention layers' op calls are recorded: ``record(args)`` for each, in a list."""
     import dataclasses
 
     from unimax import GDNForCausalLM, attention
@@ -116,14 +114,25 @@ def test_a_graphs_one_token_step_goes_through_the_op(monkeypatch):
     config = dataclasses.replace(
         TINY_CONFIG, layer_types=("linear_attention", "full_attention") * 2,
         num_attention_heads=4, num_key_value_heads=2, attn_head_dim=16, max_context=48)
-    model = GDNForCausalLM.random(config, seed=1)
     calls = []
 
     def spy(*args):
-        calls.append(int(args[3].reshape(-1)[0]))
+        calls.append(record(args))
         return decode_attention(*args)
 
     monkeypatch.setattr(attention, "decode_attention", spy)
+    return GDNForCausalLM.random(config, seed=1), calls
+
+
+def test_a_graphs_one_token_step_goes_through_the_op(monkeypatch):
+    """A hybrid model's one-token forward over the static buffer (forward_unchecked: what the
+    graphs capture) calls the op with the cache's position and agrees with the eager step,
+    which reads exactly the stored entries without it; the eager step and a multi-token
+    forward never call it."""
+    from unimax import attention
+
+    model, calls = spied_hybrid(monkeypatch, lambda args: int(args[3].reshape(-1)[0]))
+    config = model.config
     ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     eager_cache, graph_cache, sdpa_cache = (model.make_recurrent_cache() for _ in range(3))
     with torch.no_grad():
@@ -178,22 +187,11 @@ def test_a_graphs_block_goes_through_the_op_up_to_its_token_limit(monkeypatch):
     layer at the cache's position and equals rows_attention's result under the mask (the path
     it replaces), eager and compiled by inductor (the fake kernel's layout); at the default,
     one token, it keeps rows_attention."""
-    import dataclasses
+    from unimax import attention
 
-    from unimax import GDNForCausalLM, attention
-    from unimax.tiny import TINY_CONFIG
-
-    config = dataclasses.replace(
-        TINY_CONFIG, layer_types=("linear_attention", "full_attention") * 2,
-        num_attention_heads=4, num_key_value_heads=2, attn_head_dim=16, max_context=48)
-    model = GDNForCausalLM.random(config, seed=1)
-    calls = []
-
-    def spy(*args):
-        calls.append((int(args[3].reshape(-1)[0]), args[0].shape[2]))
-        return decode_attention(*args)
-
-    monkeypatch.setattr(attention, "decode_attention", spy)
+    model, calls = spied_hybrid(
+        monkeypatch, lambda args: (int(args[3].reshape(-1)[0]), args[0].shape[2]))
+    config = model.config
     ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))
 
     def block(tokens_limit: int, compiled: bool = False) -> torch.Tensor:
