@@ -522,9 +522,9 @@ def bench_shape(shape, args, bandwidth) -> dict:
     for ab in SWITCH_ABS:  # second engines with one module flag flipped
         if getattr(args, ab.flag.removeprefix("--").replace("-", "_")):
             with_switch(ab.owner, ab.name, ab.value, ab.label, verified_engine, args, k,
-                        parts, forced_row, verify=ab.verify, window=window, exact=ab.exact)
+                        parts, forced_row, verify=ab.verify, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
-        with_short_tile(model, verified_engine, args, k, window, parts, forced_row)
+        with_short_tile(model, verified_engine, args, k, parts, forced_row)
     if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
         other = verified_engine(args.ab_draft_vocab)
         second_engine_rows(other, f"vocab{args.ab_draft_vocab}", args, k, parts, forced_row)
@@ -580,23 +580,21 @@ def verify_without_block_op(verified_engine, ids, args, k: int, window, parts: d
 
 
 def with_switch(owner, name: str, value, label: str, verified_engine, args, k: int,
-                parts: dict, forced_row, verify: bool = False, window=None,
-                exact: bool = False) -> None:
+                parts: dict, forced_row, verify: bool = False, exact: bool = False) -> None:
     """A second verified engine built, captured and run with ``owner.name`` set to ``value``
-    (restored after): its forced rows and draft step (``verify``: its verify block too, in
-    the KV bucket ``window``) beside the first engine's, in the same process, under
-    ``label`` (second_engine_rows). The switches the A/Bs flip are read as graphs are
+    (restored after): its forced rows and draft step (``verify``: its verify block too)
+    beside the first engine's, in the same process, under ``label`` (second_engine_rows).
+    The switches the A/Bs flip are read as graphs are
     captured or as the verifier's forward is traced (a guard), so the flag stays set while
     the second engine runs and the first engine's graphs keep what they were built with.
     ``exact``: its exact step and exact run too (exact_parts)."""
     with mock.patch.object(owner, name, value):
         other = verified_engine()
         second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
-                           window=window, exact=exact)
+                           exact=exact)
 
 
-def with_short_tile(model, verified_engine, args, k: int, window, parts: dict,
-                    forced_row) -> None:
+def with_short_tile(model, verified_engine, args, k: int, parts: dict, forced_row) -> None:
     """A second verified engine whose few-token recurrence (blocks and rewinds) runs at the
     launch setting ``args.ab_short_tile`` (e.g. short@4x1x8, the choice timed per call at the
     block alone) where the first runs the verifier's choice (ops.short_recurrence.
@@ -613,7 +611,7 @@ def with_short_tile(model, verified_engine, args, k: int, window, parts: dict,
     try:
         other = verified_engine()
         second_engine_rows(other, args.ab_short_tile.replace("@", "_"), args, k, parts,
-                           forced_row, verify=True, window=window)
+                           forced_row, verify=True)
     finally:
         if was is None:
             short.CHOICES.pop(key, None)
@@ -628,20 +626,18 @@ def policy_costs(engine) -> dict:
 
 
 def second_engine_rows(other, name: str, args, k: int, parts: dict, forced_row,
-                       verify: bool = False, window=None, exact: bool = False,
+                       verify: bool = False, exact: bool = False,
                        draft: str | None = None) -> None:
     """A second verified engine's forced rows (labelled ``name``) and its draft step, beside
     the first engine's in the same process (the A/B options); ``verify``: its verify block of
-    k drafts too, in its own KV window for the rows' length (``window``: the first engine's,
-    None on pure GDN models); ``exact``: its exact step and exact run (exact_parts), in that
-    window; ``draft``: the
-    second engine has another draft format (--ab-draft), which its rows are labelled with
-    instead. Under --adaptive-only its rows are adaptive too, its policy calibrated from its
-    own graphs, as the first engine's."""
+    k drafts too, in its own KV window for the rows' length (a switch may give it buckets
+    where the first engine has one window, verifier.one_window, or the other way round; None
+    on pure GDN models); ``exact``: its exact step and exact run (exact_parts), in that window;
+    ``draft``: the second engine has another draft format (--ab-draft), which its rows are
+    labelled with instead. Under --adaptive-only its rows are adaptive too, its policy
+    calibrated from its own graphs, as the first engine's."""
     draft_block = None if args.adaptive_only else k
-    if window is not None:  # its own KV window: a switch may give it buckets where the first
-        # engine has one window (verifier.one_window), or the other way round
-        window = other.verifier.window_for(PROMPT + args.new)
+    window = other.verifier.window_for(PROMPT + args.new)
     if draft_block is None:
         start = time.perf_counter()
         other.capture_graphs(verified=True)  # (after the first engine's: the compiles they

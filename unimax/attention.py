@@ -67,15 +67,22 @@ ROWS_ATTENTION_MAX = 9
 ROWS_TENSOR_CORES = True
 
 
+def takes_kernel(tokens: int, q: torch.Tensor, state: AttentionLayerState) -> bool:
+    """Whether a forward of ``tokens`` tokens over a graph's window attends through
+    ops.decode_attention: the flags on, a head size and caches the kernel takes (the layer's
+    dispatch; autograd recording aside)."""
+    return DECODE_KERNEL and tokens <= DECODE_KERNEL_TOKENS and supported(
+        q, state.key_cache, state.value_cache)
+
+
 def kernel_attends(cache, tokens: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether every attention call of a captured forward of up to ``tokens`` tokens on
-    ``cache`` goes through ops.decode_attention (the flags on, CUDA, a head size the kernel
-    takes, the caches in the activations' dtype and laid out as it reads them), so that the KV
+    ``cache`` goes through ops.decode_attention's kernel (takes_kernel on CUDA), so that the KV
     window it is given changes nothing it computes."""
     query = torch.empty(1, 1, head_dim, dtype=dtype, device="meta")  # a query's size, dtype
-    return (DECODE_KERNEL and tokens <= DECODE_KERNEL_TOKENS and cache.device.type == "cuda"
-            and all(supported(query, layer.key_cache, layer.value_cache)
-                    for layer in cache.layers if isinstance(layer, AttentionLayerState)))
+    return cache.device.type == "cuda" and all(
+        takes_kernel(tokens, query, layer) for layer in cache.layers
+        if isinstance(layer, AttentionLayerState))
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -184,9 +191,8 @@ class GatedAttention(nn.Module):
             if state.window_exact and length == seq_len:  # from an empty cache
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=seq_len > 1,
                                                      scale=scale, enable_gqa=gqa)
-            elif seq_len <= DECODE_KERNEL_TOKENS and not state.window_exact and \
-                    DECODE_KERNEL and not (q.requires_grad and torch.is_grad_enabled()) and \
-                    supported(q, state.key_cache, state.value_cache):
+            elif not state.window_exact and takes_kernel(seq_len, q, state) and \
+                    not (q.requires_grad and torch.is_grad_enabled()):
                 out = decode_attention(q, state.key_cache, state.value_cache, positions, scale)
             else:
                 cached_k, cached_v = (state.key_cache[:, :, :length].to(q.dtype),
