@@ -31,7 +31,10 @@ choice timed again); "draft-vocabN" (draft-vocab32768): the draft with its LM he
 first N ids only (unimax.draft_vocab); "exact" (the verifier's view, unimax.verifier.exact_view,
 as one-token steps: what an exact run of k = 0 blocks decodes, without the verifier's
 snapshot and resync), "exact-nobeta" (the same with sigmoid(b) as a kernel of its own per
-layer, not in the in-projection's epilogue: unimax.ops.in_proj_conv.BETA off).
+layer, not in the in-projection's epilogue: unimax.ops.in_proj_conv.BETA off);
+"-blockrows" last before any "-combo" (engine-verify-blockrows): the verifier's blocks
+attending by rows_attention over their KV bucket (unimax.attention.DECODE_KERNEL_TOKENS at 1)
+instead of through ops.decode_attention.
 Random weights, batch 1; the state after a 64-token prompt.
 """
 
@@ -135,8 +138,13 @@ def engine_graph(model, variant: str):
                     draft_block=None if decode == "bf16" else BLOCK)
     engine.capture_graphs(verified=decode != "bf16")
     if variant == "engine-verify":
-        key = engine.verifier.graph_key(BLOCK, BLOCK + 1, None, sampled=False)
-        return engine.verifier.runner.graphs[key], 1
+        verifier = engine.verifier
+        # the window the next block reads (a hybrid's KV bucket, or its whole buffer under
+        # one_window; None: pure GDN), as Verifier.verify keys it
+        seen = verifier.cache.seen_tokens
+        window = verifier.window_for(seen + verifier.span(BLOCK, seen))
+        key = verifier.graph_key(BLOCK, verifier.span(BLOCK, seen), window, sampled=False)
+        return verifier.runner.graphs[key], 1
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 
 
@@ -192,11 +200,16 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     "-pdl" (before any "-combo"), its graphs are captured with the fused GEMVs launched with
     programmatic dependent launch (unimax.ops.fused_gemv.PDL); "-pdlend": the same with
     PDL_TRIGGER "end"."""
+    import unimax.attention as attention
     import unimax.ops.fused_gemv as fused_gemv
     import unimax.ops.in_proj_conv as in_proj_conv
 
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
+    # "-blockrows": the verifier's blocks attend by rows_attention over their KV bucket, not
+    # through ops.decode_attention (the one-token steps keep the op)
+    block_tokens = 1 if base.endswith("-blockrows") else attention.DECODE_KERNEL_TOKENS
+    base = base.removesuffix("-blockrows")
     beta = not base.endswith("-nobeta")
     base = base.removesuffix("-nobeta")
     fold = not base.endswith("-noconv")
@@ -208,9 +221,10 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
     saved = (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-             fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA)
+             fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS)
     (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-     fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA) = (pdl, trigger, fold, tma, rms_loop, beta)
+     fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS) = (
+        pdl, trigger, fold, tma, rms_loop, beta, block_tokens)
     choices = dict(fused_gemv.CHOICES)  # (the TMA variants' choices, timed again without)
     if not tma:
         for key in [key for key, name in choices.items() if name.startswith("tma")]:
@@ -224,7 +238,7 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
         chosen = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     finally:
         (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-         fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA) = saved
+         fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS) = saved
         if not tma or rms_loop:
             fused_gemv.CHOICES.clear()
             fused_gemv.CHOICES.update(choices)
