@@ -17,8 +17,14 @@ blocks draft 3-8; from 0.8 they were exact steps until the first probe, 32 block
 simulated 256-token reply at acceptance 0.96 cost 7% of its speed; at low acceptance 0.9 costs
 ~1.5%, the one wasted block). A run of k = 0 blocks learns nothing, so every ``probe_every``-th of
 them drafts a probe of ``probe_length`` tokens instead; a probe accepted in full is followed at
-once by one twice as long, so drafts that got good are back in use a few blocks later while poor
-ones cost one draft step per probe_every tokens.
+once by one twice as long, so drafts that got good are back in use a few blocks later. A probe
+that fails doubles the run of k = 0 blocks before the next (up to ``probe_every_max``; back to
+``probe_every`` once the policy drafts of its own accord), so drafts that stay poor cost ever
+fewer probe chains: at the H200's Qwen3.5-0.8B costs, simulated, 0.897 -> 0.949x BF16-only at
+acceptance 0.8 and 0.931 -> 0.941 at 0.95, the 4B costs' rows within 0.4%. The price: drafts
+that turn good after a long poor stretch are found up to probe_every_max exact steps later, not
+32 (simulated with acceptance alternating between 0.6 and 1.0 every 200 tokens, still a gain:
+0.972 -> 0.981; bench/RESULTS.md, forty-eighth session).
 
 The costs come from the engine's captured graphs (GraphRunner.replay_ms); without them (no CUDA
 graphs, or before capture) the policy is not calibrated and every block drafts k_max.
@@ -35,7 +41,8 @@ class DraftLength:
     prior: float = 0.9  # acceptance assumed before any block ran
     prior_positions: float = 2.0
     decay: float = 0.95  # per position checked (at least one per block): a memory of ~20
-    probe_every: int = 32  # k = 0 blocks in a row before a probe
+    probe_every: int = 32  # k = 0 blocks in a row before a probe (after a failed one: more)
+    probe_every_max: int = 256  # the interval's cap as failed probes double it
     probe_length: int = 1  # the first probe block's drafts; doubled while probes pass
     host_ms: float = 0.1  # per block: the host sync and bookkeeping
     draft_ms: dict[int, float] = field(default_factory=dict)  # k -> a block of k draft steps
@@ -46,12 +53,23 @@ class DraftLength:
     zero_run: int = 0
     probe: int = 0  # the draft length of the probe block now running (0: none)
     next_probe: int = 0  # a passed probe's doubled length, tried on the next block
+    probe_gap: int = 0  # the k = 0 blocks before the next probe (0: probe_every)
 
     def __post_init__(self):
         if not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+        if not 1 <= self.probe_every <= self.probe_every_max:
+            raise ValueError(f"probe_every must be in 1..probe_every_max "
+                             f"({self.probe_every_max}), got {self.probe_every!r}")
+
+    @property
+    def gap(self) -> int:
+        """The k = 0 blocks in a row before the next probe: probe_every, doubled by every
+        failed probe up to probe_every_max, back to probe_every once the policy drafts of
+        its own accord."""
+        return self.probe_gap or self.probe_every
 
     @property
     def calibrated(self) -> bool:
@@ -103,13 +121,13 @@ class DraftLength:
             return 0
         k = self.best(limit)
         if k > 0:
-            self.zero_run = self.next_probe = 0
+            self.zero_run = self.next_probe = self.probe_gap = 0
             return k
         if self.next_probe:
             self.probe = min(self.next_probe, limit)
         else:
             self.zero_run += 1
-            if self.zero_run >= self.probe_every:
+            if self.zero_run >= self.gap:
                 self.zero_run = 0
                 self.probe = min(self.probe_length, limit)
         return self.probe
@@ -120,14 +138,14 @@ class DraftLength:
         due, at most ``limit``. They count as that many k = 0 choices; observe each."""
         if self.probe or not self.calibrated:
             return 1
-        n = max(1, min(limit, self.probe_every - self.zero_run))
+        n = max(1, min(limit, self.gap - self.zero_run))
         self.zero_run += n - 1
         return n
 
     def forget(self) -> None:
         """Back to the prior (the costs stay)."""
         self.agreed = self.checked = 0.0
-        self.zero_run = self.probe = self.next_probe = 0
+        self.zero_run = self.probe = self.next_probe = self.probe_gap = 0
 
     def observe(self, k: int, accepted: int) -> None:
         """A block drafted k tokens and the verifier kept the first ``accepted``."""
@@ -135,6 +153,8 @@ class DraftLength:
             raise ValueError(f"accepted must be in 0..{k}, got {accepted}")
         if self.probe:
             self.next_probe = min(2 * k, self.k_max) if accepted == k else 0
+            if accepted < k:  # still poor: wait twice as long for the next probe
+                self.probe_gap = min(2 * self.gap, max(self.probe_every_max, self.probe_every))
             self.probe = 0
         positions = accepted + (accepted < k)
         keep = self.decay ** max(positions, 1)
