@@ -35,22 +35,29 @@ def test_decode_attention_matches_sdpa_on_gpu():
                                attn.launch(q, k, v, position, 256 ** -0.5))
 
 
+def assert_replay_follows_the_position(q, k, v, positions, gen=None) -> None:
+    """decode_attention captured once at position 0: replayed at each of ``positions`` (with a
+    fresh q from ``gen`` where given) it equals an eager call bit for bit."""
+    position = torch.tensor([0], device="cuda")
+    attn.decode_attention(q, k, v, position, 0.0625)  # (compiled before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.decode_attention(q, k, v, position, 0.0625)
+    for pos in positions:
+        position.fill_(pos)
+        if gen is not None:
+            q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+        graph.replay()
+        assert torch.equal(out, attn.decode_attention(q, k, v, position, 0.0625)), pos
+
+
 @torch.inference_mode()
 def test_decode_attention_in_a_graph_follows_the_position_on_gpu():
     gen = torch.Generator(device="cuda").manual_seed(4)
     k = torch.randn(1, 4, 8192, 256, device="cuda", generator=gen).bfloat16()
     v = torch.randn_like(k)
     q = torch.randn(1, 16, 256, device="cuda", generator=gen).bfloat16()
-    position = torch.tensor([0], device="cuda")
-    attn.decode_attention(q, k, v, position, 0.0625)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attn.decode_attention(q, k, v, position, 0.0625)
-    for pos in (7, 700, 8191, 3):
-        position.fill_(pos)
-        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
-        graph.replay()
-        assert torch.equal(out, attn.decode_attention(q, k, v, position, 0.0625)), pos
+    assert_replay_follows_the_position(q, k, v, (7, 700, 8191, 3), gen)
 
 
 @torch.inference_mode()
@@ -70,15 +77,7 @@ def test_decode_attention_of_a_block_matches_sdpa_and_replays_on_gpu():
                 for rows in (16, 32, 64):
                     out = attn.launch(q, k, v, position, 256 ** -0.5, rows=rows)
                     assert rel_err(out, ref) < 1e-2, (heads, tokens, pos, rows)
-    position = torch.tensor([0], device="cuda")
-    attn.decode_attention(q, k, v, position, 0.0625)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attn.decode_attention(q, k, v, position, 0.0625)
-    for pos in (7, 700, 8000, 3):
-        position.fill_(pos)
-        graph.replay()
-        assert torch.equal(out, attn.decode_attention(q, k, v, position, 0.0625)), pos
+    assert_replay_follows_the_position(q, k, v, (7, 700, 8000, 3))
 
 
 @torch.inference_mode()
