@@ -142,8 +142,8 @@ def engine_graph(model, variant: str):
         # the window the next block reads (a hybrid's KV bucket, or its whole buffer under
         # one_window; None: pure GDN), as Verifier.verify keys it
         seen = verifier.cache.seen_tokens
-        window = verifier.window_for(seen + verifier.span(BLOCK, seen))
-        key = verifier.graph_key(BLOCK, verifier.span(BLOCK, seen), window, sampled=False)
+        span = verifier.span(BLOCK, seen)
+        key = verifier.graph_key(BLOCK, span, verifier.window_for(seen + span), sampled=False)
         return verifier.runner.graphs[key], 1
     return engine.decode_graph.runner.graphs[(BLOCK, False)], BLOCK
 

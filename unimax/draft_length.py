@@ -24,7 +24,8 @@ fewer probe chains: at the H200's Qwen3.5-0.8B costs, simulated, 0.897 -> 0.949x
 acceptance 0.8 and 0.931 -> 0.941 at 0.95, the 4B costs' rows within 0.4%. The price: drafts
 that turn good after a long poor stretch are found up to probe_every_max exact steps later, not
 32 (simulated with acceptance alternating between 0.6 and 1.0 every 200 tokens, still a gain:
-0.972 -> 0.981; bench/RESULTS.md, forty-eighth session).
+0.972 -> 0.981; bench/RESULTS.md, forty-eighth session). Measured on the engine (forty-ninth
+session, Qwen3.5-0.8B shape, forced acceptance): 0.93 -> 0.98x at 0.95, 0.96-0.97x at 0.5-0.9.
 
 The costs come from the engine's captured graphs (GraphRunner.replay_ms); without them (no CUDA
 graphs, or before capture) the policy is not calibrated and every block drafts k_max.
@@ -154,7 +155,7 @@ class DraftLength:
         if self.probe:
             self.next_probe = min(2 * k, self.k_max) if accepted == k else 0
             if accepted < k:  # still poor: wait twice as long for the next probe
-                self.probe_gap = min(2 * self.gap, max(self.probe_every_max, self.probe_every))
+                self.probe_gap = min(2 * self.gap, self.probe_every_max)
             self.probe = 0
         positions = accepted + (accepted < k)
         keep = self.decay ** max(positions, 1)
