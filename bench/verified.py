@@ -796,7 +796,8 @@ def main() -> None:
                   f"{r.get('ms_per_block', float('nan')):>7.2f}  {exact_cell(r)}"
                   + (f"  resyncs {'/'.join(map(str, r['resyncs_by_seed']))}"
                      if r.get("resyncs") else "")
-                  + (f" shielded {r['shielded']}" if r.get("shielded") else "")
+                  + (f" shielded {'/'.join(map(str, r['shielded_by_seed']))}"
+                     if r.get("shielded") else "")
                   + (f"  seeds {'/'.join(f'{t / bf16:.2f}' for t in r['tok_s_by_seed'])}"
                      if r.get("seeds", 1) > 1 else ""))
         p = data["parts"]
