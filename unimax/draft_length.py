@@ -42,6 +42,8 @@ class DraftLength:
     prior: float = 0.9  # acceptance assumed before any block ran
     prior_positions: float = 2.0
     decay: float = 0.95  # per position checked (at least one per block): a memory of ~20
+    # (0.98 / 0.99 simulated at the H200's 4B costs: +0.5-2% where the acceptance holds still,
+    # -5-8% where it moves between 0.6 and 1.0 every 200 tokens; bench/RESULTS.md, fiftieth)
     probe_every: int = 32  # k = 0 blocks in a row before a probe (after a failed one: more)
     probe_every_max: int = 256  # the interval's cap as failed probes double it
     probe_length: int = 1  # the first probe block's drafts; doubled while probes pass
