@@ -40,7 +40,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import copy_bandwidth, median_device_seconds  # noqa: E402
+from decode import copy_bandwidth, judged_divergence, median_device_seconds  # noqa: E402
 from profile_step import choice_margins, kernel_choices, kernel_table  # noqa: E402
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
@@ -55,7 +55,7 @@ import unimax.verifier  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.modes import DRAFTS  # noqa: E402
 from unimax.ops.fused_gemv import pdl_label  # noqa: E402
-from unimax.reference import first_divergence, is_near_tie  # noqa: E402
+from unimax.reference import is_near_tie  # noqa: E402
 
 STARTED = time.perf_counter()
 PROMPT = 512  # tokens of every row's prompt (random ids)
@@ -269,7 +269,10 @@ def exact_cell(row) -> str:
     if row["exact"]:
         return "yes"
     div = row["divergence"]
-    return f"{'tie' if is_near_tie(div) else 'NO'}@{div['index']}"
+    cell = f"{'tie' if is_near_tie(div) else 'NO'}@{div['index']} {div['gap_bf16_ulps']:.0f}ulp"
+    if "float32_gap" in div:  # +: float32 ranks the reference's token higher, -: the row's
+        cell += f" f32 {div['float32_gap']:+.3f} (ref off {div['reference_off_float32']:.3f})"
+    return cell
 
 
 def mean_k(result) -> float:
@@ -289,7 +292,7 @@ def row_of(name, result, weight_bytes, bandwidth, reference, model, ids) -> dict
                    rejected=v.rejected_blocks,
                    ms_per_block=result.decode_seconds / max(v.verifier_blocks, 1) * 1e3)
     if row["exact"] is False:
-        row["divergence"] = first_divergence(model, ids, result.tokens, reference)
+        row["divergence"] = judged_divergence(model, ids, result.tokens, reference)
     return row
 
 

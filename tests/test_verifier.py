@@ -159,6 +159,48 @@ def test_near_tie_judge_catches_a_wrong_token():
 
 
 @torch.inference_mode()
+def test_float32_twin_judges_a_divergence():
+    """first_divergence's float32 verdict (the benches report it beside each near tie): the
+    twin computes the BF16 weights' function at least 50x closer to a float64 computation
+    than the BF16 model does, leaves the model as it was, and at a divergence reports the
+    two tokens' gap as float32 sees it, within the reference's own distance from float32."""
+    import copy
+
+    from unimax.reference import first_divergence, float32_logits, float32_twin
+
+    bf16 = GDNForCausalLM.random(CONFIG, seed=4).to(torch.bfloat16)
+    x = torch.randint(0, CONFIG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    reference = unimax.exact_greedy_tokens(bf16, x, 8)[0].tolist()
+    twin = float32_twin(bf16)
+    assert twin.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert bf16.layers[0].mixer.backend == "auto"
+    assert all(t.data_ptr() != b.data_ptr() for t, b in zip(twin.parameters(),
+                                                            bf16.parameters(), strict=True))
+    float64 = copy.deepcopy(bf16).double()
+    float64.set_backend("torch")
+    ids = torch.cat([x, torch.tensor([reference[:4]])], dim=1)
+    truth = float64(input_ids=ids, logits_to_keep=1).logits[0, -1]
+    twin_off = float((float32_logits(twin, ids).double() - truth).abs().max())
+    bf16_off = float((bf16(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
+                      - truth).abs().max())
+    assert twin_off * 50 < bf16_off, (twin_off, bf16_off)
+
+    cache = bf16.make_recurrent_cache()
+    bf16(input_ids=torch.cat([x, torch.tensor([reference[:3]])], dim=1), past_key_values=cache)
+    logits = bf16.forward_unchecked(torch.tensor([[reference[3]]]), cache)[0, -1].float()
+    runner_up = int(logits.topk(2).indices[1])
+    for token in (int(logits.argmin()), runner_up):
+        wrong = reference[:4] + [token] + reference[5:]
+        divergence = first_divergence(bf16, x, wrong, reference, twin=twin)
+        assert divergence["index"] == 4
+        assert 0 < divergence["reference_off_float32"] < 0.05 * abs(divergence["gap"])
+        assert abs(divergence["float32_gap"] - divergence["gap"]) <= \
+            2 * divergence["reference_off_float32"], divergence
+        assert divergence["float32_gap"] > 0  # float32 sides with the reference here
+    assert "float32_gap" not in first_divergence(bf16, x, wrong, reference)
+
+
+@torch.inference_mode()
 def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
     """With the next block's drafts queued before the host reads a block (engine.pipelined,
     the default) and without: the same tokens, reports and kept state, through rejections, the
