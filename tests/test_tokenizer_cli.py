@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,11 +103,43 @@ def test_cli_generate(tmp_path):
     assert chat.returncode == 0, chat.stderr
 
 
+def test_cli_engine_modes(tmp_path):
+    """--mode runs the app's engines: bf16 and verified print the exact greedy continuation
+    (the CPU has no near ties between paths here: float32, the same kernels), verified with its
+    acceptance; fp8 runs its FP8 tail."""
+    write_qwen_checkpoint(tmp_path, vocab=97)
+    write_fast_tokenizer(tmp_path, vocab_size=90)
+    model = unimax.load_model(tmp_path)
+    tok = unimax.load_tokenizer(tmp_path)
+    expected = unimax.exact_greedy_tokens(model, torch.tensor([tok("the quick brown").input_ids]),
+                                          20)
+    text = tok.decode(expected[0].tolist(), skip_special_tokens=True).strip()
+    for mode in ("bf16", "verified", "fp8"):
+        proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "the quick brown",
+                       "--max-new-tokens", "20", "--ignore-eos", "--mode", mode)
+        assert proc.returncode == 0, proc.stderr
+        assert "20 new tokens: decode" in proc.stderr and f"tok/s; {mode}" in proc.stderr
+        if mode != "fp8":
+            assert proc.stdout.strip() == text, mode
+        if mode == "verified":
+            assert re.search(r"\(full draft\): acceptance [01]\.\d+, \d+ drafted, \d+ "
+                             r"accepted", proc.stderr), proc.stderr
+    verified = run_cli("generate", "--model", str(tmp_path), "--prompt", "the quick brown",
+                       "--max-new-tokens", "20", "--ignore-eos", "--mode", "verified",
+                       "--draft", "int4")
+    assert verified.returncode == 0, verified.stderr
+    assert verified.stdout.strip() == text
+    assert re.search(r"\(int4 draft\): acceptance [01]\.\d+, \d+ drafted, \d+ accepted",
+                     verified.stderr), verified.stderr
+
+
 def test_cli_bad_input(tmp_path):
     proc = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "   ")
     assert proc.returncode == 2 and "--prompt is empty" in proc.stderr
+    proc = run_cli("generate", "--model", str(tmp_path), "--prompt", "x", "--draft", "full")
+    assert proc.returncode == 2 and "--draft is verified mode's draft" in proc.stderr
 
 
 def test_builtin_tiny_random_is_a_real_qwen_checkpoint(tmp_path, monkeypatch):
