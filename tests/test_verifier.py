@@ -159,7 +159,7 @@ def test_near_tie_judge_catches_a_wrong_token():
 
 
 @torch.inference_mode()
-def test_float32_twin_judges_a_divergence():
+def test_float32_twin_judges_a_divergence(pure_or_hybrid):
     """first_divergence's float32 verdict (the benches report it beside each near tie): the
     twin computes the BF16 weights' function at least 50x closer to a float64 computation
     than the BF16 model does, leaves the model as it was, and at a divergence reports the
@@ -168,8 +168,9 @@ def test_float32_twin_judges_a_divergence():
 
     from unimax.reference import first_divergence, float32_logits, float32_twin
 
-    bf16 = GDNForCausalLM.random(CONFIG, seed=4).to(torch.bfloat16)
-    x = torch.randint(0, CONFIG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    bf16 = copy.deepcopy(pure_or_hybrid).to(torch.bfloat16)
+    x = torch.randint(0, bf16.config.vocab_size, (1, 12),
+                      generator=torch.Generator().manual_seed(5))
     reference = unimax.exact_greedy_tokens(bf16, x, 8)[0].tolist()
     twin = float32_twin(bf16)
     assert twin.dtype == torch.float32 and bf16.dtype == torch.bfloat16
@@ -189,14 +190,14 @@ def test_float32_twin_judges_a_divergence():
     bf16(input_ids=torch.cat([x, torch.tensor([reference[:3]])], dim=1), past_key_values=cache)
     logits = bf16.forward_unchecked(torch.tensor([[reference[3]]]), cache)[0, -1].float()
     runner_up = int(logits.topk(2).indices[1])
-    for token in (int(logits.argmin()), runner_up):
+    for token in (runner_up, int(logits.argmin())):
         wrong = reference[:4] + [token] + reference[5:]
         divergence = first_divergence(bf16, x, wrong, reference, twin=twin)
-        assert divergence["index"] == 4
-        assert 0 < divergence["reference_off_float32"] < 0.05 * abs(divergence["gap"])
+        assert divergence["index"] == 4 and divergence["reference_off_float32"] > 0
         assert abs(divergence["float32_gap"] - divergence["gap"]) <= \
             2 * divergence["reference_off_float32"], divergence
-        assert divergence["float32_gap"] > 0  # float32 sides with the reference here
+    # the last token ranked last: far past BF16 rounding, float32 sides with the reference
+    assert 0 < 20 * divergence["reference_off_float32"] < divergence["float32_gap"]
     assert "float32_gap" not in first_divergence(bf16, x, wrong, reference)
 
 
