@@ -131,6 +131,11 @@ def test_cli_engine_modes(tmp_path):
     assert verified.stdout.strip() == text
     assert re.search(r"\(int4 draft\): acceptance [01]\.\d+, \d+ drafted, \d+ accepted",
                      verified.stderr), verified.stderr
+    one = run_cli("generate", "--model", str(tmp_path), "--prompt", "the quick brown",
+                  "--max-new-tokens", "1", "--mode", "verified")
+    assert one.returncode == 0 and "(full draft): nothing drafted" in one.stderr, one.stderr
+    assert one.stdout.strip() == tok.decode(expected[0, :1].tolist(),
+                                            skip_special_tokens=True).strip()
 
 
 def test_cli_bad_input(tmp_path):

@@ -117,11 +117,11 @@ def _engine_generate(args, model, tokenizer, input_ids: torch.Tensor, eos: int |
     line = (f"[{result.prefill_tokens} prompt tokens: prefill "
             f"{result.prefill_tokens / result.prefill_seconds:.1f} tok/s; "
             f"{len(result.tokens)} new tokens: decode {decode} tok/s; {args.mode}")
+    v = result.verify  # None where the reply ended at its first token: nothing was drafted
     if spec.verified:
-        v = result.verify
-        line += (f" ({draft} draft): acceptance {v.acceptance_rate:.3f}, {v.drafted_tokens} "
-                 f"drafted, {v.accepted_draft_tokens} accepted, {v.rejected_blocks} blocks "
-                 "rejected")
+        line += f" ({draft} draft)" + (": nothing drafted" if v is None else (
+            f": acceptance {v.acceptance_rate:.3f}, {v.drafted_tokens} drafted, "
+            f"{v.accepted_draft_tokens} accepted, {v.rejected_blocks} blocks rejected"))
     print(f"{line}; bridge {result.bridge.mib:.2f} MiB; warm-up {warm_s:.1f} s; "
           f"{model.device}, {model.dtype}]", file=sys.stderr)
     return 0
