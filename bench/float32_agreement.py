@@ -84,10 +84,10 @@ def main() -> None:
                      **compare(model, twin, ids, args.new, tokenizer.eos_token_id)})
         if not rows[-1]["same"]:
             print(json.dumps(rows[-1]), flush=True)
-    result = {"model": args.model, "device": args.device, "new": args.new,
-              "seconds": time.perf_counter() - start, **summary(rows)}
-    if args.json:
-        args.json.write_text(json.dumps({**result, "rows": rows}, indent=1))
+        result = {"model": args.model, "device": args.device, "new": args.new,
+                  "seconds": time.perf_counter() - start, **summary(rows)}
+        if args.json:  # after every prompt: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({**result, "rows": rows}, indent=1))
     print(json.dumps(result, indent=1))
     print(f"\n{result['prompts']} prompts x {args.new} tokens: BF16 greedy = float32 greedy on "
           f"{result['same']}; parted within the reply on {result['parted_within_reply']}, "
