@@ -101,7 +101,7 @@ def test_seeds_reproduce_samples(client):
 
 @pytest.mark.parametrize("kwargs,status,param", [
     ({"n": 2}, 400, "n"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": "gpt-4"}, 404, "model"),

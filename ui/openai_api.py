@@ -23,6 +23,8 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from unimax import logprobs
+from unimax.logprobs import LogprobsRequest
 from unimax.modes import MODES
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
@@ -36,11 +38,11 @@ MAX_STOPS = 4
 # Fields that change the output and that UNI MAX does not implement: refused, not ignored.
 # Each maps to the values that mean "not used".
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
 }
 SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
                   "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
@@ -122,23 +124,28 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         body = await _json(request)
         model, mode = _model(body, model_ids)
         messages = _messages(body.get("messages"))
+        want = _chat_logprobs(body)
         settings, stops, stream, usage_chunk = _options(body, service)
-        handle = service.submit(API_CONVERSATION, messages, mode, settings)
-        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True)
+        handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want)
+        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True,
+                              show_logprobs=want is not None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json(request)
         model, mode = _model(body, model_ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise APIError(400, "prompt must be a non-empty string (one prompt per request)",
-                           "prompt")
+        text, tokens = _prompt(body.get("prompt"))
+        want, echo = _completion_logprobs(body)
+        if want is not None and not want.generate:  # scoring only: no reply, no max_tokens
+            body = {**body, "max_tokens": None, "max_completion_tokens": None}
         settings, stops, stream, usage_chunk = _options(body, service)
-        handle = service.submit_text(API_CONVERSATION, prompt, mode, settings)
-        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=False)
+        handle = service.submit(API_CONVERSATION, [], mode, settings, text=text, tokens=tokens,
+                                logprobs=want)
+        echoed = None
+        if echo and want is None:  # (with logprobs the engine thread sends the prompt's text)
+            echoed = text if text is not None else service.decode(tokens)
+        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=False,
+                              echoed=echoed, show_logprobs=body.get("logprobs") is not None)
 
 
 # --- request parsing -----------------------------------------------------------------------
@@ -168,6 +175,58 @@ def _model(body: dict, model_ids: dict[str, str]) -> tuple[str, str]:
         raise APIError(404, f"the model {model!r} does not exist; this server has "
                        f"{', '.join(model_ids)}", "model", "model_not_found")
     return model, model_ids[model]
+
+
+def _prompt(raw) -> tuple[str | None, list[int] | None]:
+    """One prompt: a string or a list of token ids, alone or as a list of one (lm-eval sends
+    ``[[ids]]``)."""
+    def is_ids(value) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(raw, list) and len(raw) == 1 and (isinstance(raw[0], str) or is_ids(raw[0])):
+        raw = raw[0]
+    if isinstance(raw, str) and raw:
+        return raw, None
+    if is_ids(raw):
+        return None, raw
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt "
+                   "per request)", "prompt")
+
+
+def _top(value, param: str) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and 0 <= value <= logprobs.MAX_TOP):
+        raise APIError(400, f"{param} must be an integer in 0..{logprobs.MAX_TOP}", param)
+    return value
+
+
+def _chat_logprobs(body: dict) -> LogprobsRequest | None:
+    """``logprobs: true`` (and ``top_logprobs``: alternatives per token): the exact model
+    serves the request and each token comes with its log-probability."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise APIError(400, "logprobs must be true or false", "logprobs")
+    if not wanted:
+        if top is not None:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return LogprobsRequest(top=0 if top is None else _top(top, "top_logprobs"))
+
+
+def _completion_logprobs(body: dict) -> tuple[LogprobsRequest | None, bool]:
+    """The completions API's ``logprobs`` (an integer: alternatives per token) and ``echo``
+    (the prompt before the reply; with logprobs, every prompt token's too). ``max_tokens``
+    0 with echo scores the prompt alone, as eval harnesses do."""
+    top, echo = body.get("logprobs"), body.get("echo")
+    if echo not in (None, True, False):
+        raise APIError(400, "echo must be true or false", "echo")
+    echo = bool(echo)
+    scoring_only = echo and body.get("max_tokens") == 0
+    if top is None and not scoring_only:
+        return None, echo
+    top = 0 if top is None else _top(top, "logprobs")
+    return LogprobsRequest(top=top, prompt=echo, generate=not scoring_only), echo
 
 
 def _messages(raw) -> list[dict]:
@@ -271,7 +330,24 @@ def _finish_reason(stopped: str | None, matcher: StopMatcher) -> str:
     return "length" if stopped == "length" and not matcher.hit else "stop"
 
 
-async def _respond(request, handle, model, stops, stream, usage_chunk, chat: bool):
+def _chat_logprobs_of(items: list[dict]) -> dict:
+    def one(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(i["text"], i["logprob"]),
+                         "top_logprobs": [one(t, lp) for t, lp in i["top"]]} for i in items],
+            "refusal": None}
+
+
+def _completion_logprobs_of(items: list[dict], shift: int) -> dict:
+    return {"tokens": [i["text"] for i in items],
+            "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [None if i["logprob"] is None else dict(i["top"]) for i in items],
+            "text_offset": [i["offset"] + shift for i in items]}
+
+
+async def _respond(request, handle, model, stops, stream, usage_chunk, chat: bool,
+                   echoed: str | None = None, show_logprobs: bool = False):
     failure = _failure(handle)
     if failure is not None:
         raise failure
@@ -279,32 +355,56 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
     base = {"id": ident, "created": int(time.time()), "model": model}
     matcher = StopMatcher(stops)
     usage = {"prompt_tokens": len(handle.prompt)}
+    # Reply entries wait here until the text they start in is released past the stop matcher;
+    # entries past a stop string are dropped with its text. "shift": the echoed prompt's
+    # length, which the reply's text offsets count from.
+    state = {"stats": {}, "stopped": None, "error": None, "pending": [], "shift": 0}
 
-    def choice(text: str, finish: str | None, first: bool = False) -> dict:
+    def logprobs_of(items: list[dict], shift: int) -> dict | None:
+        if not show_logprobs:
+            return None
+        return _chat_logprobs_of(items) if chat else _completion_logprobs_of(items, shift)
+
+    def release(upto: int | None) -> list[dict]:
+        pending = state["pending"]
+        count = len(pending) if upto is None else \
+            next((n for n, i in enumerate(pending) if i["offset"] >= upto), len(pending))
+        out, state["pending"] = pending[:count], pending[count:]
+        return out
+
+    def choice(text: str, finish: str | None, items=(), shift: int = 0,
+               first: bool = False) -> dict:
+        logprobs = logprobs_of(list(items), shift) if items else None
         if not chat:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         delta = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-
-    state = {"stats": {}, "stopped": None, "error": None}  # filled in as the reply ends
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
 
     async def consume():
-        """Yields the reply's text pieces; ``state`` gets its stats, how it stopped, or its
-        error. After a stop string the request is cancelled and the rest dropped."""
+        """Yields the output's pieces as (text, entries, offset shift): the echoed prompt
+        first, then the reply; ``state`` gets the reply's stats, how it stopped, or its error.
+        After a stop string the request is cancelled and the rest dropped."""
+        if echoed is not None:
+            state["shift"] = len(echoed)
+            yield echoed, [], 0
         async for event in _events(handle, request):
-            if event.kind == "delta" and not matcher.hit:
+            if event.kind == "prompt":  # echo with logprobs: the prompt as the model read it
+                state["shift"] = len(event.text)
+                yield event.text, event.data["logprobs"], 0
+            elif event.kind == "delta" and not matcher.hit:
+                state["pending"] += event.data.get("logprobs", [])
                 piece = matcher.feed(event.text)
                 if matcher.hit:
                     handle.cancel()  # the engine ends within one block; stats still come
-                if piece:
-                    yield piece
+                yield piece, release(matcher.sent), state["shift"]
             elif event.kind == "done":
                 state["stats"] = event.data.get("stats") or {}
                 state["stopped"] = event.data.get("stopped")
             elif event.kind == "error":
                 state["error"] = _error_of({"text": event.text, **event.data})
-        yield matcher.flush()
+        piece = matcher.flush()
+        yield piece, release(len(matcher.text) if matcher.hit else None), state["shift"]
 
     def usage_of() -> dict:
         completion = int(state["stats"].get("generated_tokens") or 0)
@@ -312,15 +412,20 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
                 "total_tokens": usage["prompt_tokens"] + completion}
 
     if not stream:
-        text = "".join([piece async for piece in consume()])
+        text, items = "", []
+        async for piece, released, shift in consume():
+            text += piece
+            items += [{**i, "offset": i["offset"] + shift} for i in released]
         if state["error"] is not None:
             raise state["error"]
         finish = _finish_reason(state["stopped"], matcher)
+        logprobs = logprobs_of(items, 0)
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": finish, "logprobs": None}]
+                        "finish_reason": finish, "logprobs": logprobs}]
         else:
-            choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+            choices = [{"index": 0, "text": text, "finish_reason": finish,
+                        "logprobs": logprobs}]
         return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
                              "choices": choices, "usage": usage_of(),
                              "unimax": _unimax_fields(state["stats"])})
@@ -333,9 +438,10 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
     async def chunks():
         if chat:
             yield sse({**base, "object": kind, "choices": [choice("", None, first=True)]})
-        async for piece in consume():
-            if piece:
-                yield sse({**base, "object": kind, "choices": [choice(piece, None)]})
+        async for piece, released, shift in consume():
+            if piece or (released and show_logprobs):
+                yield sse({**base, "object": kind,
+                           "choices": [choice(piece, None, released, shift)]})
         if state["error"] is not None:
             yield sse(state["error"].body())
         else:
@@ -348,4 +454,3 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
 
     return StreamingResponse(chunks(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
-

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+from . import logprobs
 from .build import build_engine
 from .chat import check_messages, check_text, encode_chat, encode_text, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
 from .draft_vocab import ranked_ids
 from .errors import RequestError
+from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
 from .presets import Preset, PresetError
 from .settings import GenerationSettings
@@ -60,6 +62,8 @@ class RequestHandle:
         self.submitted_at = time.perf_counter()
         self.prompt: list[int] = []  # token ids, set by EngineService.submit
         self.text: str | None = None  # a raw prompt to continue (submit_text), not a chat
+        self.tokens: list[int] | None = None  # a prompt given as token ids (the API's)
+        self.logprobs: LogprobsRequest | None = None  # served by the exact model (logprobs.py)
         self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
         self.internal = False  # the warm-up's own reply: no user's request, not in metrics
 
@@ -236,15 +240,19 @@ class EngineService:
 
     def submit(self, conversation_id: str, messages: list[dict], mode: str | None = None,
                settings: GenerationSettings | None = None, *,
-               text: str | None = None, internal: bool = False) -> RequestHandle:
-        """Queue a reply to ``messages``. The request is checked and tokenized here, on the
-        caller's thread, so a bad or huge message never holds up the engine thread: a request
-        the user can fix ends at once with an error event."""
+               text: str | None = None, tokens: list[int] | None = None,
+               logprobs: LogprobsRequest | None = None,
+               internal: bool = False) -> RequestHandle:
+        """Queue a reply to ``messages`` (or to a raw ``text`` or ``tokens`` prompt). The
+        request is checked and tokenized here, on the caller's thread, so a bad or huge
+        message never holds up the engine thread: a request the user can fix ends at once with
+        an error event. With ``logprobs`` the exact model serves it, whatever the mode, and
+        each "delta" event carries its tokens' entries (see ``_serve_logprobs``)."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
-        handle.text = text
+        handle.text, handle.tokens, handle.logprobs = text, tokens, logprobs
         handle.internal = internal
         try:
             handle.prompt = self.prepare(handle)
@@ -272,7 +280,9 @@ class EngineService:
         if not isinstance(settings, GenerationSettings):
             raise RequestError("settings must be a unimax GenerationSettings")
         context = self.preset.max_context
-        if handle.text is not None:
+        if handle.tokens is not None:
+            prompt = self.check_tokens(handle.tokens)
+        elif handle.text is not None:
             check_text(handle.text, max_chars=MAX_CHARS_PER_TOKEN * context)
             with self.tokenizer_lock:
                 prompt = encode_text(self.tokenizer, handle.text)
@@ -285,6 +295,23 @@ class EngineService:
                                f"context setting of {context}; clear the chat, shorten the "
                                "message, or raise max_context in the preset")
         return prompt
+
+    def check_tokens(self, tokens) -> list[int]:
+        """A prompt of token ids: a non-empty list of this model's ids."""
+        vocab = self.model.config.vocab_size
+        if not isinstance(tokens, list) or not tokens or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise RequestError("a token prompt must be a non-empty list of integer token ids")
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside this model's vocabulary "
+                               f"(0..{vocab - 1})")
+        return list(tokens)
+
+    def decode(self, tokens: list[int]) -> str:
+        """Token ids as text, special tokens left out (an echoed token prompt)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def default_settings(self) -> GenerationSettings:
         return replace(self.preset.generation, thinking=self.preset.enable_thinking)
@@ -372,6 +399,9 @@ class EngineService:
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
+        if handle.logprobs is not None:
+            self._serve_logprobs(handle)
+            return
         engine = self._engine(handle.mode)
         started = time.perf_counter()
         settings = handle.settings
@@ -427,6 +457,64 @@ class EngineService:
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
         handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text)
+
+    def _serve_logprobs(self, handle: RequestHandle) -> None:
+        """A request for log-probabilities, on the exact model's eager forward (logprobs.py):
+        the engines' graphs hand back tokens, not distributions. Its cache is its own, but its
+        attention layers borrow the mode's engine's KV buffers (no second max_context buffer
+        for a hybrid): every other request restores or resets its state before it runs. No
+        state is kept from it. Events: "prompt" (with echo: the prompt's text and entries),
+        then a "delta" per token with its entry."""
+        want, settings, prompt = handle.logprobs, handle.settings, handle.prompt
+        cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
+        started = time.perf_counter()
+        handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk)
+        entries, logits = logprobs.prefill(self.model, cache, ids,
+                                           want.top if want.prompt else None, chunk)
+        prefilled = time.perf_counter()
+        if want.prompt:
+            echo = EntryText(self.tokenizer)
+            items = [echo.add(entry)[0] for entry in entries]
+            echo.flush()
+            handle.emit("prompt", echo.text, logprobs=items)
+        reply = EntryText(self.tokenizer, previous=prompt[-1])
+        times: list[float] = []
+
+        def on_token(entry) -> bool:
+            times.append(time.perf_counter())
+            item, delta = reply.add(entry)
+            handle.emit("delta", delta, logprobs=[item])
+            return not handle.cancelled.is_set()
+
+        max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))
+        generator = torch.Generator()
+        if settings.seed is not None:
+            generator.manual_seed(settings.seed)
+        else:
+            generator.seed()
+        tokens, stopped = [], "cancelled"
+        if not handle.cancelled.is_set():
+            tokens, stopped = logprobs.generate(
+                self.model, cache, logits, max_new if want.generate else 0, want.top,
+                stop_ids=self.stop_ids, sampling=settings.sampling(), generator=generator,
+                on_token=on_token)
+        tail = reply.flush()
+        if tail:
+            handle.emit("delta", tail)
+        stats = {"mode": "exact", "requested_mode": handle.mode,
+                 "conversation_id": handle.conversation_id, "prefilled_tokens": len(prompt),
+                 "reused_tokens": 0, "generated_tokens": len(tokens), "bridge_mib": None,
+                 "bridge_ms": None, "acceptance_rate": None, "device": str(self.device),
+                 "prefill_tok_s": round(len(prompt) / max(prefilled - started, 1e-9), 1),
+                 "ttft_ms": round((times[0] - started) * 1e3, 2) if times else None,
+                 "decode_tok_s": round((len(times) - 1) / max(times[-1] - times[0], 1e-9), 2)
+                 if len(times) > 1 else None, "stopped": stopped}
+        with self.stats_lock:
+            self.latest_stats = stats
+        handle.emit("stats", stats=stats)
+        handle.emit("done", stopped=stopped, stats=stats, reply=reply.text)
 
     def _publish(self, handle, engine, result, prefilled, prompt_len, detok, curve, started,
                  timing) -> dict:
