@@ -158,6 +158,7 @@ def test_hybrid_stop_and_next_turn(hybrid_model, mode):
 
 
 def test_service_keeps_hybrid_conversations(tmp_path):
+    from unimax.logprobs import LogprobsRequest
     from unimax.presets import Preset
     from unimax.service import EngineService, GenerationSettings
 
@@ -177,6 +178,12 @@ def test_service_keeps_hybrid_conversations(tmp_path):
         first = [{"role": "user", "content": "hello"}]
         settings = GenerationSettings(max_new_tokens=8)
         t1 = list(service.submit("h", first, "verified", settings).events(timeout=60))
+        # between the turns, a log-probabilities request: it writes the KV buffers it borrows
+        # from the engine (unimax/logprobs.py), over the kept conversation's positions
+        scored = list(service.submit("other", [], "bf16", settings, text="zq " * 40,
+                                     logprobs=LogprobsRequest(top=2, prompt=True))
+                      .events(timeout=60))
+        assert scored[-1].kind == "done" and scored[-1].data["stats"]["mode"] == "exact"
         second = first + [{"role": "assistant", "content": t1[-1].data["reply"]},
                           {"role": "user", "content": "again"}]
         for conversation in ("h", "fresh"):  # with the kept state, and from scratch
