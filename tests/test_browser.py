@@ -201,6 +201,7 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     """Regenerate replaces the last reply (greedy: the same text again); Export gives a JSON
     file of the conversation; a second tab waits its turn and says so."""
     page.get_by_role("tab", name="Chat").click()
+    assert not page.locator("#export-file").is_visible()  # no empty file box before Export
     page.click("#clear")
     wait_for(lambda: page.locator("#chatbot [data-testid='bot']").count() == 0)
     # a second tab starts a long reply first, so this tab has to wait
@@ -230,6 +231,8 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     data = __import__("json").loads(Path(path).read_text())
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert data["messages"][0]["content"] == "Short question"
+    page.click("#clear")
+    wait_for(lambda: not page.locator("#export-file").is_visible())
 
 
 def test_demo_model_answers_in_the_browser(playwright, tmp_path):

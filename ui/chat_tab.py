@@ -183,13 +183,13 @@ class ChatTab:
         self.sessions.cancel(session)
         self.sessions.set_stats(session, {})  # the panels start over too
         self.service.forget(conversation_id)
-        return [], str(uuid.uuid4()), "Cleared."
+        return [], str(uuid.uuid4()), "Cleared.", gr.update(value=None, visible=False)
 
     def export(self, history, system, mode):
         messages = [{"role": m["role"], "content": _text(m["content"])} for m in history or []]
         data = {"model": self.preset.model, "mode": mode, "system": system,
                 "messages": messages}
-        return self.exports.write(data)
+        return gr.update(value=self.exports.write(data), visible=True)
 
     def stop(self, request: gr.Request):
         if self.sessions.cancel(request.session_hash):

@@ -84,7 +84,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                         clear_btn = gr.Button("Clear", elem_id="clear")
                         export_btn = gr.Button("Export JSON", elem_id="export")
                     status = gr.Markdown("", elem_id="status")
-                    export_file = gr.File(label="Exported conversation", visible=True,
+                    # shown by Export, hidden by Clear: an empty file box under the chat
+                    # reads as an upload field
+                    export_file = gr.File(label="Exported conversation", visible=False,
                                           elem_id="export-file")
                 with gr.Tab("A/B", elem_id="ab-tab"):
                     ab_prompt = gr.Textbox(label="Prompt", elem_id="ab-prompt")
@@ -128,7 +130,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         # Clear through the queue, as the replies' updates go: both reach the page over the
         # same stream, in the order they were made (queue=False answered on a channel of its
         # own, and a reply's last update could land after it and bring the reply back).
-        clear_btn.click(chat.clear, conversation_id, [chatbot, conversation_id, status],
+        clear_btn.click(chat.clear, conversation_id,
+                        [chatbot, conversation_id, status, export_file],
                         concurrency_limit=None, **page)
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
         ab_btn.click(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
