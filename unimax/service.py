@@ -470,7 +470,9 @@ class EngineService:
         started = time.perf_counter()
         handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk)
+        # every position's logits only when the prompt is scored; else the prefill's chunks
+        chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk) \
+            if want.prompt else self.preset.prefill_chunk
         entries, logits = logprobs.prefill(self.model, cache, ids,
                                            want.top if want.prompt else None, chunk)
         prefilled = time.perf_counter()
