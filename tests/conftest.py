@@ -17,7 +17,8 @@ if os.environ.get("UNIMAX_ALLOW_FLA") != "1":
 # Test files whose tools the GPU machine's image lacks (the app's client, the browser driver):
 # not collected in a `-m gpu` run there; everywhere else a missing tool is an error, not a skip.
 APP_TOOLS = {"test_app.py": "gradio_client", "test_browser.py": "playwright",
-             "test_openai_api.py": "openai", "test_page_logic.py": "gradio"}
+             "test_openai_api.py": "openai", "test_openai_logprobs.py": "openai",
+             "test_page_logic.py": "gradio"}
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -56,3 +57,22 @@ def pure_or_hybrid(request, tmp_path_factory):
     write_qwen_checkpoint(path, seed=6, num_layers=4,
                           layer_types=["linear_attention", "full_attention"] * 2)
     return unimax.load_model(path, device="cpu", dtype="float32", max_context=300)
+
+
+@pytest.fixture(scope="module")
+def api_server():
+    """The real app (python app.py) on its default preset, the demo model: one per test module
+    of the OpenAI API."""
+    from app_server import running_app
+
+    with running_app() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def api_client(api_server):
+    """The official ``openai`` client on that app."""
+    import openai
+
+    return openai.OpenAI(base_url=api_server + "v1", api_key="unused", max_retries=0,
+                         timeout=120)

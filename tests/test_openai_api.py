@@ -17,15 +17,6 @@ MODEL = "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_app() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def metric(server, name: str, **labels) -> float:
@@ -36,14 +27,14 @@ def metric(server, name: str, **labels) -> float:
     return 0.0
 
 
-def test_models_list_every_mode(client):
-    ids = {m.id for m in client.models.list()}
+def test_models_list_every_mode(api_client):
+    ids = {m.id for m in api_client.models.list()}
     assert ids == {MODEL, f"{MODEL}:bf16", f"{MODEL}:fp8", f"{MODEL}:verified"}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
-def test_chat_in_each_mode_stream_equals_non_stream(client, mode):
-    reply = client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
+def test_chat_in_each_mode_stream_equals_non_stream(api_client, mode):
+    reply = api_client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
                                            max_tokens=24, temperature=0)
     text = reply.choices[0].message.content
     assert text and reply.choices[0].finish_reason in ("stop", "length")
@@ -53,7 +44,7 @@ def test_chat_in_each_mode_stream_equals_non_stream(client, mode):
     assert extra["mode"] == mode and extra["bridge_mib"] > 0
     if mode == "verified":
         assert 0 <= extra["acceptance_rate"] <= 1
-    stream = client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
+    stream = api_client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
                                             max_tokens=24, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     pieces, usage, finish = [], None, None
@@ -68,30 +59,30 @@ def test_chat_in_each_mode_stream_equals_non_stream(client, mode):
     assert usage.completion_tokens == reply.usage.completion_tokens
 
 
-def test_completions_continue_raw_text(client):
-    out = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16,
+def test_completions_continue_raw_text(api_client):
+    out = api_client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16,
                                     temperature=0)
     assert out.choices[0].text and out.usage.completion_tokens > 0
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
-def test_stop_strings_cut_the_reply(client):
-    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
+def test_stop_strings_cut_the_reply(api_client):
+    full = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
                                           temperature=0).choices[0].message.content
     word = next(w for w in full.split()[2:] if len(w) > 2)
-    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
+    cut = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
                                          temperature=0, stop=[word, "@@never@@"])
     assert cut.choices[0].message.content == full[:full.index(word)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+    streamed = "".join(c.choices[0].delta.content or "" for c in api_client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stop=word, stream=True)
         if c.choices)
     assert streamed == cut.choices[0].message.content
 
 
-def test_seeds_reproduce_samples(client):
+def test_seeds_reproduce_samples(api_client):
     def sample(seed):  # an open prompt, a hot temperature: the demo model is sure of its docs
-        return client.chat.completions.create(
+        return api_client.chat.completions.create(
             model=f"{MODEL}:bf16", messages=[{"role": "user", "content": "Say anything."}],
             max_tokens=24, temperature=1.5, seed=seed).choices[0].message.content
 
@@ -116,52 +107,52 @@ def test_seeds_reproduce_samples(client):
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400, None),
 ])
-def test_errors_in_openai_shape(client, kwargs, status, param):
+def test_errors_in_openai_shape(api_client, kwargs, status, param):
     args = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **kwargs}
     with pytest.raises(openai.APIStatusError) as err:
-        client.chat.completions.create(**args)
+        api_client.chat.completions.create(**args)
     assert err.value.status_code == status, err.value
     body = err.value.body
     assert set(body) >= {"message", "type", "param", "code"} and body["message"]
     if param:
         assert body["param"] == param
-    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    assert api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
 
 
-def test_malformed_json_is_a_400(server):
-    r = httpx.post(server + "v1/chat/completions", content=b"{not json", timeout=30,
+def test_malformed_json_is_a_400(api_server):
+    r = httpx.post(api_server + "v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
-def test_resent_conversation_prefills_only_the_new_turn(client):
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12)
+def test_resent_conversation_prefills_only_the_new_turn(api_client):
+    first = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12)
     history = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
                           {"role": "user", "content": "And json.loads?"}]
-    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=12)
+    second = api_client.chat.completions.create(model=MODEL, messages=history, max_tokens=12)
     extra = second.model_extra["unimax"]
     assert extra["reused_tokens"] >= first.usage.prompt_tokens
     assert extra["prefilled_tokens"] < second.usage.prompt_tokens
 
 
-def test_disconnect_cancels_the_request(server):
-    before = metric(server, "unimax_requests_total", outcome="cancelled")
+def test_disconnect_cancels_the_request(api_server):
+    before = metric(api_server, "unimax_requests_total", outcome="cancelled")
     body = {"model": f"{MODEL}:bf16", "messages": QUESTION, "max_tokens": 3000,
             "stream": True}
-    with httpx.stream("POST", server + "v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", api_server + "v1/chat/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and "content" in line:
                 break  # one piece of text, then the client goes away
     deadline = time.time() + 30
-    while metric(server, "unimax_requests_total", outcome="cancelled") <= before:
+    while metric(api_server, "unimax_requests_total", outcome="cancelled") <= before:
         assert time.time() < deadline, "the request was not cancelled"
         time.sleep(0.2)
-    health = httpx.get(server + "health", timeout=10).json()
+    health = httpx.get(api_server + "health", timeout=10).json()
     assert health["status"] == "ok"
 
 
-def test_page_and_api_requests_interleave(server, client):
-    page = Client(server, verbose=False)
+def test_page_and_api_requests_interleave(api_server, api_client):
+    page = Client(api_server, verbose=False)
     results = {}
 
     def via_page():
@@ -169,23 +160,23 @@ def test_page_and_api_requests_interleave(server, client):
 
     thread = threading.Thread(target=via_page)
     thread.start()
-    api = [client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16)
+    api = [api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16)
            for _ in range(3)]
     thread.join(120)
     assert results["page"] and all(r.choices[0].message.content for r in api)
 
 
-def test_metrics_and_health(server, client):
-    client.chat.completions.create(model=f"{MODEL}:verified", messages=QUESTION, max_tokens=16)
-    text = httpx.get(server + "metrics", timeout=30).text
+def test_metrics_and_health(api_server, api_client):
+    api_client.chat.completions.create(model=f"{MODEL}:verified", messages=QUESTION, max_tokens=16)
+    text = httpx.get(api_server + "metrics", timeout=30).text
     for name in ("unimax_generated_tokens_total", "unimax_decode_tokens_per_second",
                  "unimax_prefill_tokens_per_second", "unimax_acceptance_rate",
                  "unimax_bridge_seconds", "unimax_queue_length", "unimax_requests_total"):
         assert name in text, name
-    assert metric(server, "unimax_generated_tokens_total", mode="verified") > 0
-    assert json.loads(httpx.get(server + "health", timeout=10).text)["model"] == MODEL
+    assert metric(api_server, "unimax_generated_tokens_total", mode="verified") > 0
+    assert json.loads(httpx.get(api_server + "health", timeout=10).text)["model"] == MODEL
     deadline = time.time() + 60  # the app serves while it warms every mode up, then says so
-    while (health := httpx.get(server + "health", timeout=10).json())["warm_up"]["pending"] \
+    while (health := httpx.get(api_server + "health", timeout=10).json())["warm_up"]["pending"] \
             or health["warm_up"]["running"]:
         assert time.time() < deadline, health
         time.sleep(0.2)
@@ -200,12 +191,12 @@ def test_api_only_serves_the_api_without_the_page():
         assert api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
 
 
-def test_verified_mode_samples_reproducibly(client):
+def test_verified_mode_samples_reproducibly(api_client):
     """A temperature in verified mode samples (speculative sampling): the same seed gives the
     same reply."""
     args = dict(model=f"{MODEL}:verified", messages=QUESTION, max_tokens=12, temperature=0.8,
                 seed=3)
-    first = client.chat.completions.create(**args)
-    again = client.chat.completions.create(**args)
+    first = api_client.chat.completions.create(**args)
+    again = api_client.chat.completions.create(**args)
     assert first.choices[0].message.content == again.choices[0].message.content
     assert first.usage.completion_tokens > 0

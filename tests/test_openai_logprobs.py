@@ -5,10 +5,8 @@ completions echo, streamed and not, with stop strings; every figure checked agai
 model's own full forward in this process."""
 
 import httpx
-import openai
 import pytest
 import torch
-from app_server import running_app
 
 import unimax
 from helpers import ROOT
@@ -18,15 +16,6 @@ DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_app() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +30,11 @@ def reference(demo, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-def test_lm_eval_loglikelihood_and_generation(server, demo):
+def test_lm_eval_loglikelihood_and_generation(api_server, demo):
     lm_eval = pytest.importorskip("lm_eval.models.openai_completions")
     from lm_eval.api.instance import Instance
 
-    lm = lm_eval.LocalCompletionsAPI(base_url=server + "v1/completions", model=MODEL,
+    lm = lm_eval.LocalCompletionsAPI(base_url=api_server + "v1/completions", model=MODEL,
                                      tokenizer=str(DEMO), tokenizer_backend="huggingface",
                                      max_retries=1)
     context, choices = "json.dumps(obj)", [" serializes obj", " deletes a file"]
@@ -65,15 +54,15 @@ def test_lm_eval_loglikelihood_and_generation(server, demo):
     generated = lm.generate_until([Instance(
         request_type="generate_until", doc={}, idx=0,
         arguments=(context, {"until": ["\n"], "max_gen_toks": 16}))])
-    direct = httpx.post(server + "v1/completions", timeout=60, json={
+    direct = httpx.post(api_server + "v1/completions", timeout=60, json={
         "model": MODEL, "prompt": context, "max_tokens": 16, "temperature": 0,
         "stop": ["\n"]}).json()
     assert generated == [direct["choices"][0]["text"]] and generated[0]
 
 
-def test_completions_echo_with_logprobs(client, demo):
+def test_completions_echo_with_logprobs(api_client, demo):
     prompt = "json.dumps(obj) serializes"
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
+    out = api_client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
                                     logprobs=3, temperature=0)
     choice = out.choices[0]
     lp = choice.logprobs
@@ -96,20 +85,20 @@ def test_completions_echo_with_logprobs(client, demo):
     assert out.model_extra["unimax"]["mode"] == "exact"
 
 
-def test_echo_without_logprobs_and_scoring_only(client):
+def test_echo_without_logprobs_and_scoring_only(api_client):
     prompt = "json.dumps(obj) serializes"
-    plain = client.completions.create(model=f"{MODEL}:bf16", prompt=prompt, max_tokens=6,
+    plain = api_client.completions.create(model=f"{MODEL}:bf16", prompt=prompt, max_tokens=6,
                                       temperature=0)
-    echoed = client.completions.create(model=f"{MODEL}:bf16", prompt=prompt, max_tokens=6,
+    echoed = api_client.completions.create(model=f"{MODEL}:bf16", prompt=prompt, max_tokens=6,
                                        temperature=0, echo=True)
     assert echoed.choices[0].text == prompt + plain.choices[0].text
     assert echoed.choices[0].logprobs is None
     assert echoed.model_extra["unimax"]["mode"] == "bf16"  # the engine served it
-    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+    scored = api_client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
                                        logprobs=0)
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
     assert len(scored.choices[0].logprobs.tokens) == scored.usage.prompt_tokens
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
+    streamed = api_client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True,
                                          logprobs=1, temperature=0, stream=True)
     pieces, tokens = [], []
     for chunk in streamed:
@@ -120,21 +109,21 @@ def test_echo_without_logprobs_and_scoring_only(client):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "verified"])
-def test_chat_logprobs_stream_equals_non_stream(client, demo, mode):
+def test_chat_logprobs_stream_equals_non_stream(api_client, demo, mode):
     args = dict(model=f"{MODEL}:{mode}", messages=QUESTION, max_tokens=16, temperature=0,
                 logprobs=True, top_logprobs=2)
-    reply = client.chat.completions.create(**args)
+    reply = api_client.chat.completions.create(**args)
     text, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
     assert text and "".join(t.token for t in content) == text
     for t in content:
         assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
         assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob
         assert t.top_logprobs[1].logprob <= t.logprob
-    engine = client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
+    engine = api_client.chat.completions.create(model=f"{MODEL}:{mode}", messages=QUESTION,
                                             max_tokens=16, temperature=0)
     assert engine.choices[0].message.content == text  # the exact model's greedy reply
     pieces, streamed = [], []
-    for chunk in client.chat.completions.create(**args, stream=True):
+    for chunk in api_client.chat.completions.create(**args, stream=True):
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             streamed += choice.logprobs.content if choice.logprobs else []
@@ -142,8 +131,8 @@ def test_chat_logprobs_stream_equals_non_stream(client, demo, mode):
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
 
 
-def test_chat_logprobs_with_a_stop_string(client):
-    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24,
+def test_chat_logprobs_with_a_stop_string(api_client):
+    full = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24,
                                           logprobs=True).choices[0]
     word = next(w for w in full.message.content.split()[2:] if len(w) > 2)
     for stream in (False, True):
@@ -151,13 +140,13 @@ def test_chat_logprobs_with_a_stop_string(client):
                     stream=stream)
         if stream:
             text, tokens = "", []
-            for chunk in client.chat.completions.create(**args):
+            for chunk in api_client.chat.completions.create(**args):
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
                     tokens += [t.token for t in (choice.logprobs.content if choice.logprobs
                                                  else [])]
         else:
-            cut = client.chat.completions.create(**args).choices[0]
+            cut = api_client.chat.completions.create(**args).choices[0]
             text, tokens = cut.message.content, [t.token for t in cut.logprobs.content]
         assert text == full.message.content[:full.message.content.index(word)]
         # the tokens that the kept text starts in: the last may run into the stop string
@@ -177,10 +166,10 @@ def test_chat_logprobs_with_a_stop_string(client):
     ("completions", {"prompt": [1, "a"]}, "prompt"),
     ("completions", {"prompt": [5, 4096]}, None),
 ])
-def test_bad_logprobs_requests_are_400s(server, path, body, param):
+def test_bad_logprobs_requests_are_400s(api_server, path, body, param):
     base = {"model": MODEL, "max_tokens": 4}
     base.update({"messages": QUESTION} if path == "chat" else {"prompt": "json.dumps"})
-    r = httpx.post(server + f"v1/{'chat/completions' if path == 'chat' else 'completions'}",
+    r = httpx.post(api_server + f"v1/{'chat/completions' if path == 'chat' else 'completions'}",
                    json={**base, **body}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
