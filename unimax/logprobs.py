@@ -137,16 +137,21 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
     return entries, "length"
 
 
-def token_text(tokenizer, token: int, previous: int | None) -> str:
-    """A token's text as it reads after ``previous`` (SentencePiece drops a word's leading
+def token_texts(tokenizer, tokens: list[int], previous: int | None) -> list[str]:
+    """Each token's text as it reads after ``previous`` (SentencePiece drops a word's leading
     space when a token is decoded alone; byte-level pieces of one character decode to the
     replacement character, as OpenAI's tokens do)."""
-    if previous is None:
+    def alone(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=False)
-    before = tokenizer.decode([previous], skip_special_tokens=False)
-    both = tokenizer.decode([previous, token], skip_special_tokens=False)
-    return both[len(before):] if both.startswith(before) else \
-        tokenizer.decode([token], skip_special_tokens=False)
+
+    if previous is None:
+        return [alone(t) for t in tokens]
+    before = alone(previous)  # once for the token and all its alternatives
+    texts = []
+    for token in tokens:
+        both = tokenizer.decode([previous, token], skip_special_tokens=False)
+        texts.append(both[len(before):] if both.startswith(before) else alone(token))
+    return texts
 
 
 class EntryText:
@@ -165,10 +170,12 @@ class EntryText:
         the text it adds to the stream."""
         offset = len(self.detok.text)
         delta = self.detok.add([entry.token])
+        text, *alternatives = token_texts(self.tokenizer,
+                                          [entry.token] + [t for t, _ in entry.top],
+                                          self.previous)
         item = {"token": entry.token, "offset": offset, "logprob": entry.logprob,
-                "text": token_text(self.tokenizer, entry.token, self.previous),
-                "top": [[token_text(self.tokenizer, t, self.previous), lp]
-                        for t, lp in entry.top]}
+                "text": text, "top": [[alt, lp] for alt, (_, lp) in
+                                      zip(alternatives, entry.top, strict=True)]}
         self.previous = entry.token
         return item, delta
 

@@ -61,7 +61,7 @@ class RequestHandle:
         self.queue: queue.Queue[ServiceEvent] = queue.Queue()
         self.submitted_at = time.perf_counter()
         self.prompt: list[int] = []  # token ids, set by EngineService.submit
-        self.text: str | None = None  # a raw prompt to continue (submit_text), not a chat
+        self.text: str | None = None  # a raw prompt to continue (no chat template), not a chat
         self.tokens: list[int] | None = None  # a prompt given as token ids (the API's)
         self.logprobs: LogprobsRequest | None = None  # served by the exact model (logprobs.py)
         self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
@@ -265,12 +265,6 @@ class EngineService:
         handle.emit("queued", position=position, warming_up=self.warming_mode())
         self.requests.put(handle)
         return handle
-
-    def submit_text(self, conversation_id: str, text: str, mode: str | None = None,
-                    settings: GenerationSettings | None = None) -> RequestHandle:
-        """Queue a continuation of raw ``text`` (no chat template): base models, the
-        completions API. Otherwise as ``submit``."""
-        return self.submit(conversation_id, [], mode, settings, text=text)
 
     def prepare(self, handle: RequestHandle) -> list[int]:
         """Every check a request can fail before it runs; returns its prompt ids."""
