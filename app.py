@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from unimax.modes import MODES
-from unimax.presets import PresetError, load_preset
+from unimax.presets import Preset, PresetError, load_preset
 
 MAX_UPLOAD = "1mb"  # the page takes no uploads of its own; Gradio's upload route is capped
 DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "demo.yaml"
@@ -53,12 +53,19 @@ def step(text: str) -> float:
     return time.perf_counter()
 
 
+def chosen_preset(args) -> Preset:
+    """The preset file with the command line's --model and --mode on top."""
+    preset = load_preset(args.preset)
+    overrides = {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
+    if args.model and args.model != preset.model:  # its examples were for another model
+        overrides["examples"] = ()
+    return dataclasses.replace(preset, **overrides)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        preset = load_preset(args.preset)
-        overrides = {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
-        preset = dataclasses.replace(preset, **overrides)
+        preset = chosen_preset(args)
     except PresetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ import pytest
 from app_server import free_port, running_app
 from gradio_client import Client
 
+from app import chosen_preset, parse_args
 from app import main as app_main
 
 
@@ -48,6 +49,18 @@ def test_bad_preset_and_model_path(tmp_path, capsys):
     assert "'mode' has the value 'turbo'" in capsys.readouterr().err
     assert app_main(["--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_command_line_model_drops_the_presets_examples():
+    """The default preset's example questions are about the demo model's docs: another model
+    given by --model gets none (its preset's mode and settings stay)."""
+    default = chosen_preset(parse_args([]))
+    assert default.model == "unimax-demo" and "What does json.dumps do?" in default.examples
+    assert chosen_preset(parse_args(["--model", "unimax-demo", "--mode", "fp8"])).examples \
+        == default.examples
+    other = chosen_preset(parse_args(["--model", "Qwen/Qwen3.5-0.8B", "--mode", "verified"]))
+    assert other.examples == () and other.mode == "verified"
+    assert other.max_context == default.max_context
 
 
 @pytest.mark.parametrize("cuda_build", [None, "12.8"])

@@ -159,6 +159,34 @@ def test_clear_during_a_streaming_reply_wins(page):
                                page.inner_text("#panel")))
 
 
+def test_examples_send_and_the_chats_trash_icon_clears(page):
+    """The preset's examples sit on the empty chat and one click sends one; the chat's own
+    trash icon mid-reply is a Clear (before, it emptied the page only until the streaming
+    reply's next update brought the turn back); no share-to-Hugging-Face button."""
+    page.get_by_role("tab", name="Chat").click()
+    page.click("#clear")
+    examples = page.locator("#chatbot button.example")
+    wait_for(lambda: examples.count() == 2, show=status_of(page))
+    assert examples.nth(1).inner_text() == "Tell me a story"
+    examples.nth(1).click()
+    wait_for(lambda: len(bot_text(page)) > 10, show=status_of(page))
+    assert page.locator("#chatbot [data-testid='user']").inner_text() == "Tell me a story"
+    assert page.locator("#chatbot button[aria-label='Share']").count() == 0
+    page.locator("#chatbot button[aria-label='Clear']").click()
+    wait_for(lambda: "Cleared" in page.inner_text("#status"), show=status_of(page))
+    time.sleep(1.5)  # late updates of the cancelled reply must not bring it back
+    assert page.locator("#chatbot [data-testid='bot']").count() == 0
+    assert page.locator("#chatbot [data-testid='user']").count() == 0
+    assert examples.count() == 2  # the empty chat offers them again
+    send(page, "Hi")
+    wait_for(lambda: len(bot_text(page)) > 0)
+    page.click("#stop")
+    wait_for(lambda: "Stopped" in page.inner_text("#status"))
+    assert page.locator("#chatbot [data-testid='user']").count() == 1
+    wait_for(lambda: re.search(r"tokens reused from kept state\s+0\b",
+                               page.inner_text("#panel")))  # a new conversation
+
+
 def test_refused_message_goes_back_to_the_box(page):
     """A message over the context is refused, leaves the chat, returns to the box, and the
     conversation goes on."""
@@ -236,13 +264,16 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
 
 
 def test_demo_model_answers_in_the_browser(playwright, tmp_path):
-    """The app on its default preset, the shipped demo model: stdlib questions get their
-    documented answers in the page (the README's screenshot)."""
+    """The app on its default preset, the shipped demo model: stdlib questions, the first one
+    of its examples, get their documented answers in the page (the README's screenshot)."""
     with running_app() as url:
         browser, page = open_page(playwright, url)
         for turn, (question, expected) in enumerate((("What does json.dumps do?", "JSON"),
                                                      ("What is the csv module for?", "CSV"))):
-            send(page, question)
+            if turn == 0:  # the first is one of the preset's examples, clicked
+                page.locator("#chatbot button.example", has_text=question).click()
+            else:
+                send(page, question)
             wait_for(lambda turn=turn: page.locator("#chatbot [data-testid='bot']").count()
                      == turn + 1, timeout=60)
             wait_for(lambda expected=expected: expected in bot_text(page)

@@ -190,6 +190,11 @@ def test_presets_validate(tmp_path):
         load_preset(bad)
     for preset in sorted(__import__("pathlib").Path("presets").glob("*.yaml")):
         load_preset(preset)  # every shipped preset is valid
+    assert preset_from_dict({"examples": ["Hi", "What is re?"]}).examples == ("Hi", "What is re?")
+    assert preset_from_dict({"examples": None}).examples == ()
+    for bad in ("Hi", ["Hi", ""], ["Hi", 3], ["q"] * 9):
+        with pytest.raises(PresetError, match="'examples' has the value .* at most 8 non-empty"):
+            preset_from_dict({"examples": bad})
 
 
 def test_out_of_memory_is_reported_and_service_goes_on(service, monkeypatch):

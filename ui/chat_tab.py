@@ -91,6 +91,13 @@ class ChatTab:
                   thinking)
         yield from self.reply(history, gen, request.session_hash, sent=message)
 
+    def example(self, history, conversation_id, mode, system, temperature, top_p, top_k,
+                max_new, seed, thinking, picked: gr.SelectData, request: gr.Request):
+        """One of the preset's examples clicked on the empty chat: sent as if typed."""
+        text = picked.value["text"] if isinstance(picked.value, dict) else str(picked.value)
+        yield from self.send(text, history, conversation_id, mode, system, temperature, top_p,
+                             top_k, max_new, seed, thinking, request)
+
     def regenerate(self, history, conversation_id, mode, system, temperature, top_p, top_k,
                    max_new, seed, thinking, request: gr.Request):
         history = list(history or [])

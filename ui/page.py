@@ -73,8 +73,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                                            visible=has_thinking_switch(service.tokenizer))
             with gr.Column(scale=5):
                 with gr.Tab("Chat"):
+                    # no share button: it posts to a Hugging Face Space, which a local
+                    # app is not; the preset's examples sit on the empty chat
                     chatbot = gr.Chatbot(height=420, label="Chat", editable="user",
-                                         elem_id="chatbot")
+                                         elem_id="chatbot", buttons=["copy", "copy_all"],
+                                         examples=[{"text": text} for text in preset.examples]
+                                         or None)
                     message = gr.Textbox(placeholder="Message (Enter to send)", show_label=False,
                                          elem_id="message")
                     with gr.Row():
@@ -126,13 +130,17 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                         concurrency_limit=None, **page)
         chatbot.edit(chat.edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
                      **page)
+        chatbot.example_select(chat.example, [chatbot, *gen_inputs], chat_outputs,
+                               concurrency_limit=None, **page)
         stop_btn.click(chat.stop, None, status, queue=False, **page)
         # Clear through the queue, as the replies' updates go: both reach the page over the
         # same stream, in the order they were made (queue=False answered on a channel of its
         # own, and a reply's last update could land after it and bring the reply back).
-        clear_btn.click(chat.clear, conversation_id,
-                        [chatbot, conversation_id, status, export_file],
-                        concurrency_limit=None, **page)
+        # The chat's own trash icon is a Clear too: by itself it only empties the page, and a
+        # reply still streaming brought its turn back.
+        for cleared in (clear_btn.click, chatbot.clear):
+            cleared(chat.clear, conversation_id, [chatbot, conversation_id, status, export_file],
+                    concurrency_limit=None, **page)
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
         ab_btn.click(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
                               seed, thinking],

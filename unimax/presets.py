@@ -11,6 +11,7 @@ from .modes import DRAFTS, MODES
 from .settings import GenerationSettings, SettingsError, is_int
 
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
+MAX_EXAMPLES = 8  # the page shows them as a grid over the empty chat
 
 
 class PresetError(ValueError):
@@ -38,6 +39,9 @@ class Preset:
     host_state_memory_mib: int = 8192  # beyond this, the oldest kept states are dropped
     system_prompt: str = ""
     enable_thinking: bool | None = None  # chat templates with a thinking switch (Qwen3.5)
+    # first messages the page offers on an empty chat (one click sends one): what this model
+    # answers well, so a new user's first question is not a guess
+    examples: tuple[str, ...] = ()
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     name: str = "custom"
 
@@ -69,6 +73,9 @@ class Preset:
                "a string")
         _check(self.enable_thinking in (None, True, False), "enable_thinking",
                self.enable_thinking, "true, false or null (the template's default)")
+        _check(isinstance(self.examples, tuple) and len(self.examples) <= MAX_EXAMPLES
+               and all(isinstance(e, str) and e.strip() for e in self.examples), "examples",
+               self.examples, f"a list of at most {MAX_EXAMPLES} non-empty messages")
 
     def _check_draft_vocab(self) -> None:
         _check(self.draft_vocab is None or (is_int(self.draft_vocab) and self.draft_vocab >= 1),
@@ -118,6 +125,8 @@ def preset_from_dict(raw: dict, name: str = "custom") -> Preset:
                           f"{', '.join(sorted(gen_keys))}")
     if raw.get("model") is not None:
         raw["model"] = str(raw["model"])
+    if isinstance(raw.get("examples"), list | type(None)):  # YAML's list (or an empty key);
+        raw["examples"] = tuple(raw.get("examples") or ())  # the frozen preset keeps a tuple
     try:
         settings = GenerationSettings(**generation)
     except SettingsError as err:
