@@ -106,6 +106,15 @@ def test_seeds_reproduce_samples(api_client):
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400, None),
+    # other servers' sampling extensions are refused, not ignored
+    ({"extra_body": {"repetition_penalty": 1.1}}, 400, "repetition_penalty"),
+    ({"extra_body": {"min_p": 0.05}}, 400, "min_p"),
+    ({"extra_body": {"stop_token_ids": [3]}}, 400, "stop_token_ids"),
+    ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, 400, "chat_template_kwargs"),
+    ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, 400,
+     "chat_template_kwargs"),
+    ({"extra_body": {"chat_template_kwargs": ["enable_thinking"]}}, 400,
+     "chat_template_kwargs"),
 ])
 def test_errors_in_openai_shape(api_client, kwargs, status, param):
     args = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **kwargs}
@@ -117,6 +126,53 @@ def test_errors_in_openai_shape(api_client, kwargs, status, param):
     if param:
         assert body["param"] == param
     assert api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+
+
+def test_neutral_extension_values_are_accepted(api_client, api_server):
+    """What chat front ends send with a sampler turned off passes; a completions prompt has
+    no template to take chat_template_kwargs."""
+    neutral = {"repetition_penalty": 1.0, "min_p": 0, "top_a": 0, "typical_p": 1,
+               "presence_penalty": 0, "stop_token_ids": [],
+               "chat_template_kwargs": {"enable_thinking": None}}
+    assert api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
+                                              extra_body=neutral).choices[0].message.content
+    r = httpx.post(api_server + "v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "json", "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_template_kwargs_switch_thinking(tmp_path):
+    """Qwen's documented way to turn thinking off through an OpenAI-compatible server,
+    extra_body={"chat_template_kwargs": {"enable_thinking": False}}, reaches the template: the
+    prompt is the one transformers' apply_chat_template renders with that switch."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from helpers import ROOT
+
+    folder = tmp_path / "thinking-model"
+    shutil.copytree(ROOT / "models" / "unimax-demo", folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] += ("{% if add_generation_prompt and enable_thinking is defined and "
+                                "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    config_path.write_text(json.dumps(config))
+    reference = AutoTokenizer.from_pretrained(folder)
+
+    def expected(**switch):
+        return len(reference.apply_chat_template(QUESTION, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False, **switch))
+
+    assert expected(enable_thinking=False) > expected()  # the switch shows in the prompt
+    with running_app("--model", str(folder)) as url:
+        api = openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=120)
+        for switch in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+            reply = api.chat.completions.create(model="thinking-model", messages=QUESTION,
+                                                max_tokens=2,
+                                                extra_body={"chat_template_kwargs": switch})
+            assert reply.usage.prompt_tokens == expected(**switch), switch
 
 
 def test_malformed_json_is_a_400(api_server):

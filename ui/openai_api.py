@@ -43,7 +43,19 @@ UNSUPPORTED = {
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "best_of": (None, 1),
+    # other servers' sampling extensions that clients send (vLLM, llama.cpp, TGI): ignoring one
+    # would answer with output the client did not ask for
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "typical_p": (None, 1, 1.0),
+    "top_a": (None, 0, 0.0), "tfs": (None, 1, 1.0), "tfs_z": (None, 1, 1.0),
+    "mirostat": (None, 0), "mirostat_mode": (None, 0), "min_tokens": (None, 0),
+    "ignore_eos": (None, False), "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False), "stop_token_ids": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
+# chat_template_kwargs that reach the template (Qwen's documented way to switch thinking off
+# through an OpenAI-compatible server: extra_body={"chat_template_kwargs": {...}})
+TEMPLATE_KWARGS = ("enable_thinking",)
 SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
                   "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 
@@ -125,7 +137,7 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         model, mode = _model(body, model_ids)
         messages = _messages(body.get("messages"))
         want = _chat_logprobs(body)
-        settings, stops, stream, usage_chunk = _options(body, service)
+        settings, stops, stream, usage_chunk = _options(body, service, _thinking(body))
         handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want)
         return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True,
                               show_logprobs=want is not None)
@@ -135,6 +147,10 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         body = await _json(request)
         model, mode = _model(body, model_ids)
         text, tokens = _prompt(body.get("prompt"))
+        if body.get("chat_template_kwargs") is not None:
+            raise APIError(400, "chat_template_kwargs applies to /v1/chat/completions: a "
+                           "completions prompt goes to the model as it is, with no template",
+                           "chat_template_kwargs")
         want, echo = _completion_logprobs(body)
         if want is not None and not want.generate:  # scoring only: no reply, no max_tokens
             body = {**body, "max_tokens": None, "max_completion_tokens": None}
@@ -248,7 +264,26 @@ def _messages(raw) -> list[dict]:
     return messages
 
 
-def _options(body: dict, service: EngineService):
+def _thinking(body: dict) -> bool | None:
+    """The chat template's thinking switch from chat_template_kwargs (None: the preset's)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    for key in kwargs:
+        if key not in TEMPLATE_KWARGS:
+            raise APIError(400, f"chat_template_kwargs.{key} is not supported; UNI MAX passes "
+                           f"only {', '.join(TEMPLATE_KWARGS)} to the chat template",
+                           "chat_template_kwargs", "unsupported_parameter")
+    thinking = kwargs.get("enable_thinking")
+    if thinking not in (None, True, False):
+        raise APIError(400, "chat_template_kwargs.enable_thinking must be true, false or null",
+                       "chat_template_kwargs")
+    return thinking
+
+
+def _options(body: dict, service: EngineService, thinking: bool | None = None):
     defaults = service.default_settings()
 
     def given(key: str, field: str):  # a JSON null means "the default"
@@ -260,7 +295,8 @@ def _options(body: dict, service: EngineService):
                                       "max_new_tokens"),
               "temperature": given("temperature", "temperature"),
               "top_p": given("top_p", "top_p"), "top_k": given("top_k", "top_k"),
-              "seed": given("seed", "seed"), "thinking": defaults.thinking}
+              "seed": given("seed", "seed"),
+              "thinking": defaults.thinking if thinking is None else thinking}
     try:
         settings = GenerationSettings(**values)
     except SettingsError as err:
