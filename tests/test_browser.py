@@ -121,7 +121,7 @@ def test_chat_streams_panels_fill_and_stop_works(page, tmp_path):
 def test_ab_comparison(page, tmp_path):
     page.get_by_role("tab", name="A/B").click()
     page.fill("#ab-prompt textarea", "Compare me")
-    page.click("#ab-run")
+    page.press("#ab-prompt textarea", "Enter")  # Enter compares, as the button does
     summary = wait_for(lambda: ("identical" in page.inner_text("#ab-status") or "diverge" in
                                 page.inner_text("#ab-status")) and page.inner_text("#ab-status"),
                        timeout=120)

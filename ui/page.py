@@ -93,7 +93,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     export_file = gr.File(label="Exported conversation", visible=False,
                                           elem_id="export-file")
                 with gr.Tab("A/B", elem_id="ab-tab"):
-                    ab_prompt = gr.Textbox(label="Prompt", elem_id="ab-prompt")
+                    ab_prompt = gr.Textbox(label="Prompt", elem_id="ab-prompt",
+                                           placeholder="A prompt for both modes (Enter to "
+                                           "compare)")
                     with gr.Row():
                         mode_a = gr.Dropdown(MODE_CHOICES, value="bf16", label="Mode A")
                         mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B")
@@ -142,10 +144,11 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             cleared(chat.clear, conversation_id, [chatbot, conversation_id, status, export_file],
                     concurrency_limit=None, **page)
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
-        ab_btn.click(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
-                              seed, thinking],
-                     [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
-                     concurrency_limit=None, **page)
+        for compare in (ab_btn.click, ab_prompt.submit):  # the button, or Enter in the prompt
+            compare(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
+                             seed, thinking],
+                    [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
+                    concurrency_limit=None, **page)
         timer = gr.Timer(0.5)
         timer.tick(chat.panels, None, [panel, plot], queue=False, show_progress="hidden", **page)
 
