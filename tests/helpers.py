@@ -277,3 +277,32 @@ def require_fla() -> None:
     if fla_ops() is None:
         pytest.fail("flash-linear-attention is not importable: install it and run with "
                     "UNIMAX_ALLOW_FLA=1")
+
+
+# Qwen3.5's generation prompt: thinking on leaves a <think> block open for the reply
+QWEN35_THINKING_TAIL = ("{% if add_generation_prompt %}{% if enable_thinking is defined and "
+                        "enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n"
+                        "{% endif %}{% endif %}")
+
+
+def thinking_demo_model(path: Path, renamed: dict[str, str] | None = None) -> Path:
+    """The demo model with Qwen3.5's thinking switch in its chat template. ``renamed``: piece
+    strings of its sentencepiece vocabulary to replace, e.g. a piece its reply to a question
+    uses as "▁</think>", so that the reply closes its thinking block (the ids, and so the
+    model's reply, stay as they are; only their text changes)."""
+    import shutil
+
+    shutil.copytree(ROOT / "models" / "unimax-demo", path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] += QWEN35_THINKING_TAIL
+    config_path.write_text(json.dumps(config))
+    if renamed:
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString((path / "tokenizer.model").read_bytes())
+        for piece in proto.pieces:
+            piece.piece = renamed.get(piece.piece, piece.piece)
+        (path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    return path

@@ -292,3 +292,32 @@ def test_demo_model_answers_in_the_browser(playwright, tmp_path):
         time.sleep(1)  # let the panel timer catch up before the picture
         page.screenshot(path=str(shots_dir(tmp_path) / "ab.png"))
         browser.close()
+
+
+def test_thinking_folds_away_above_the_answer(playwright, tmp_path):
+    """A Qwen3.5-style template with the Thinking box ticked: the reply's thinking block
+    shows as a folded "Thinking" message and the answer below it (the demo model with a piece
+    of its reply renamed "</think>", as in test_reasoning.py)."""
+    from test_reasoning import RENAMED, reference_reply
+
+    from helpers import thinking_demo_model
+
+    folder = thinking_demo_model(tmp_path / "thinking-model", RENAMED)
+    reasoning, answer = reference_reply(folder, 200).split("</think>")
+    with running_app("--model", str(folder)) as url:
+        browser, page = open_page(playwright, url)
+        page.get_by_text("Generation").click()
+        page.get_by_label("Thinking").check()
+        send(page, "What does json.dumps do?")
+        wait_for(lambda: "Done" in page.inner_text("#status"), timeout=120,
+                 show=status_of(page))
+        fold = page.locator("#chatbot .thought-group")
+        assert fold.count() == 1 and fold.inner_text().strip() == "Thinking"
+        assert page.locator("#chatbot [data-testid='bot']").count() == 2  # the fold, the answer
+        shown = " ".join(bot_text(page).split())
+        assert shown == " ".join(answer.split()), (shown, answer)
+        assert reasoning.strip() not in page.inner_text("#chatbot")  # folded away
+        fold.locator(".title").click()  # unfolds
+        wait_for(lambda: " ".join(reasoning.split()) in " ".join(
+            page.inner_text("#chatbot").split()))
+        browser.close()

@@ -146,19 +146,11 @@ def test_chat_template_kwargs_switch_thinking(tmp_path):
     """Qwen's documented way to turn thinking off through an OpenAI-compatible server,
     extra_body={"chat_template_kwargs": {"enable_thinking": False}}, reaches the template: the
     prompt is the one transformers' apply_chat_template renders with that switch."""
-    import shutil
-
     from transformers import AutoTokenizer
 
-    from helpers import ROOT
+    from helpers import thinking_demo_model
 
-    folder = tmp_path / "thinking-model"
-    shutil.copytree(ROOT / "models" / "unimax-demo", folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] += ("{% if add_generation_prompt and enable_thinking is defined and "
-                                "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
-    config_path.write_text(json.dumps(config))
+    folder = thinking_demo_model(tmp_path / "thinking-model")
     reference = AutoTokenizer.from_pretrained(folder)
 
     def expected(**switch):

@@ -175,3 +175,43 @@ def test_ab_summary_when_sampling_speaks_of_distributions():
     assert "Not the same distribution." in other
     greedy = ab_summary("bf16", "abc", fast, "verified", "abd", fast)
     assert "first diverge at character 2" in greedy
+
+
+def test_a_thinking_block_folds_away_above_the_answer():
+    """A reply that starts inside a thinking block (the prompt opened it: "started" says so)
+    shows its reasoning as a folded "Thinking" message, pending until the block closes, then
+    the answer; the next turn sends the model the answer alone, and Export marks the fold."""
+    events = [Event("started", prefill_tokens=3, reused_tokens=0, thinking_open=True),
+              Event("delta", "Let me see."), Event("delta", "</th"),
+              Event("delta", "ink>\n\nIt is"), Event("delta", " 4."),
+              Event("done", stopped="stop")]
+
+    class Thinking(Service):
+        def submit(self, conversation_id, messages, mode, settings):
+            self.sent = messages
+            handle = Handle(finished=True)
+            handle.events = lambda: iter(events)
+            return handle
+
+    from unimax.presets import Preset
+
+    service = Thinking()
+    chat = ChatTab(service, Sessions(), preset=Preset(model="tiny-random"))
+    gen = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, True)
+    updates = list(chat.reply([{"role": "user", "content": "2+2?"}], gen, "s", sent="2+2?"))
+    thinking = {"title": "Thinking", "status": "pending"}
+    assert updates[2][0][1:] == [
+        {"role": "assistant", "content": "Let me see.", "metadata": thinking},
+        {"role": "assistant", "content": ""}]  # "</th" held back: it may close the block
+    final = updates[-1][0]
+    assert final == [{"role": "user", "content": "2+2?"},
+                     {"role": "assistant", "content": "Let me see.",
+                      "metadata": {**thinking, "status": "done"}},
+                     {"role": "assistant", "content": "It is 4."}]
+    assert updates[-1][2].startswith("Done")
+    list(chat.reply(final + [{"role": "user", "content": "And 3+3?"}], gen, "s"))
+    assert service.sent == [{"role": "user", "content": "2+2?"},
+                            {"role": "assistant", "content": "It is 4."},
+                            {"role": "user", "content": "And 3+3?"}]
+    exported = __import__("json").loads(open(chat.export(final, "", "bf16")["value"]).read())
+    assert [m.get("thinking", False) for m in exported["messages"]] == [False, True, False]

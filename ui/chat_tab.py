@@ -16,6 +16,7 @@ from typing import NamedTuple
 import gradio as gr
 
 from unimax.presets import Preset
+from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
@@ -132,8 +133,12 @@ class ChatTab:
             return
         messages = ([{"role": "system", "content": gen.system}]
                     if gen.system and gen.system.strip() else []) + [
-            {"role": m["role"], "content": _text(m["content"])} for m in history]
-        history = history + [{"role": "assistant", "content": ""}]
+            {"role": m["role"], "content": _text(m["content"])} for m in history
+            if not _is_thinking(m)]  # (chat templates drop past turns' reasoning too)
+        base = history
+        # the reply's thinking block (reasoning.py) folds away above its answer
+        reply = {"reasoning": "", "answer": "", "splitter": ThinkSplitter(False)}
+        history = base + _reply_messages(reply)
         status = "Sending…"
         yield history, box, status
         # The box was emptied once, as the message left it; later updates leave it alone: the
@@ -153,19 +158,23 @@ class ChatTab:
             elif kind == "queued" and data.get("position"):
                 status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
             elif kind == "started":
+                reply["splitter"] = ThinkSplitter(bool(data.get("thinking_open")))
                 status = f"Generating ({gen.mode}) · prefilling {data['prefill_tokens']} new " \
                          f"tokens, reusing {data['reused_tokens']} from the kept state…"
             elif kind == "prefill":
                 status = f"Generating ({gen.mode}) · prefilling: {data['done']} of " \
                          f"{data['total']} prompt tokens…"
             elif kind == "delta":
-                history[-1] = {"role": "assistant", "content": history[-1]["content"] + text}
+                _add(reply, reply["splitter"].feed(text))
+                history = base + _reply_messages(reply)
             elif kind == "error":
-                refused = sent is not None and not history[-1]["content"]
-                history = history[:-2] if refused else history[:-1]
+                refused = sent is not None and not (reply["reasoning"] or reply["answer"])
+                history = base[:-1] if refused else base
                 box = sent if refused else box
                 status = f"⚠️ {text}"
             elif kind == "done":
+                _add(reply, reply["splitter"].flush())
+                history = base + _reply_messages(reply, done=True)
                 status = done_status(data.get("stopped"))
             else:
                 continue
@@ -193,7 +202,8 @@ class ChatTab:
         return [], str(uuid.uuid4()), "Cleared.", gr.update(value=None, visible=False)
 
     def export(self, history, system, mode):
-        messages = [{"role": m["role"], "content": _text(m["content"])} for m in history or []]
+        messages = [{"role": m["role"], "content": _text(m["content"]),
+                     **({"thinking": True} if _is_thinking(m) else {})} for m in history or []]
         data = {"model": self.preset.model, "mode": mode, "system": system,
                 "messages": messages}
         return gr.update(value=self.exports.write(data), visible=True)
@@ -206,6 +216,30 @@ class ChatTab:
     def panels(self, request: gr.Request):
         stats = self.sessions.get_stats(request.session_hash)
         return panel_markdown(stats), curve_svg(stats)
+
+
+THINKING = "Thinking"  # the folded reasoning message's title
+
+
+def _is_thinking(message: dict) -> bool:
+    metadata = message.get("metadata")
+    return isinstance(metadata, dict) and metadata.get("title") == THINKING
+
+
+def _add(reply: dict, pieces: tuple[str, str]) -> None:
+    reply["reasoning"] += pieces[0]
+    reply["answer"] += pieces[1]
+
+
+def _reply_messages(reply: dict, done: bool = False) -> list[dict]:
+    """The streaming reply as chat messages: its reasoning (if any, folded, marked pending
+    while the block is open) and its answer."""
+    thinking = []
+    if reply["reasoning"]:
+        status = "done" if done or not reply["splitter"].inside else "pending"
+        thinking = [{"role": "assistant", "content": reply["reasoning"],
+                     "metadata": {"title": THINKING, "status": status}}]
+    return thinking + [{"role": "assistant", "content": reply["answer"]}]
 
 
 def _text(content) -> str:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from unimax import logprobs
 from unimax.logprobs import LogprobsRequest
 from unimax.modes import MODES
+from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
 
@@ -390,6 +391,9 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": ident, "created": int(time.time()), "model": model}
     matcher = StopMatcher(stops)
+    # a chat reply's thinking block goes out as reasoning_content (after the stop strings,
+    # which see the whole text, as the model wrote it)
+    splitter = ThinkSplitter(handle.thinking_open) if chat else None
     usage = {"prompt_tokens": len(handle.prompt)}
     # Reply entries wait here until the text they start in is released past the stop matcher;
     # entries past a stop string are dropped with its text. "shift": the echoed prompt's
@@ -409,13 +413,25 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         return out
 
     def choice(text: str, finish: str | None, items=(), shift: int = 0,
-               first: bool = False) -> dict:
+               first: bool = False, reasoning: str = "") -> dict:
         logprobs = logprobs_of(list(items), shift) if items else None
         if not chat:
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         delta = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+
+    def split(piece: str, last: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of a piece of the reply; ``last``: also what was held back."""
+        if splitter is None:
+            return "", piece
+        reasoning, answer = splitter.feed(piece)
+        if last:
+            more = splitter.flush()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        return reasoning, answer
 
     async def consume():
         """Yields the output's pieces as (text, entries, offset shift): the echoed prompt
@@ -457,8 +473,12 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         finish = _finish_reason(state["stopped"], matcher)
         logprobs = logprobs_of(items, 0)
         if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": finish, "logprobs": logprobs}]
+            reasoning, text = split(text, last=True)
+            message = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choices = [{"index": 0, "message": message, "finish_reason": finish,
+                        "logprobs": logprobs}]
         else:
             choices = [{"index": 0, "text": text, "finish_reason": finish,
                         "logprobs": logprobs}]
@@ -475,9 +495,14 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         if chat:
             yield sse({**base, "object": kind, "choices": [choice("", None, first=True)]})
         async for piece, released, shift in consume():
-            if piece or (released and show_logprobs):
-                yield sse({**base, "object": kind,
-                           "choices": [choice(piece, None, released, shift)]})
+            reasoning, piece = split(piece)
+            if piece or reasoning or (released and show_logprobs):
+                yield sse({**base, "object": kind, "choices": [
+                    choice(piece, None, released, shift, reasoning=reasoning)]})
+        reasoning, piece = split("", last=True)
+        if piece or reasoning:
+            yield sse({**base, "object": kind,
+                       "choices": [choice(piece, None, reasoning=reasoning)]})
         if state["error"] is not None:
             yield sse(state["error"].body())
         else:

@@ -29,6 +29,7 @@ from .errors import RequestError
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
 from .presets import Preset, PresetError
+from .reasoning import opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
 
@@ -66,6 +67,7 @@ class RequestHandle:
         self.logprobs: LogprobsRequest | None = None  # served by the exact model (logprobs.py)
         self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
         self.internal = False  # the warm-up's own reply: no user's request, not in metrics
+        self.thinking_open = False  # the chat prompt leaves a <think> block open (reasoning.py)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -284,6 +286,8 @@ class EngineService:
             check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context)
             with self.tokenizer_lock:
                 prompt = self.render(handle.messages, settings.thinking)
+                tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+            handle.thinking_open = opens_thinking(tail)
         if len(prompt) >= context:
             raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
                                f"context setting of {context}; clear the chat, shorten the "
@@ -411,7 +415,7 @@ class EngineService:
         else:
             new_tokens = prompt
         handle.emit("started", prefill_tokens=len(new_tokens), reused_tokens=len(prompt) -
-                    len(new_tokens))
+                    len(new_tokens), thinking_open=handle.thinking_open)
         detok = IncrementalDetokenizer(self.tokenizer)
         curve: list[list[float]] = []
         timing = {"first": None, "last": None}
@@ -462,7 +466,8 @@ class EngineService:
         want, settings, prompt = handle.logprobs, handle.settings, handle.prompt
         cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
         started = time.perf_counter()
-        handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0)
+        handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0,
+                    thinking_open=handle.thinking_open)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         # every position's logits only when the prompt is scored; else the prefill's chunks
         chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk) \

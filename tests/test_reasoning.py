@@ -1,0 +1,148 @@
+"""The reasoning splitter (unimax/reasoning.py) fed in pieces against a plain split of the whole
+text, at every cut; a reply without a thinking block passes through unchanged."""
+
+import random
+
+import pytest
+
+from unimax.reasoning import ThinkSplitter, opens_thinking
+
+
+def whole(text: str, opened: bool) -> tuple[str, str]:
+    """The plain reference: the whole reply at once."""
+    if not opened:
+        start = text.lstrip()
+        if not start.startswith("<think>"):
+            return "", text
+        text = start[len("<think>"):]
+    if "</think>" not in text:
+        return text, ""
+    reasoning, answer = text.split("</think>", 1)
+    return reasoning, answer.lstrip("\n")
+
+
+def streamed(pieces: list[str], opened: bool) -> tuple[str, str]:
+    splitter, reasoning, answer = ThinkSplitter(opened), "", ""
+    for piece in pieces:
+        r, a = splitter.feed(piece)
+        reasoning, answer = reasoning + r, answer + a
+    r, a = splitter.flush()
+    return reasoning + r, answer + a
+
+
+REPLIES = [
+    ("The user asks about X.\nLet me think.\n</think>\n\nX is a letter.", True),
+    ("short</think>answer with </think> inside and <think> too", True),
+    ("never closed <thin", True),
+    ("</think>\n\n\n", True),
+    ("  <think>plan first</think>\n\nThen answer.", False),
+    ("<think>unclosed", False),
+    ("Plain answer <think>not a block</think> here.", False),
+    ("  \n leading blanks, no block", False),
+    ("<thinking> is not the tag", False),
+    ("<", False),
+    ("<th", True),
+    ("", False),
+]
+
+
+@pytest.mark.parametrize("text,opened", REPLIES)
+def test_every_cut_matches_the_whole_split(text, opened):
+    expected = whole(text, opened)
+    assert streamed([text], opened) == expected
+    for i in range(len(text) + 1):
+        assert streamed([text[:i], text[i:]], opened) == expected, i
+        for j in range(i, len(text) + 1):
+            assert streamed([text[:i], text[i:j], text[j:]], opened) == expected, (i, j)
+
+
+def test_random_texts_and_pieces():
+    rng = random.Random(0)
+    alphabet = ["<think>", "</think>", "<", "/", "t", "h", "\n", " ", "a", "<th", "</thi", "x"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        opened = rng.random() < 0.5
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 4)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert streamed(pieces, opened) == whole(text, opened), (text, opened, pieces)
+
+
+def test_no_block_passes_through_unchanged():
+    for text in ("Hello", " Serialize ``obj``", "\n\nx", "a <think> b", "<b>bold</b>"):
+        assert streamed(list(text), False) == ("", text)
+
+
+def test_opens_thinking():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")  # Qwen3.5, thinking on
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # off
+    assert not opens_thinking("<|im_start|>assistant\n")
+    assert not opens_thinking("")
+
+
+# --- the app: a model whose chat template opens a thinking block (Qwen3.5's), over HTTP ------
+
+QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+# The demo model's reply to QUESTION behind an open <think> uses the piece "▁object" (in
+# "Return a callable object that ..."): renamed, the same reply closes the block there.
+RENAMED = {"▁object": "▁</think>"}
+
+
+@pytest.fixture(scope="module")
+def thinking_app(tmp_path_factory):
+    from app_server import running_app
+
+    from helpers import thinking_demo_model
+
+    folder = thinking_demo_model(tmp_path_factory.mktemp("m") / "thinking-model", RENAMED)
+    with running_app("--model", str(folder)) as url:
+        yield url, folder
+
+
+def reference_reply(folder, n: int, **switch) -> str:
+    """The exact model's greedy reply (up to its turn's end) as text, from transformers' own
+    rendering of the prompt (not the app's)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import unimax
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False, **switch)
+    model = unimax.load_model(str(folder), device="cpu", dtype="float32")
+    out = unimax.exact_greedy_tokens(model, torch.tensor([ids]), n)[0].tolist()
+    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    out = out[:next((i for i, t in enumerate(out) if t in ends), len(out))]  # the turn's end
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_api_reports_the_thinking_block_as_reasoning_content(thinking_app):
+    import openai
+
+    url, folder = thinking_app
+    text = reference_reply(folder, 24)
+    assert text.count("</think>") == 1  # the renamed piece closes the block once
+    reasoning, answer = text.split("</think>")
+    api = openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=120)
+    args = dict(model="thinking-model:bf16", messages=QUESTION, max_tokens=24)
+    message = api.chat.completions.create(**args).choices[0].message
+    assert message.model_extra["reasoning_content"] == reasoning
+    assert message.content == answer
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in api.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            parts["content"] += delta.content or ""
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content",
+                                                                        "")
+    assert parts == {"reasoning_content": reasoning, "content": answer}
+    # a stop string inside the reasoning ends the reply there, with no answer
+    cut = api.chat.completions.create(**args, stop=["callable"]).choices[0].message
+    assert cut.model_extra["reasoning_content"] == reasoning.split("callable")[0]
+    assert cut.content == ""
+    # thinking switched off: the template closes the block, the reply is all answer
+    off = api.chat.completions.create(
+        **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert "reasoning_content" not in off.choices[0].message.model_extra
+    assert off.choices[0].message.content == \
+        reference_reply(folder, 24, enable_thinking=False)

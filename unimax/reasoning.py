@@ -1,0 +1,79 @@
+"""A reply's reasoning apart from its answer, for chat templates with a thinking block.
+
+Qwen3.5's template with thinking on ends its generation prompt with an open ``<think>\\n``: the
+reply starts inside the block, ends it with ``</think>``, and the answer follows. (Other Qwen
+templates leave the block to the model, which opens it at the very start of its reply.) The
+OpenAI API reports the block's text as ``reasoning_content`` and the page folds it away; the
+tokens and their text are untouched, only where each piece is shown differs.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def opens_thinking(prompt_tail: str) -> bool:
+    """Whether a rendered prompt (its last few tokens' text, special tokens kept) leaves a
+    thinking block open, so that the reply starts in reasoning."""
+    at = prompt_tail.rfind(OPEN)
+    return at >= 0 and CLOSE not in prompt_tail[at:]
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ThinkSplitter:
+    """Splits a streamed reply's text into (reasoning, answer) pieces. Text that could still
+    be the start of a tag is held back until the next piece (or ``flush``) decides it; a reply
+    with no thinking block comes out as its answer unchanged."""
+
+    def __init__(self, opened: bool):
+        self.inside = opened  # within a thinking block
+        self.may_open = not opened  # only the reply's very start may open one
+        self.after_block = False  # the answer's leading newlines after a block are dropped
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf, self.held = self.held + text, ""
+        reasoning = answer = ""
+        while buf:
+            if self.inside:
+                at = buf.find(CLOSE)
+                if at < 0:
+                    keep = _partial(buf, CLOSE)
+                    reasoning += buf[:len(buf) - keep]
+                    self.held = buf[len(buf) - keep:]
+                    break
+                reasoning += buf[:at]
+                buf = buf[at + len(CLOSE):]
+                self.inside, self.may_open, self.after_block = False, False, True
+            elif self.may_open:
+                start = buf.lstrip()
+                if start.startswith(OPEN):
+                    buf, self.inside, self.may_open = start[len(OPEN):], True, False
+                elif OPEN.startswith(start):  # only blanks, or a tag's start, so far
+                    self.held = buf
+                    break
+                else:
+                    self.may_open = False
+            else:
+                if self.after_block:
+                    buf = buf.lstrip("\n")
+                    if not buf:
+                        break
+                    self.after_block = False
+                answer += buf
+                buf = ""
+        return reasoning, answer
+
+    def flush(self) -> tuple[str, str]:
+        """The held-back text, at the reply's end: it was not a tag after all."""
+        held, self.held = self.held, ""
+        if self.inside:
+            return held, ""
+        return "", held.lstrip("\n") if self.after_block else held
