@@ -285,17 +285,48 @@ QWEN35_THINKING_TAIL = ("{% if add_generation_prompt %}{% if enable_thinking is 
                         "{% endif %}{% endif %}")
 
 
-def thinking_demo_model(path: Path, renamed: dict[str, str] | None = None) -> Path:
-    """The demo model with Qwen3.5's thinking switch in its chat template. ``renamed``: piece
-    strings of its sentencepiece vocabulary to replace, e.g. a piece its reply to a question
-    uses as "▁</think>", so that the reply closes its thinking block (the ids, and so the
-    model's reply, stay as they are; only their text changes)."""
+# Qwen3.5's tool calling, in the demo's ChatML: the tools in a system turn with the call format
+# the model is to write, calls in assistant turns, tool results in a user turn
+QWEN35_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following "
+    "functions:\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + tool | tojson }}"
+    "{%- endfor %}{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the "
+    "following format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>"
+    "\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
+    "</tool_call>' }}{%- if messages[0].role == 'system' %}{{- '\\n\\n' + "
+    "messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + "
+    "messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + m.content }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{%- if not loop.first or m.content %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n<function=' + call.name + '>\\n' }}"
+    "{%- for key, value in call.arguments | items %}{{- '<parameter=' + key + '>\\n' }}"
+    "{{- value if value is string else value | tojson }}{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def demo_variant(path: Path, template: str | None = None, tail: str = "",
+                 renamed: dict[str, str] | None = None) -> Path:
+    """A copy of the demo model with another chat ``template`` (and ``tail`` added to it).
+    ``renamed``: piece strings of its sentencepiece vocabulary to replace, e.g. a piece its
+    reply to a question uses as "▁</think>", so that the reply closes a thinking block (the ids,
+    and so the model's reply, stay as they are; only their text changes)."""
     import shutil
 
     shutil.copytree(ROOT / "models" / "unimax-demo", path)
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] += QWEN35_THINKING_TAIL
+    config["chat_template"] = (template or config["chat_template"]) + tail
     config_path.write_text(json.dumps(config))
     if renamed:
         from sentencepiece import sentencepiece_model_pb2
@@ -306,3 +337,28 @@ def thinking_demo_model(path: Path, renamed: dict[str, str] | None = None) -> Pa
             piece.piece = renamed.get(piece.piece, piece.piece)
         (path / "tokenizer.model").write_bytes(proto.SerializeToString())
     return path
+
+
+def thinking_demo_model(path: Path, renamed: dict[str, str] | None = None) -> Path:
+    """The demo model with Qwen3.5's thinking switch in its chat template (see demo_variant)."""
+    return demo_variant(path, tail=QWEN35_THINKING_TAIL, renamed=renamed)
+
+
+def reference_chat_reply(folder, messages: list[dict], n: int,
+                         **template_kwargs) -> tuple[str, int]:
+    """The exact model's greedy reply to a conversation (up to its turn's end, at most ``n``
+    tokens) as text, from transformers' own rendering of the prompt (not the app's), and the
+    prompt's length in tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import unimax
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False, **template_kwargs)
+    model = unimax.load_model(str(folder), device="cpu", dtype="float32")
+    out = unimax.exact_greedy_tokens(model, torch.tensor([ids]), n)[0].tolist()
+    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    out = out[:next((i for i, t in enumerate(out) if t in ends), len(out))]  # the turn's end
+    return tok.decode(out, skip_special_tokens=True), len(ids)

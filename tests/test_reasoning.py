@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from helpers import reference_chat_reply
 from unimax.reasoning import ThinkSplitter, opens_thinking
 
 
@@ -99,21 +100,7 @@ def thinking_app(tmp_path_factory):
 
 
 def reference_reply(folder, n: int, **switch) -> str:
-    """The exact model's greedy reply (up to its turn's end) as text, from transformers' own
-    rendering of the prompt (not the app's)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    import unimax
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                  return_dict=False, **switch)
-    model = unimax.load_model(str(folder), device="cpu", dtype="float32")
-    out = unimax.exact_greedy_tokens(model, torch.tensor([ids]), n)[0].tolist()
-    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    out = out[:next((i for i, t in enumerate(out) if t in ends), len(out))]  # the turn's end
-    return tok.decode(out, skip_special_tokens=True)
+    return reference_chat_reply(folder, QUESTION, n, **switch)[0]
 
 
 def test_api_reports_the_thinking_block_as_reasoning_content(thinking_app):

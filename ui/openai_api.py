@@ -8,7 +8,8 @@ Model ids: ``<name>`` (the preset's default mode) and ``<name>:bf16``, ``<name>:
 ``<name>:verified``. Each reply carries the UNI MAX figures in an extra ``unimax`` field (mode,
 acceptance_rate, bridge_ms, bridge_mib, decode_tok_s, prefill_tok_s, ttft_ms, prefilled_tokens,
 reused_tokens). Sampling defaults are the preset's (greedy in the shipped presets), not
-OpenAI's temperature 1.
+OpenAI's temperature 1. ``tools`` reach the chat template, and the calls the model writes come
+back as ``tool_calls`` (unimax/tool_calls.py) for models whose template renders tools.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from unimax import logprobs
+from unimax.errors import RequestError
 from unimax.logprobs import LogprobsRequest
 from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
+from unimax.tool_calls import Parts, ToolCallParser, call_format, check_tools
 
 from .api_metrics import Metrics
 
@@ -39,8 +42,8 @@ MAX_STOPS = 4
 # Fields that change the output and that UNI MAX does not implement: refused, not ignored.
 # Each maps to the values that mean "not used".
 UNSUPPORTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    # (tools and tool_choice are served: see _tools)
+    "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "best_of": (None, 1),
@@ -112,6 +115,7 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
     model_ids = {name: preset.mode, **{f"{name}:{m}": m for m in MODES}}
     metrics = Metrics(service)
     created = int(time.time())
+    tool_format = call_format(service.tokenizer)  # None: the template takes no tools
 
     @app.exception_handler(APIError)
     async def api_error(_request, err: APIError):
@@ -138,10 +142,13 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         model, mode = _model(body, model_ids)
         messages = _messages(body.get("messages"))
         want = _chat_logprobs(body)
+        tools, first_only = _tools(body, tool_format)
         settings, stops, stream, usage_chunk = _options(body, service, _thinking(body))
-        handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want)
+        handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want,
+                                tools=tools)
+        parser = ToolCallParser(tool_format, tools, first_only) if tools else None
         return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True,
-                              show_logprobs=want is not None)
+                              show_logprobs=want is not None, tool_parser=parser)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -261,8 +268,61 @@ def _messages(raw) -> list[dict]:
                 raise APIError(400, f"messages[{index}].content: only text parts are "
                                "supported", "messages")
             content = "".join(p["text"] for p in content)
-        messages.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["content"] = content or ""  # a reply that only called tools has none
+            entry["tool_calls"] = [_call_of(call, index, n)
+                                   for n, call in enumerate(message["tool_calls"])]
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.get(key), str):
+                    entry[key] = message[key]
+        messages.append(entry)
     return messages
+
+
+def _call_of(call, index: int, number: int) -> dict:
+    """An assistant message's tool call as OpenAI sends it (arguments as JSON text) -> as chat
+    templates read it (arguments as a mapping)."""
+    where = f"messages[{index}].tool_calls[{number}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{where} must be {{id, type: function, function: {{name, "
+                       "arguments}}}}", "messages")
+    arguments = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object (as text)",
+                       "messages")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _tools(body: dict, tool_format: dict | None) -> tuple[list[dict] | None, bool]:
+    """The tools offered to the model, and whether only its first call counts
+    (``parallel_tool_calls: false``). tool_choice "none" keeps them from the model."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if choice not in (None, "auto", "none"):
+        raise APIError(400, "tool_choice must be \"auto\" or \"none\": UNI MAX cannot force "
+                       "a call (the model decides; nothing constrains its output)",
+                       "tool_choice", "unsupported_parameter")
+    if tools in (None, []) or choice == "none":
+        return None, False
+    try:
+        check_tools(tools)
+    except RequestError as err:
+        raise APIError(400, str(err), "tools") from None
+    if tool_format is None:
+        raise APIError(400, "this model's chat template does not take tools, so the model "
+                       "cannot call any; leave tools out, or serve a model whose template "
+                       "renders them (Qwen3.5, Qwen3)", "tools", "unsupported_parameter")
+    return tools, parallel is False
 
 
 def _thinking(body: dict) -> bool | None:
@@ -363,8 +423,18 @@ def _unimax_fields(stats: dict) -> dict:
     return {k: stats.get(k) for k in keys}
 
 
-def _finish_reason(stopped: str | None, matcher: StopMatcher) -> str:
+def _finish_reason(stopped: str | None, matcher: StopMatcher, called: bool = False) -> str:
+    if called:
+        return "tool_calls"
     return "length" if stopped == "length" and not matcher.hit else "stop"
+
+
+def _tool_calls_of(calls: list[dict], first: int = 0, stream: bool = False) -> list[dict]:
+    """Parsed calls in OpenAI's shape; ``first``: the reply's count of calls before these."""
+    return [{**({"index": first + n} if stream else {}),
+             "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for n, c in enumerate(calls)]
 
 
 def _chat_logprobs_of(items: list[dict]) -> dict:
@@ -384,7 +454,8 @@ def _completion_logprobs_of(items: list[dict], shift: int) -> dict:
 
 
 async def _respond(request, handle, model, stops, stream, usage_chunk, chat: bool,
-                   echoed: str | None = None, show_logprobs: bool = False):
+                   echoed: str | None = None, show_logprobs: bool = False,
+                   tool_parser: ToolCallParser | None = None):
     failure = _failure(handle)
     if failure is not None:
         raise failure
@@ -398,7 +469,8 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
     # Reply entries wait here until the text they start in is released past the stop matcher;
     # entries past a stop string are dropped with its text. "shift": the echoed prompt's
     # length, which the reply's text offsets count from.
-    state = {"stats": {}, "stopped": None, "error": None, "pending": [], "shift": 0}
+    state = {"stats": {}, "stopped": None, "error": None, "pending": [], "shift": 0,
+             "calls": 0}
 
     def logprobs_of(items: list[dict], shift: int) -> dict | None:
         if not show_logprobs:
@@ -413,25 +485,37 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         return out
 
     def choice(text: str, finish: str | None, items=(), shift: int = 0,
-               first: bool = False, reasoning: str = "") -> dict:
+               first: bool = False, parts: Parts | None = None) -> dict:
         logprobs = logprobs_of(list(items), shift) if items else None
         if not chat:
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         delta = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if parts is not None and parts.reasoning:
+            delta["reasoning_content"] = parts.reasoning
+        if parts is not None and parts.calls:
+            delta["tool_calls"] = _tool_calls_of(parts.calls, state["calls"], stream=True)
+            state["calls"] += len(parts.calls)
         return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
 
-    def split(piece: str, last: bool = False) -> tuple[str, str]:
-        """(reasoning, answer) of a piece of the reply; ``last``: also what was held back."""
-        if splitter is None:
-            return "", piece
-        reasoning, answer = splitter.feed(piece)
-        if last:
-            more = splitter.flush()
-            reasoning, answer = reasoning + more[0], answer + more[1]
-        return reasoning, answer
+    def split(piece: str, last: bool = False) -> Parts:
+        """What a piece of the reply is: reasoning, answer text, tool calls; ``last``: also
+        what was held back."""
+        parts = Parts(content=piece)
+        if splitter is not None:
+            reasoning, answer = splitter.feed(piece)
+            if last:
+                more = splitter.flush()
+                reasoning, answer = reasoning + more[0], answer + more[1]
+            parts = Parts(reasoning=reasoning, content=answer)
+        if tool_parser is not None:
+            answer = tool_parser.feed(parts.content)
+            if last:
+                answer += tool_parser.finish()
+            parts = Parts(parts.reasoning + answer.reasoning, answer.content, answer.calls)
+            if tool_parser.done:  # parallel_tool_calls false: the first call ends the reply
+                handle.cancel()
+        return parts
 
     async def consume():
         """Yields the output's pieces as (text, entries, offset shift): the echoed prompt
@@ -473,10 +557,14 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         finish = _finish_reason(state["stopped"], matcher)
         logprobs = logprobs_of(items, 0)
         if chat:
-            reasoning, text = split(text, last=True)
-            message = {"role": "assistant", "content": text}
-            if reasoning:
-                message["reasoning_content"] = reasoning
+            parts = split(text, last=True)
+            message = {"role": "assistant", "content": parts.content}
+            if parts.reasoning:
+                message["reasoning_content"] = parts.reasoning
+            if parts.calls:  # as OpenAI's: no content beside the calls is null
+                message["content"] = parts.content or None
+                message["tool_calls"] = _tool_calls_of(parts.calls)
+                finish = _finish_reason(state["stopped"], matcher, called=True)
             choices = [{"index": 0, "message": message, "finish_reason": finish,
                         "logprobs": logprobs}]
         else:
@@ -495,19 +583,19 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
         if chat:
             yield sse({**base, "object": kind, "choices": [choice("", None, first=True)]})
         async for piece, released, shift in consume():
-            reasoning, piece = split(piece)
-            if piece or reasoning or (released and show_logprobs):
+            parts = split(piece)
+            if parts.content or parts.reasoning or parts.calls or (released and show_logprobs):
                 yield sse({**base, "object": kind, "choices": [
-                    choice(piece, None, released, shift, reasoning=reasoning)]})
-        reasoning, piece = split("", last=True)
-        if piece or reasoning:
+                    choice(parts.content, None, released, shift, parts=parts)]})
+        parts = split("", last=True)
+        if parts.content or parts.reasoning or parts.calls:
             yield sse({**base, "object": kind,
-                       "choices": [choice(piece, None, reasoning=reasoning)]})
+                       "choices": [choice(parts.content, None, parts=parts)]})
         if state["error"] is not None:
             yield sse(state["error"].body())
         else:
-            yield sse({**base, "object": kind,
-                       "choices": [choice("", _finish_reason(state["stopped"], matcher))],
+            finish = _finish_reason(state["stopped"], matcher, called=state["calls"] > 0)
+            yield sse({**base, "object": kind, "choices": [choice("", finish)],
                        "unimax": _unimax_fields(state["stats"])})
             if usage_chunk:
                 yield sse({**base, "object": kind, "choices": [], "usage": usage_of()})

@@ -8,18 +8,22 @@ text with ``split_special_tokens``).
 
 from __future__ import annotations
 
+import json
+
 from .errors import RequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 
 
-def check_messages(messages: list[dict], max_chars: int) -> None:
-    """Roles, text and size of a conversation that ends with a user message; RequestError
-    otherwise. Runs before any tokenizing, so an oversized message costs nothing."""
+def check_messages(messages: list[dict], max_chars: int, extra_chars: int = 0) -> None:
+    """Roles, text and size of a conversation that ends with a user message (or with the
+    results of the tools its last reply called); RequestError otherwise. Runs before any
+    tokenizing, so an oversized message costs nothing. ``extra_chars``: the size of what the
+    template adds from elsewhere (the tools' definitions)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("the conversation is empty: send at least one user message")
-    total = 0
+    total = extra_chars
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"message {index} is not a mapping with 'role' and 'content'")
@@ -39,14 +43,36 @@ def check_messages(messages: list[dict], max_chars: int) -> None:
             raise RequestError(f"message {index} is not valid Unicode (a lone surrogate at "
                                f"character {err.start}); send UTF-8 text") from None
         total += len(content)
-    if messages[-1]["role"] != "user":
-        raise RequestError("the conversation must end with a user message")
-    if not messages[-1]["content"].strip():
+        if "tool_calls" in message:
+            if role != "assistant":
+                raise RequestError(f"message {index} has tool_calls, which only an assistant "
+                                   "message may have")
+            total += _check_tool_calls(message["tool_calls"], index)
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise RequestError("the conversation must end with a user message (or with tool "
+                           "results)")
+    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip():
         raise RequestError("empty message: type something to send")
     if total > max_chars:
         raise RequestError(f"the conversation is {total} characters, more than this model's "
                            f"context can hold (at most {max_chars}); shorten it or start a new "
                            "one")
+
+
+def _check_tool_calls(calls, index: int) -> int:
+    """An assistant message's calls, as chat templates read them: a list of ``{"function":
+    {"name": str, "arguments": mapping}}``. Returns their size in characters."""
+    if not isinstance(calls, list):
+        raise RequestError(f"message {index}: tool_calls must be a list")
+    size = 0
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments"), dict):
+            raise RequestError(f"message {index}: tool_calls[{number}] must have a function "
+                               "with a name and its arguments as an object")
+        size += len(function["name"]) + len(json.dumps(function["arguments"]))
+    return size
 
 
 def check_text(text: str, max_chars: int) -> None:
@@ -80,12 +106,23 @@ def special_strings(tokenizer) -> list[str]:
     return sorted(s for s in found if s)
 
 
-def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Prompt ids for a conversation ending with a user message (checked by check_messages),
-    with the generation prompt. Without a chat template: a plain transcript to continue."""
+    with the generation prompt; ``tools`` (OpenAI's function list) go to the chat template.
+    Without a chat template: a plain transcript to continue."""
     if getattr(tokenizer, "chat_template", None):
         extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
         specials = special_strings(tokenizer)
+        if tools:
+            extra["tools"] = tools
+        # tool definitions and call arguments are rendered by the template, not spanned as
+        # plain text below: control-token text in them is refused
+        calls = [c for m in messages for c in m.get("tool_calls") or ()]
+        rendered = json.dumps([tools or [], calls], ensure_ascii=False)
+        if any(s in rendered for s in specials):
+            raise RequestError("the tools or tool calls contain control-token text (such as "
+                               "<|im_start|>); remove it")
         if not any(s in m["content"] for m in messages for s in specials):
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False, **extra)

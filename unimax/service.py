@@ -9,6 +9,7 @@ from a kept state (StateStore), no failure can corrupt another conversation.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -68,6 +69,7 @@ class RequestHandle:
         self.outcome: tuple[str, dict] | None = None  # the final event's kind and data
         self.internal = False  # the warm-up's own reply: no user's request, not in metrics
         self.thinking_open = False  # the chat prompt leaves a <think> block open (reasoning.py)
+        self.tools: list[dict] | None = None  # functions offered to the chat template
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -244,17 +246,20 @@ class EngineService:
                settings: GenerationSettings | None = None, *,
                text: str | None = None, tokens: list[int] | None = None,
                logprobs: LogprobsRequest | None = None,
+               tools: list[dict] | None = None,
                internal: bool = False) -> RequestHandle:
         """Queue a reply to ``messages`` (or to a raw ``text`` or ``tokens`` prompt). The
         request is checked and tokenized here, on the caller's thread, so a bad or huge
         message never holds up the engine thread: a request the user can fix ends at once with
         an error event. With ``logprobs`` the exact model serves it, whatever the mode, and
-        each "delta" event carries its tokens' entries (see ``_serve_logprobs``)."""
+        each "delta" event carries its tokens' entries (see ``_serve_logprobs``). ``tools``:
+        OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls)."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
         handle.text, handle.tokens, handle.logprobs = text, tokens, logprobs
+        handle.tools = tools
         handle.internal = internal
         try:
             handle.prompt = self.prepare(handle)
@@ -283,9 +288,10 @@ class EngineService:
             with self.tokenizer_lock:
                 prompt = encode_text(self.tokenizer, handle.text)
         else:
-            check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context)
+            check_messages(handle.messages, max_chars=MAX_CHARS_PER_TOKEN * context,
+                           extra_chars=len(json.dumps(handle.tools)) if handle.tools else 0)
             with self.tokenizer_lock:
-                prompt = self.render(handle.messages, settings.thinking)
+                prompt = self.render(handle.messages, settings.thinking, handle.tools)
                 tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
             handle.thinking_open = opens_thinking(tail)
         if len(prompt) >= context:
@@ -390,10 +396,11 @@ class EngineService:
                                               else None)
         return self.engines[mode]
 
-    def render(self, messages: list[dict], thinking: bool | None = None) -> list[int]:
+    def render(self, messages: list[dict], thinking: bool | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids for a conversation ending with a user message."""
         thinking = self.preset.enable_thinking if thinking is None else thinking
-        return encode_chat(self.tokenizer, messages, thinking)
+        return encode_chat(self.tokenizer, messages, thinking, tools)
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
