@@ -23,8 +23,8 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "name": {"type": "string", "description": "the function, e.g. os.path.join"},
         "lines": {"type": "integer"}}, "required": ["name"]}}}]
-XML = get_response_template(SimpleNamespace(), SimpleNamespace(model_type="qwen3_5"))
-JSON = get_response_template(SimpleNamespace(), SimpleNamespace(model_type="qwen3"))
+XML = call_format(SimpleNamespace(chat_template=QWEN35_TOOLS_TEMPLATE))
+JSON = call_format(SimpleNamespace(chat_template="{{ tools }}<tool_call>"))
 
 
 def xml_call(function: str, **arguments) -> str:
@@ -118,9 +118,16 @@ def test_call_format_follows_the_chat_template():
 
     demo = AutoTokenizer.from_pretrained(ROOT / "models" / "unimax-demo")
     assert call_format(demo) is None  # its template never shows the model any tools
-    assert call_format(SimpleNamespace(chat_template=QWEN35_TOOLS_TEMPLATE)) == XML
+    # transformers serve's response templates for Qwen3.5 and for Qwen3 (Hermes)
+    config = SimpleNamespace(model_type="qwen3_5")
+    assert XML == get_response_template(SimpleNamespace(), SimpleNamespace(config=config,
+                                                                           **vars(config)))
+    config = SimpleNamespace(model_type="qwen3")
     hermes = "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call>{% endif %}"
-    assert call_format(SimpleNamespace(chat_template=hermes)) == JSON
+    assert call_format(SimpleNamespace(chat_template=hermes)) == JSON == get_response_template(
+        SimpleNamespace(), SimpleNamespace(config=config, **vars(config)))
+    own = {"fields": {"tool_calls": {}}}  # a tokenizer's own template comes first
+    assert call_format(SimpleNamespace(chat_template=hermes, response_template=own)) is own
     assert call_format(SimpleNamespace(chat_template="{{ tools }} in no known format")) is None
 
 

@@ -44,7 +44,9 @@ def call_format(tokenizer) -> dict | None:
         from transformers.cli.serving.utils import get_response_template
     except ImportError:  # an older or newer transformers without serve's table
         return None
-    return get_response_template(tokenizer, SimpleNamespace(model_type=FORMATS[kind]))
+    config = SimpleNamespace(model_type=FORMATS[kind])
+    config.config = config  # serve's lookup reads a config (a model's in transformers 5.15)
+    return get_response_template(tokenizer, config)
 
 
 def check_tools(tools) -> list[dict]:
