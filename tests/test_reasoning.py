@@ -9,21 +9,26 @@ from helpers import reference_chat_reply
 from unimax.reasoning import ThinkSplitter, opens_thinking
 
 
-def whole(text: str, opened: bool) -> tuple[str, str]:
+def whole(text: str, opened: bool, ends: tuple[str, ...] = ()) -> tuple[str, str]:
     """The plain reference: the whole reply at once."""
     if not opened:
         start = text.lstrip()
         if not start.startswith("<think>"):
             return "", text
         text = start[len("<think>"):]
-    if "</think>" not in text:
+    close = text.find("</think>")
+    for tag in ends:  # a tag that ends the block first starts the answer, tag and all
+        at = text.find(tag)
+        if at >= 0 and (close < 0 or at < close):
+            return text[:at], text[at:]
+    if close < 0:
         return text, ""
     reasoning, answer = text.split("</think>", 1)
     return reasoning, answer.lstrip("\n")
 
 
-def streamed(pieces: list[str], opened: bool) -> tuple[str, str]:
-    splitter, reasoning, answer = ThinkSplitter(opened), "", ""
+def streamed(pieces: list[str], opened: bool, ends: tuple[str, ...] = ()) -> tuple[str, str]:
+    splitter, reasoning, answer = ThinkSplitter(opened, ends), "", ""
     for piece in pieces:
         r, a = splitter.feed(piece)
         reasoning, answer = reasoning + r, answer + a
@@ -66,6 +71,25 @@ def test_random_texts_and_pieces():
         cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 4)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         assert streamed(pieces, opened) == whole(text, opened), (text, opened, pieces)
+
+
+def test_a_tool_call_inside_the_block_ends_it():
+    """Qwen3.5 may open a tool call while thinking, without </think> first (with tools, the
+    API's splitter takes <tool_call> as the block's end too)."""
+    ends = ("<tool_call>",)
+    for text, opened in [("plan <tool_call>\n<function=f>", True),
+                         ("a </think>\n\nb <tool_call>", True), ("<think>x<tool_call>y", False),
+                         ("no call <tool_ca", True)]:
+        expected = whole(text, opened, ends)
+        for i in range(len(text) + 1):
+            assert streamed([text[:i], text[i:]], opened, ends) == expected, (text, i)
+    assert whole("plan <tool_call>x", True, ends) == ("plan ", "<tool_call>x")
+    rng = random.Random(1)
+    alphabet = ["</think>", "<tool_call>", "<tool", "</th", "<", "t", "\n", " ", "a"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 10)))
+        cut = rng.randint(0, len(text))
+        assert streamed([text[:cut], text[cut:]], True, ends) == whole(text, True, ends), text
 
 
 def test_no_block_passes_through_unchanged():

@@ -31,7 +31,7 @@ from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
-from unimax.tool_calls import Parts, ToolCallParser, call_format, check_tools
+from unimax.tool_calls import CALL_TAG, Parts, ToolCallParser, call_format, check_tools
 
 from .api_metrics import Metrics
 
@@ -464,7 +464,8 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
     matcher = StopMatcher(stops)
     # a chat reply's thinking block goes out as reasoning_content (after the stop strings,
     # which see the whole text, as the model wrote it)
-    splitter = ThinkSplitter(handle.thinking_open) if chat else None
+    splitter = ThinkSplitter(handle.thinking_open,
+                             ends=(CALL_TAG,) if tool_parser else ()) if chat else None
     usage = {"prompt_tokens": len(handle.prompt)}
     # Reply entries wait here until the text they start in is released past the stop matcher;
     # entries past a stop string are dropped with its text. "shift": the echoed prompt's

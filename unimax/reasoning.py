@@ -30,28 +30,34 @@ def _partial(text: str, tag: str) -> int:
 class ThinkSplitter:
     """Splits a streamed reply's text into (reasoning, answer) pieces. Text that could still
     be the start of a tag is held back until the next piece (or ``flush``) decides it; a reply
-    with no thinking block comes out as its answer unchanged."""
+    with no thinking block comes out as its answer unchanged. ``ends``: tags that also end
+    the block and start the answer, tag included (Qwen3.5 may open a tool call inside its
+    thinking without closing it first)."""
 
-    def __init__(self, opened: bool):
+    def __init__(self, opened: bool, ends: tuple[str, ...] = ()):
         self.inside = opened  # within a thinking block
         self.may_open = not opened  # only the reply's very start may open one
         self.after_block = False  # the answer's leading newlines after a block are dropped
         self.held = ""
+        self.ends = ends
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, self.held = self.held + text, ""
         reasoning = answer = ""
         while buf:
             if self.inside:
-                at = buf.find(CLOSE)
-                if at < 0:
-                    keep = _partial(buf, CLOSE)
+                found = [(at, tag) for tag in (CLOSE, *self.ends)
+                         if (at := buf.find(tag)) >= 0]
+                if not found:
+                    keep = max(_partial(buf, tag) for tag in (CLOSE, *self.ends))
                     reasoning += buf[:len(buf) - keep]
                     self.held = buf[len(buf) - keep:]
                     break
+                at, tag = min(found)
                 reasoning += buf[:at]
-                buf = buf[at + len(CLOSE):]
-                self.inside, self.may_open, self.after_block = False, False, True
+                closed = tag == CLOSE
+                buf = buf[at + len(CLOSE):] if closed else buf[at:]
+                self.inside, self.may_open, self.after_block = False, False, closed
             elif self.may_open:
                 start = buf.lstrip()
                 if start.startswith(OPEN):

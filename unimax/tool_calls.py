@@ -26,6 +26,9 @@ from .errors import RequestError
 
 # serve's name for each call format (its table is keyed by model type)
 FORMATS = {"xml": "qwen3_5", "json": "qwen3"}
+# how a call opens in both: Qwen3.5 may write one inside its thinking block without closing
+# the block first, so with tools this tag ends the block too (reasoning.ThinkSplitter)
+CALL_TAG = "<tool_call>"
 
 
 def call_format(tokenizer) -> dict | None:
