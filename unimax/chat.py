@@ -107,12 +107,13 @@ def special_strings(tokenizer) -> list[str]:
 
 
 def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, generation_prompt: bool = True) -> list[int]:
     """Prompt ids for a conversation ending with a user message (checked by check_messages),
     with the generation prompt; ``tools`` (OpenAI's function list) go to the chat template.
     Without a chat template: a plain transcript to continue."""
     if getattr(tokenizer, "chat_template", None):
         extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
+        extra["add_generation_prompt"] = generation_prompt
         specials = special_strings(tokenizer)
         if tools:
             extra["tools"] = tools
@@ -124,16 +125,35 @@ def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None,
             raise RequestError("the tools or tool calls contain control-token text (such as "
                                "<|im_start|>); remove it")
         if not any(s in m["content"] for m in messages for s in specials):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True, return_dict=False, **extra)
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                **extra)
             return [int(i) for i in ids]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False, **extra)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
         return _encode_plain_spans(tokenizer, text, [m["content"] for m in messages])
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
     prefix, suffix = _added_special_ids(tokenizer)  # e.g. a Llama tokenizer's BOS
     body = _encode_plain_spans(tokenizer, text + "Assistant:", [m["content"] for m in messages])
     return prefix + body + suffix
+
+
+def history_end(tokenizer, messages: list[dict], prompt: list[int],
+                thinking: bool | None = None, tools: list[dict] | None = None) -> int | None:
+    """Where a chat's prompt stops being a prefix of the same conversation with the reply in
+    it, as the template renders it in later turns; None when it stays one. Qwen3.5's template
+    ends the prompt with a thinking block (``<think>`` open, or closed and empty) that it leaves
+    out of earlier replies, so the state after prompt + reply never starts a later turn; the
+    state at this point does. One token is given back, in case the reply's first characters
+    merge with the text before them."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = [*messages, {"role": "assistant", "content": "x"}]
+    try:
+        later = encode_chat(tokenizer, probe, thinking, tools, generation_prompt=False)
+    except Exception:  # a template that refuses the probe: keep the state as before
+        return None
+    same = next((i for i, (a, b) in enumerate(zip(prompt, later, strict=False)) if a != b),
+                min(len(prompt), len(later)))
+    return same - 1 if 1 < same < len(prompt) else None
 
 
 def _encode_plain_spans(tokenizer, text: str, contents: list[str]) -> list[int]:

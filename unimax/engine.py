@@ -332,7 +332,8 @@ class UniMaxEngine:
                  stop_ids: Iterable[int] = (), sampling: SamplingParams | None = None,
                  keep_state: bool = False, draft_block: int | None = None,
                  on_block: Callable[[list[int]], bool] | None = None,
-                 on_prefill: Callable[[int, int], bool] | None = None) -> Generation:
+                 on_prefill: Callable[[int, int], bool] | None = None,
+                 checkpoint: tuple[int, Callable[[], None]] | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (new tokens on top of the kept
         state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
         decided; returning False cancels after that block. Generation stops after a stop id.
@@ -340,7 +341,10 @@ class UniMaxEngine:
         and nothing decoded past the stop, so a chat continues from it. ``draft_block``: as in
         ``decode_verified``. ``on_prefill(done, total)``: progress through a long prompt (see
         ``prefill_exact``); returning False cancels before any token (stopped "cancelled", no
-        tokens, and the exact cache holds no state worth keeping)."""
+        tokens, and the exact cache holds no state worth keeping). ``checkpoint=(k, keep)``:
+        the prefill stops after the first k of ``input_ids`` for ``keep()`` to copy the exact
+        cache there, then goes on (the service keeps a chat's state where the chat template's
+        later turns stop matching this prompt)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -364,7 +368,7 @@ class UniMaxEngine:
         _sync(self.device)
         start = time.perf_counter()
         state_before = self.exact_cache.seen_tokens if keep_state else 0
-        prefilled = self.prefill_exact(input_ids, keep_state=keep_state, on_progress=on_prefill)
+        prefilled = self._prefill(input_ids, keep_state, on_prefill, checkpoint)
         if prefilled is None:
             result.stopped = "cancelled"
             result.prefill_seconds = time.perf_counter() - start
@@ -391,6 +395,21 @@ class UniMaxEngine:
         _sync(self.device)
         result.finish_seconds = time.perf_counter() - start
         return result
+
+    def _prefill(self, input_ids, keep_state, on_prefill, checkpoint):
+        """``prefill_exact``, in two parts around a checkpoint when one is asked for: the
+        second goes on from the state the first left, as chunks do."""
+        total = int(input_ids.shape[1])
+        if checkpoint is None or not 0 < checkpoint[0] < total:
+            return self.prefill_exact(input_ids, keep_state=keep_state, on_progress=on_prefill)
+        k, keep = checkpoint
+        progress = None if on_prefill is None else (lambda done, _: on_prefill(done, total))
+        if self.prefill_exact(input_ids[:, :k], keep_state=keep_state,
+                              on_progress=progress) is None:
+            return None
+        keep()
+        progress = None if on_prefill is None else (lambda done, _: on_prefill(k + done, total))
+        return self.prefill_exact(input_ids[:, k:], keep_state=True, on_progress=progress)
 
     def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
         graph = self.decode_graph

@@ -22,7 +22,7 @@ import torch
 
 from . import logprobs
 from .build import build_engine
-from .chat import check_messages, check_text, encode_chat, encode_text, stop_ids
+from .chat import check_messages, check_text, encode_chat, encode_text, history_end, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
 from .draft_vocab import ranked_ids
@@ -70,6 +70,9 @@ class RequestHandle:
         self.internal = False  # the warm-up's own reply: no user's request, not in metrics
         self.thinking_open = False  # the chat prompt leaves a <think> block open (reasoning.py)
         self.tools: list[dict] | None = None  # functions offered to the chat template
+        # where later turns stop matching the prompt (chat.history_end): the state kept is
+        # the one there, not after the reply
+        self.keep_at: int | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -293,6 +296,8 @@ class EngineService:
             with self.tokenizer_lock:
                 prompt = self.render(handle.messages, settings.thinking, handle.tools)
                 tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+                handle.keep_at = history_end(self.tokenizer, handle.messages, prompt,
+                                             self._thinking(settings.thinking), handle.tools)
             handle.thinking_open = opens_thinking(tail)
         if len(prompt) >= context:
             raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
@@ -399,8 +404,10 @@ class EngineService:
     def render(self, messages: list[dict], thinking: bool | None = None,
                tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids for a conversation ending with a user message."""
-        thinking = self.preset.enable_thinking if thinking is None else thinking
-        return encode_chat(self.tokenizer, messages, thinking, tools)
+        return encode_chat(self.tokenizer, messages, self._thinking(thinking), tools)
+
+    def _thinking(self, thinking: bool | None) -> bool | None:
+        return self.preset.enable_thinking if thinking is None else thinking
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
@@ -450,14 +457,22 @@ class EngineService:
                 handle.emit("prefill", done=done, total=total)
             return not handle.cancelled.is_set()
 
+        reused = len(prompt) - len(new_tokens)
+        checkpoint = None
+        if handle.keep_at is not None and handle.keep_at > reused:
+            # later turns render this reply otherwise: keep the state where they part
+            checkpoint = (handle.keep_at - reused, lambda: self.store.save(
+                handle.conversation_id, prompt[:handle.keep_at], engine.exact_cache))
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
-                                 on_block=on_block, on_prefill=on_prefill)
+                                 on_block=on_block, on_prefill=on_prefill,
+                                 checkpoint=checkpoint)
         tail = detok.flush()
         if tail:
             handle.emit("delta", tail)
-        if result.tokens:  # the exact cache holds prompt + reply: state this request computed
+        if result.tokens and handle.keep_at is None:
+            # the exact cache holds prompt + reply: the state this request computed
             self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
