@@ -39,10 +39,14 @@ def test_checkpoint_sees_the_state_after_k_tokens(model, mode):
                           on_prefill=lambda d, t: progress.append((d, t)) or True)
     assert seen == [23] and progress == [(16, 40), (23, 40), (39, 40), (40, 40)]
     assert got.tokens == unimax.exact_greedy_tokens(model, x, 10)[0].tolist()
-    for k in (0, 40):  # no room for a checkpoint: one prefill, no call
+    for k in (0, 41):  # no room for a checkpoint: one prefill, no call
         assert engine.generate(x, 4, checkpoint=(k, lambda k=k: seen.append(k))).tokens == \
             got.tokens[:4]
     assert seen == [23]
+    # after the whole prompt, before any reply token
+    reference.prefill_exact(x)
+    engine.generate(x, 4, mode=mode, checkpoint=(40, keep))
+    assert seen == [23, 40]
 
 
 @pytest.fixture(scope="module")

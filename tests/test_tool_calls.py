@@ -259,6 +259,9 @@ def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(tools_app):
                          "tool_calls": expected["tool_calls"]}, follow[-1]]
     text, prompt_tokens = reference_chat_reply(folder, turns, 24, tools=TOOLS)
     assert second.usage.prompt_tokens == prompt_tokens
+    # the template writes the call back otherwise than the renamed pieces spelled it: the
+    # state kept after the first prompt starts the second
+    assert second.model_extra["unimax"]["reused_tokens"] == response.usage.prompt_tokens
     assert second.choices[0].message.content == parse_response(
         text, call_format(SimpleNamespace(chat_template=QWEN35_TOOLS_TEMPLATE)),
         prefix="", tools=TOOLS).get("content", "")

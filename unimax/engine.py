@@ -342,9 +342,10 @@ class UniMaxEngine:
         ``decode_verified``. ``on_prefill(done, total)``: progress through a long prompt (see
         ``prefill_exact``); returning False cancels before any token (stopped "cancelled", no
         tokens, and the exact cache holds no state worth keeping). ``checkpoint=(k, keep)``:
-        the prefill stops after the first k of ``input_ids`` for ``keep()`` to copy the exact
-        cache there, then goes on (the service keeps a chat's state where the chat template's
-        later turns stop matching this prompt)."""
+        the prefill stops after the first k of ``input_ids`` (k = all of them: after the
+        prefill, before any reply token) for ``keep()`` to copy the exact cache there, then goes
+        on (the service keeps a chat's state where the chat template's later turns stop
+        matching this prompt)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -400,9 +401,15 @@ class UniMaxEngine:
         """``prefill_exact``, in two parts around a checkpoint when one is asked for: the
         second goes on from the state the first left, as chunks do."""
         total = int(input_ids.shape[1])
-        if checkpoint is None or not 0 < checkpoint[0] < total:
+        if checkpoint is None or not 0 < checkpoint[0] <= total:
             return self.prefill_exact(input_ids, keep_state=keep_state, on_progress=on_prefill)
         k, keep = checkpoint
+        if k == total:  # the state after the whole prompt, before any reply token
+            prefilled = self.prefill_exact(input_ids, keep_state=keep_state,
+                                           on_progress=on_prefill)
+            if prefilled is not None:
+                keep()
+            return prefilled
         progress = None if on_prefill is None else (lambda done, _: on_prefill(done, total))
         if self.prefill_exact(input_ids[:, :k], keep_state=keep_state,
                               on_progress=progress) is None:

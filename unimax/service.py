@@ -463,6 +463,12 @@ class EngineService:
             # later turns render this reply otherwise: keep the state where they part
             checkpoint = (handle.keep_at - reused, lambda: self.store.save(
                 handle.conversation_id, prompt[:handle.keep_at], engine.exact_cache))
+        elif handle.tools and handle.keep_at is None:
+            # an agent's loop: the next request re-sends this one with the reply's calls as the
+            # template writes them, which may differ from the model's text by a blank; the
+            # state after the prompt still starts it
+            checkpoint = (len(new_tokens), lambda: self.store.save(
+                handle.conversation_id, prompt, engine.exact_cache))
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
