@@ -410,7 +410,9 @@ class UniMaxEngine:
             if prefilled is not None:
                 keep()
             return prefilled
-        progress = None if on_prefill is None else (lambda done, _: on_prefill(done, total))
+        # progress between the first part's chunks only: its end is no news to a user
+        progress = None if on_prefill is None else \
+            (lambda done, part: done == part or on_prefill(done, total))
         if self.prefill_exact(input_ids[:, :k], keep_state=keep_state,
                               on_progress=progress) is None:
             return None

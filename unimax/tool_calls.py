@@ -38,7 +38,7 @@ def call_format(tokenizer) -> dict | None:
     if not isinstance(template, str) or not re.search(r"\btools\b", template):
         return None
     own = getattr(tokenizer, "response_template", None)
-    if own is not None:
+    if isinstance(own, dict) and "tool_calls" in own.get("fields", {}):
         return own
     kind = "xml" if "<function=" in template else "json" if "<tool_call>" in template else None
     if kind is None:
