@@ -11,9 +11,11 @@ in the same run (rel. error). UNI MAX's time is ``prefill_exact`` (prefill in ch
 prefill_chunk, argmax, the bridge copy into the decoder): what a reply waits for. transformers'
 is ``model(input_ids, use_cache=True, logits_to_keep=1)`` with a fresh cache (use_cache=False on
 pure GDN shapes: its cache needs an attention layer, so it keeps no state there). "kept" rows: 128
-new tokens on top of a kept state of 4096 (UNI MAX only). Median of --repeats after two warm-ups.
-First row: both models' BF16 and ours in FP32 against transformers in FP32 (512 tokens), the
-scale of BF16 rounding on these weights. --variants: UNI MAX again per row with other settings
+new tokens on top of a kept state of 4096 (UNI MAX only), and the same with the state copied
+out 8 tokens before the end (the service's checkpointed prefill under Qwen3.5's template).
+Median of --repeats after two warm-ups. First row: both models' BF16 and ours in FP32 against
+transformers in FP32 (512 tokens), the scale of BF16 rounding on these weights. --variants:
+UNI MAX again per row with other settings
 (``variant``: the torch forms of the norms, the chunk and graph buckets as they were before), in
 the same run.
 """
@@ -40,6 +42,7 @@ import unimax.norms  # noqa: E402
 from unimax import build_engine  # noqa: E402
 from unimax.cache import copy_cache_  # noqa: E402
 from unimax.short_prefill import BUCKETS, ShortPrefill  # noqa: E402
+from unimax.states import StateStore  # noqa: E402
 
 
 def transformers_config(cfg):
@@ -299,6 +302,19 @@ def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str
         except Exception as err:  # record, go on with the next variant
             rows[-1][f"{name}_error"] = repr(err)[:200]
     print(json.dumps(rows[-1]), flush=True)
+    # the same, with the state kept 8 tokens before the end (what the service does under
+    # Qwen3.5's template: two prefills and a copy of the state into the kept-state store)
+    store = StateStore(gpu_budget_bytes=1 << 40, host_budget_bytes=1 << 40)
+    tokens = ids[0].tolist()
+
+    def keep():
+        store.save("bench", tokens[:4096 + 120], engine.exact_cache)
+
+    rows.append({"shape": shape, "tokens": 128, "kept": 4096, "checkpoint": 120,
+                 "unimax_ms": median_ms(lambda: engine._prefill(ids[:, 4096:], True, None,
+                                                                (120, keep)),
+                                        repeats, before=restore)})
+    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -338,6 +354,9 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
                   f"{r['transformers_bf16_rel_err']:.1e}")
             if "kept_kv_kernels" in r:
                 print(f"{'':<14}kernels for a chunk on kept KV: {r['kept_kv_kernels']}")
+        elif "checkpoint" in r:
+            print(f"{r['shape']:<14}{r['tokens']:>8}{r['unimax_ms']:>11.2f}"
+                  f"   (on a kept state of {r['kept']}, state kept after {r['checkpoint']})")
         elif "kept" in r:
             also = "".join(f"   {name} {r[name + '_ms']:.2f}" if name + "_ms" in r
                            else f"   {name} error" for name in variants)
