@@ -285,34 +285,51 @@ QWEN35_THINKING_TAIL = ("{% if add_generation_prompt %}{% if enable_thinking is 
                         "{% endif %}{% endif %}")
 
 
-# Qwen3.5's tool calling, in the demo's ChatML: the tools in a system turn with the call format
-# the model is to write, calls in assistant turns, tool results in a user turn
-QWEN35_TOOLS_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following "
-    "functions:\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + tool | tojson }}"
-    "{%- endfor %}{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the "
-    "following format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>"
-    "\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
-    "</tool_call>' }}{%- if messages[0].role == 'system' %}{{- '\\n\\n' + "
-    "messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}"
-    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + "
-    "messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + m.content }}"
-    "{%- for call in m.tool_calls or [] %}"
-    "{%- set call = call.function if call.function is defined else call %}"
-    "{%- if not loop.first or m.content %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n<function=' + call.name + '>\\n' }}"
-    "{%- for key, value in call.arguments | items %}{{- '<parameter=' + key + '>\\n' }}"
-    "{{- value if value is string else value | tojson }}{{- '\\n</parameter>\\n' }}"
-    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+def qwen35_template(thinking: bool) -> str:
+    """Qwen3.5's chat template, in the demo's ChatML: the tools in a system turn with the call
+    format the model is to write, calls in assistant turns, tool results in a user turn; and
+    with ``thinking``, its thinking block: the generation prompt opens one (``<think>\\n``) or,
+    with enable_thinking false, writes it closed and empty, and a reply after the last user
+    message is written back with its block, earlier ones without."""
+    last_query = ("{%- set ns = namespace(last_query=-1) %}{%- for m in messages %}"
+                  "{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+                  "{%- endfor %}")
+    reply = ("{%- if loop.index0 > ns.last_query %}{{- '<|im_start|>assistant\\n<think>\\n\\n"
+             "</think>\\n\\n' + m.content }}{%- else %}{{- '<|im_start|>assistant\\n' + "
+             "m.content }}{%- endif %}") if thinking else \
+        "{{- '<|im_start|>assistant\\n' + m.content }}"
+    return (
+        (last_query if thinking else "")
+        + "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the "
+        "following functions:\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + tool | "
+        "tojson }}{%- endfor %}{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY "
+        "reply in the following format with NO suffix:\\n\\n<tool_call>\\n<function="
+        "example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>"
+        "\\n</function>\\n</tool_call>' }}{%- if messages[0].role == 'system' %}{{- '\\n\\n' "
+        "+ messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+        "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + "
+        "messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+        "{%- elif m.role == 'assistant' %}" + reply
+        + "{%- for call in m.tool_calls or [] %}"
+        "{%- set call = call.function if call.function is defined else call %}"
+        "{%- if not loop.first or m.content %}{{- '\\n' }}{%- endif %}"
+        "{{- '<tool_call>\\n<function=' + call.name + '>\\n' }}"
+        "{%- for key, value in call.arguments | items %}{{- '<parameter=' + key + '>\\n' }}"
+        "{{- value if value is string else value | tojson }}{{- '\\n</parameter>\\n' }}"
+        "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+        "{%- elif m.role == 'tool' %}"
+        "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}"
+        "{%- endif %}{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+        "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+        + (QWEN35_THINKING_TAIL if thinking else ""))
+
+
+QWEN35_TOOLS_TEMPLATE = qwen35_template(thinking=False)
+QWEN35_TEMPLATE = qwen35_template(thinking=True)
 
 
 def demo_variant(path: Path, template: str | None = None, tail: str = "",

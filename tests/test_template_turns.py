@@ -9,7 +9,7 @@ import torch
 from test_engine import prompt
 
 import unimax
-from helpers import cache_states, rel_err, thinking_demo_model
+from helpers import QWEN35_TEMPLATE, cache_states, demo_variant, rel_err
 from unimax import build_engine
 from unimax.presets import Preset
 from unimax.service import EngineService, GenerationSettings
@@ -51,7 +51,7 @@ def test_checkpoint_sees_the_state_after_k_tokens(model, mode):
 
 @pytest.fixture(scope="module")
 def thinking_service(tmp_path_factory):
-    folder = thinking_demo_model(tmp_path_factory.mktemp("m") / "thinking-model")
+    folder = demo_variant(tmp_path_factory.mktemp("m") / "qwen35-model", QWEN35_TEMPLATE)
     svc = EngineService(Preset(model=str(folder), block_size=4, dtype="float32",
                                generation=GenerationSettings(max_new_tokens=12))).start()
     yield svc
@@ -81,12 +81,20 @@ def test_next_turn_starts_from_the_kept_state(thinking_service, mode, thinking):
                                                                 skip_special_tokens=True)
 
 
-def test_a_template_that_keeps_replies_as_written_keeps_the_state_after_the_reply():
+def test_where_the_prompt_and_the_next_turn_part(thinking_service):
     from transformers import AutoTokenizer
 
     from helpers import ROOT
     from unimax.chat import encode_chat, history_end
 
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "unimax-demo")  # plain ChatML
     messages = [{"role": "user", "content": "hi"}]
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "unimax-demo")  # plain ChatML
     assert history_end(tok, messages, encode_chat(tok, messages)) is None
+    # Qwen3.5's: before the thinking block, which a reply right after the prompt keeps and the
+    # next user message takes away; with thinking on and off
+    tok = thinking_service.tokenizer
+    for thinking in (None, False):
+        prompt = encode_chat(tok, messages, thinking)
+        end = history_end(tok, messages, prompt, thinking)
+        assert tok.decode(prompt[:end + 1]).endswith("<|im_start|>assistant\n")
+        assert "<think>" in tok.decode(prompt[end + 1:])

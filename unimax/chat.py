@@ -138,15 +138,16 @@ def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None,
 
 def history_end(tokenizer, messages: list[dict], prompt: list[int],
                 thinking: bool | None = None, tools: list[dict] | None = None) -> int | None:
-    """Where a chat's prompt stops being a prefix of the same conversation with the reply in
-    it, as the template renders it in later turns; None when it stays one. Qwen3.5's template
-    ends the prompt with a thinking block (``<think>`` open, or closed and empty) that it leaves
-    out of earlier replies, so the state after prompt + reply never starts a later turn; the
-    state at this point does. One token is given back, in case the reply's first characters
-    merge with the text before them."""
+    """Where a chat's prompt stops being a prefix of the next turn (the same conversation with
+    the reply and a user message after it) as the template renders it; None when it stays one.
+    Qwen3.5's template ends the prompt with a thinking block (``<think>`` open, or closed and
+    empty) that it leaves out of replies before the last user message, so the state after
+    prompt + reply never starts the next turn; the state at this point does. (The reply alone
+    would not show it: a reply after the last user message keeps its block.) One token is given
+    back, in case the reply's first characters merge with the text before them."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    probe = [*messages, {"role": "assistant", "content": "x"}]
+    probe = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
     try:
         later = encode_chat(tokenizer, probe, thinking, tools, generation_prompt=False)
     except Exception:  # a template that refuses the probe: keep the state as before
