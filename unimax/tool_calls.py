@@ -29,6 +29,9 @@ FORMATS = {"xml": "qwen3_5", "json": "qwen3"}
 # how a call opens in both: Qwen3.5 may write one inside its thinking block without closing
 # the block first, so with tools this tag ends the block too (reasoning.ThinkSplitter)
 CALL_TAG = "<tool_call>"
+# what the parser raises on a call it cannot read (its JSON, its transform into a call): the
+# model's output, never a reason to fail the request
+PARSE_ERRORS = (ValueError, KeyError, TypeError)
 
 
 def call_format(tokenizer) -> dict | None:
@@ -127,7 +130,7 @@ class ToolCallParser:
             return Parts(content=text)
         try:
             return self._parts(self.parser.feed(text))
-        except ValueError:  # the model wrote a call that does not parse
+        except PARSE_ERRORS:  # the model wrote a call that does not parse
             return self._break()
 
     def finish(self) -> Parts:
@@ -135,7 +138,7 @@ class ToolCallParser:
             return Parts()
         try:
             _, events = self.parser.finalize()
-        except ValueError:
+        except PARSE_ERRORS:
             return self._break()
         # (the parser closes a call that ends the text only here, and closes an unfinished
         # one here too)
