@@ -94,7 +94,7 @@ def test_seeds_reproduce_samples(api_client):
     ({"n": 2}, 400, "n"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"model": "gpt-4"}, 404, "model"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),

@@ -31,6 +31,7 @@ from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
+from unimax.structured import ResponseFormat, response_format
 from unimax.tool_calls import CALL_TAG, Parts, ToolCallParser, call_format, check_tools
 
 from .api_metrics import Metrics
@@ -42,9 +43,8 @@ MAX_STOPS = 4
 # Fields that change the output and that UNI MAX does not implement: refused, not ignored.
 # Each maps to the values that mean "not used".
 UNSUPPORTED = {
-    # (tools and tool_choice are served: see _tools)
-    "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    # (tools and tool_choice are served: see _tools; response_format: see _response_format)
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "best_of": (None, 1),
     # other servers' sampling extensions that clients send (vLLM, llama.cpp, TGI): ignoring one
@@ -143,9 +143,10 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         messages = _messages(body.get("messages"))
         want = _chat_logprobs(body)
         tools, first_only = _tools(body, tool_format)
+        fmt = _response_format(body, tools)
         settings, stops, stream, usage_chunk = _options(body, service, _thinking(body))
         handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want,
-                                tools=tools)
+                                tools=tools, response_format=fmt)
         parser = ToolCallParser(tool_format, tools, first_only) if tools else None
         return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True,
                               show_logprobs=want is not None, tool_parser=parser)
@@ -159,6 +160,9 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
             raise APIError(400, "chat_template_kwargs applies to /v1/chat/completions: a "
                            "completions prompt goes to the model as it is, with no template",
                            "chat_template_kwargs")
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise APIError(400, "response_format applies to /v1/chat/completions",
+                           "response_format", "unsupported_parameter")
         want, echo = _completion_logprobs(body)
         if want is not None and not want.generate:  # scoring only: no reply, no max_tokens
             body = {**body, "max_tokens": None, "max_completion_tokens": None}
@@ -323,6 +327,20 @@ def _tools(body: dict, tool_format: dict | None) -> tuple[list[dict] | None, boo
                        "cannot call any; leave tools out, or serve a model whose template "
                        "renders them (Qwen3.5, Qwen3)", "tools", "unsupported_parameter")
     return tools, parallel is False
+
+
+def _response_format(body: dict, tools: list[dict] | None) -> ResponseFormat | None:
+    """``response_format``: the reply held to JSON or to a JSON schema (unimax/structured.py),
+    served by the exact model token by token."""
+    try:
+        fmt = response_format(body.get("response_format"))
+    except RequestError as err:
+        raise APIError(400, str(err), "response_format") from None
+    if fmt is not None and tools:
+        raise APIError(400, "response_format with tools: a reply held to the schema cannot "
+                       "call a tool; send one of them", "response_format",
+                       "unsupported_parameter")
+    return fmt
 
 
 def _thinking(body: dict) -> bool | None:

@@ -104,13 +104,15 @@ def prefill(model, cache, ids: torch.Tensor, top: int | None, chunk: int
 def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
              stop_ids=(), sampling: SamplingParams | None = None,
              generator: torch.Generator | None = None,
-             on_token: Callable[[TokenLogprob], bool] | None = None
-             ) -> tuple[list[TokenLogprob], str]:
+             on_token: Callable[[TokenLogprob], bool] | None = None,
+             constraint=None) -> tuple[list[TokenLogprob], str]:
     """Up to ``max_new`` tokens after a prefill whose next-token logits are ``logits`` (V,),
     each with its log-probability and ``top`` alternatives. Greedy, or sampled as the
     engines sample (``sample_from_logits``, uniforms from ``generator``). A stop id ends the
     reply and is not returned; ``on_token`` returning False cancels. Returns the entries and
-    how it stopped: "stop", "length" or "cancelled"."""
+    how it stopped: "stop", "length" or "cancelled". ``constraint``: a
+    ``structured.Constraint`` that masks each step's choice to its grammar and takes each
+    token chosen (the entries stay the model's own log-probabilities)."""
     sampling = sampling or SamplingParams()
     stops = {int(s) for s in stop_ids}
     device = logits.device
@@ -120,11 +122,14 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
         top_p = torch.tensor([sampling.top_p], device=device)
     entries: list[TokenLogprob] = []
     for step in range(max_new):
+        scores = logits if constraint is None else constraint.masked(logits)
         if sampling.is_greedy:
-            token = logits.argmax().view(1, 1)
+            token = scores.argmax().view(1, 1)
         else:
             uniform = torch.rand(1, generator=generator).to(device)
-            token = sample_from_logits(logits[None], temperature, top_k, top_p, uniform)
+            token = sample_from_logits(scores[None], temperature, top_k, top_p, uniform)
+        if constraint is not None:
+            constraint.accept(int(token))
         if int(token) in stops:
             return entries, "stop"
         entry = rows_logprobs(logits[None], token[0], top)[0]

@@ -30,9 +30,10 @@ from .errors import RequestError
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
 from .presets import Preset, PresetError
-from .reasoning import opens_thinking
+from .reasoning import CLOSE, opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
+from .structured import Constraint, Grammars, ResponseFormat
 
 log = logging.getLogger("unimax.service")
 # A token is rarely longer than this many characters: longer conversations cannot fit the
@@ -70,6 +71,9 @@ class RequestHandle:
         self.internal = False  # the warm-up's own reply: no user's request, not in metrics
         self.thinking_open = False  # the chat prompt leaves a <think> block open (reasoning.py)
         self.tools: list[dict] | None = None  # functions offered to the chat template
+        # the reply held to a grammar (structured.py): the compiled grammar, set by prepare()
+        self.response_format: ResponseFormat | None = None
+        self.grammar = None
         # where later turns stop matching the prompt (chat.history_end): the state kept is
         # the one there, not after the reply
         self.keep_at: int | None = None
@@ -118,6 +122,8 @@ class EngineService:
         # tokens inside it; None: the draft scores every token
         self.draft_vocab, self.draft_vocab_coverage = self._draft_vocab()
         self.tokenizer_lock = threading.Lock()  # requests tokenize on their callers' threads
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
+        self.grammar_lock = threading.Lock()  # and compile their response formats there
         self.requests: queue.Queue[RequestHandle | None] = queue.Queue()
         self.pending: list[RequestHandle] = []
         self.pending_lock = threading.Lock()
@@ -250,19 +256,22 @@ class EngineService:
                text: str | None = None, tokens: list[int] | None = None,
                logprobs: LogprobsRequest | None = None,
                tools: list[dict] | None = None,
+               response_format: ResponseFormat | None = None,
                internal: bool = False) -> RequestHandle:
         """Queue a reply to ``messages`` (or to a raw ``text`` or ``tokens`` prompt). The
         request is checked and tokenized here, on the caller's thread, so a bad or huge
         message never holds up the engine thread: a request the user can fix ends at once with
         an error event. With ``logprobs`` the exact model serves it, whatever the mode, and
-        each "delta" event carries its tokens' entries (see ``_serve_logprobs``). ``tools``:
-        OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls)."""
+        each "delta" event carries its tokens' entries (see ``_serve_exact``). ``tools``:
+        OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls).
+        ``response_format``: the reply held to JSON or a JSON schema (structured.py); the exact
+        model serves it too, after the thinking block when the prompt opens one."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
                                settings)
         handle.text, handle.tokens, handle.logprobs = text, tokens, logprobs
-        handle.tools = tools
+        handle.tools, handle.response_format = tools, response_format
         handle.internal = internal
         try:
             handle.prompt = self.prepare(handle)
@@ -303,6 +312,12 @@ class EngineService:
             raise RequestError(f"the conversation is {len(prompt)} tokens, over this model's "
                                f"context setting of {context}; clear the chat, shorten the "
                                "message, or raise max_context in the preset")
+        if handle.response_format is not None:
+            if not isinstance(handle.response_format, ResponseFormat):
+                raise RequestError("response_format must be a unimax ResponseFormat "
+                                   "(structured.response_format reads OpenAI's)")
+            with self.grammar_lock:
+                handle.grammar = self.grammars.compile(handle.response_format)
         return prompt
 
     def check_tokens(self, tokens) -> list[int]:
@@ -411,8 +426,8 @@ class EngineService:
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
-        if handle.logprobs is not None:
-            self._serve_logprobs(handle)
+        if handle.logprobs is not None or handle.grammar is not None:
+            self._serve_exact(handle)
             return
         engine = self._engine(handle.mode)
         started = time.perf_counter()
@@ -484,14 +499,18 @@ class EngineService:
                               started, timing)
         handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text)
 
-    def _serve_logprobs(self, handle: RequestHandle) -> None:
-        """A request for log-probabilities, on the exact model's eager forward (logprobs.py):
-        the engines' graphs hand back tokens, not distributions. Its cache is its own, but its
+    def _serve_exact(self, handle: RequestHandle) -> None:
+        """A request for log-probabilities or held to a grammar, on the exact model's eager
+        forward (logprobs.py): the engines' graphs hand back tokens, not distributions, and a
+        grammar masks each token's logits before it is chosen. Its cache is its own, but its
         attention layers borrow the mode's engine's KV buffers (no second max_context buffer
         for a hybrid): every other request restores or resets its state before it runs. No
         state is kept from it. Events: "prompt" (with echo: the prompt's text and entries),
         then a "delta" per token with its entry."""
-        want, settings, prompt = handle.logprobs, handle.settings, handle.prompt
+        want, settings, prompt = handle.logprobs or LogprobsRequest(), handle.settings, \
+            handle.prompt
+        constraint = None if handle.grammar is None else Constraint(
+            handle.grammar, self.model.config.vocab_size, active=not handle.thinking_open)
         cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
         started = time.perf_counter()
         handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0,
@@ -515,6 +534,9 @@ class EngineService:
             times.append(time.perf_counter())
             item, delta = reply.add(entry)
             handle.emit("delta", delta, logprobs=[item])
+            if constraint is not None and not constraint.active and \
+                    CLOSE in reply.text[-len(delta) - len(CLOSE):]:
+                constraint.active = True  # the thinking block ended: the answer is held
             return not handle.cancelled.is_set()
 
         max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))
@@ -528,7 +550,7 @@ class EngineService:
             tokens, stopped = logprobs.generate(
                 self.model, cache, logits, max_new if want.generate else 0, want.top,
                 stop_ids=self.stop_ids, sampling=settings.sampling(), generator=generator,
-                on_token=on_token)
+                on_token=on_token, constraint=constraint)
         tail = reply.flush()
         if tail:
             handle.emit("delta", tail)
@@ -539,7 +561,8 @@ class EngineService:
                  "prefill_tok_s": round(len(prompt) / max(prefilled - started, 1e-9), 1),
                  "ttft_ms": round((times[0] - started) * 1e3, 2) if times else None,
                  "decode_tok_s": round((len(times) - 1) / max(times[-1] - times[0], 1e-9), 2)
-                 if len(times) > 1 else None, "stopped": stopped}
+                 if len(times) > 1 else None, "stopped": stopped,
+                 "response_format": handle.response_format and handle.response_format.kind}
         with self.stats_lock:
             self.latest_stats = stats
         handle.emit("stats", stats=stats)

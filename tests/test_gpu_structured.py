@@ -1,0 +1,64 @@
+"""GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): structured output on CUDA, where the grammar's mask
+goes through xgrammar's plain torch form (unimax/structured.py) onto the exact model's BF16
+logits. The reply must be the schema's JSON and follow the naive twin (full forwards without a
+cache, xgrammar's transformers logits processor): a divergence only where that reference's
+top two allowed logits are within BF16 rounding."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import ROOT, require_fla
+from unimax.presets import Preset
+from unimax.service import EngineService
+from unimax.settings import GenerationSettings
+from unimax.structured import response_format
+
+pytestmark = pytest.mark.gpu
+DEMO = ROOT / "models" / "unimax-demo"
+QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["module", "kind", "stable"],
+          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
+                         "kind": {"enum": ["function", "class", "constant"]},
+                         "stable": {"type": "boolean"}}}
+
+
+def test_structured_output_on_gpu():
+    require_fla()
+    xgr = pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
+    import xgrammar.contrib.hf
+
+    service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
+        handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
+                                response_format=response_format(fmt))
+        events = list(handle.events(timeout=300))
+        done = events[-1]
+        assert done.kind == "done", done.text
+        tokens = [i["token"] for e in events for i in e.data.get("logprobs", [])]
+        prompt, stops = service.render(QUESTION), service.stop_ids
+        info = xgr.TokenizerInfo.from_huggingface(
+            service.tokenizer, vocab_size=service.model.config.vocab_size, stop_token_ids=stops)
+        processor = xgrammar.contrib.hf.LogitsProcessor(
+            xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA)))
+        for n in range(len(tokens) + 1):
+            ids = torch.tensor([prompt + tokens[:n]], device="cuda")
+            with torch.no_grad():
+                logits = processor(ids, service.model(input_ids=ids).logits[:, -1].float())
+            top2 = logits[0].topk(2)
+            want = int(top2.indices[0])
+            got = tokens[n] if n < len(tokens) else None
+            if got != want and not (got is None and want in stops):
+                gap = float(top2.values[0] - top2.values[1])
+                print(f"diverged at {n}: reference {want}, reply {got}, gap {gap}")
+                assert gap <= 0.0625 and got == int(top2.indices[1])
+                break
+    finally:
+        service.stop()
+    print("reply", repr(done.data["reply"]), done.data["stopped"])
+    assert done.data["stopped"] == "stop"
+    value = json.loads(done.data["reply"])
+    assert set(value) == set(SCHEMA["properties"]) and isinstance(value["stable"], bool)

@@ -1,0 +1,202 @@
+"""Structured output (``response_format``): a reply held to JSON or a JSON schema.
+
+The reference is the naive twin: the demo model's full forward over the whole text at every
+step (no cache), its logits masked by xgrammar's own transformers logits processor
+(``xgrammar.contrib.hf.LogitsProcessor``), greedy, up to a stop token. The service must give
+the same tokens in every mode, behind a thinking block too; over HTTP the ``openai`` client's
+structured-output helper (``chat.completions.parse`` with a pydantic model) must get its object.
+"""
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+import xgrammar.contrib.hf
+
+import unimax
+from helpers import ROOT, thinking_demo_model
+from unimax.errors import RequestError
+from unimax.presets import Preset
+from unimax.service import EngineService
+from unimax.settings import GenerationSettings
+from unimax.structured import response_format
+
+DEMO = ROOT / "models" / "unimax-demo"
+QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+# closed choices: the demo model (trained on stdlib docs, not on JSON) finishes this object
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["module", "kind", "stable"],
+          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
+                         "kind": {"enum": ["function", "class", "constant"]},
+                         "stable": {"type": "boolean"}}}
+FORMATS = {"json_object": {"type": "json_object"},
+           "json_schema": {"type": "json_schema", "json_schema": {"name": "doc",
+                                                                  "schema": SCHEMA}}}
+
+
+def reference(folder, prompt: list[int], schema: dict, n: int, stops: list[int],
+              after: str | None = None) -> list[int]:
+    """Greedy under xgrammar's transformers logits processor, on full forwards without a
+    cache; ``after``: the grammar starts once the reply's text holds this (a thinking block's
+    end)."""
+    model = unimax.load_model(str(folder), device="cpu")
+    tokenizer = unimax.load_tokenizer(str(folder))
+    vocab = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
+    processor = xgrammar.contrib.hf.LogitsProcessor(
+        xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))
+    reply: list[int] = []
+    held = after is None
+    for _ in range(n):
+        ids = torch.tensor([prompt + reply])
+        logits = model(input_ids=ids).logits[:, -1].float()
+        if held:
+            logits = processor(ids, logits)
+        token = int(logits.argmax())
+        if token in stops:
+            break
+        reply.append(token)
+        if not held and after in tokenizer.decode(reply):
+            held = True
+    return reply
+
+
+def reply_of(service, mode: str, fmt: dict, n: int) -> tuple[list[int], dict]:
+    handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=n),
+                            response_format=response_format(fmt))
+    events = list(handle.events(timeout=300))
+    assert events[-1].kind == "done", events[-1].text
+    with service.tokenizer_lock:
+        ids = service.tokenizer.encode(events[-1].data["reply"], add_special_tokens=False)
+    return ids, events[-1].data
+
+
+@pytest.fixture(scope="module")
+def demo_service():
+    service = EngineService(Preset(model=str(DEMO), device="cpu")).start()
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
+def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, mode):
+    schema = SCHEMA if name == "json_schema" else {"type": "object"}
+    n = 96  # the demo model spends tokens on blanks between the fields
+    prompt = demo_service.render(QUESTION)
+    expected = reference(DEMO, prompt, schema, n, demo_service.stop_ids)
+    handle = demo_service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=n),
+                                 response_format=response_format(FORMATS[name]))
+    tokens, done = [], None
+    for event in handle.events(timeout=300):
+        tokens += [item["token"] for item in event.data.get("logprobs", [])]
+        done = event
+    assert done.kind == "done", done.text
+    assert tokens == expected
+    assert done.data["stats"]["mode"] == "exact"
+    assert done.data["stats"]["response_format"] == name
+    text = done.data["reply"]
+    assert text.startswith("{")
+    if name == "json_schema":  # finished: valid JSON, of the schema
+        assert done.data["stopped"] == "stop"
+        value = json.loads(text)
+        assert set(value) == {"module", "kind", "stable"}
+        assert value["module"] in SCHEMA["properties"]["module"]["enum"]
+        assert isinstance(value["stable"], bool)
+    # the same request without the format is not JSON: the grammar made the difference
+    plain = demo_service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=n))
+    assert not list(plain.events(timeout=300))[-1].data["reply"].startswith("{")
+
+
+def test_the_grammar_starts_after_the_thinking_block(tmp_path):
+    # the demo's reply behind an open <think> uses "▁object": renamed, it closes the block
+    folder = thinking_demo_model(tmp_path / "thinking", {"▁object": "▁</think>"})
+    service = EngineService(Preset(model=str(folder), device="cpu")).start()
+    try:
+        prompt = service.render(QUESTION)
+        handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
+                                response_format=response_format(FORMATS["json_schema"]))
+        events = list(handle.events(timeout=300))
+        tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
+        stops = service.stop_ids
+    finally:
+        service.stop()
+    assert events[0].kind == "queued" and events[-1].kind == "done", events[-1].text
+    assert tokens == reference(folder, prompt, SCHEMA, 96, stops, after="</think>")
+    reasoning, answer = events[-1].data["reply"].split("</think>")
+    assert reasoning and not reasoning.lstrip().startswith("{")
+    assert set(json.loads(answer)) == {"module", "kind", "stable"}
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"type": "xml"}, "response_format must be"),
+    ("json", "response_format must be"),
+    ({"type": "json_schema"}, "needs \"json_schema\""),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "schema a JSON"),
+    ({"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}, "name must be"),
+])
+def test_bad_response_formats_are_named(raw, fragment):
+    with pytest.raises(RequestError, match=fragment):
+        response_format(raw)
+
+
+def test_text_format_is_no_format():
+    assert response_format(None) is None and response_format({"type": "text"}) is None
+
+
+def test_a_schema_xgrammar_cannot_use_is_an_error_event_not_a_crash(demo_service):
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+    handle = demo_service.submit("c", QUESTION, "bf16", GenerationSettings(max_new_tokens=4),
+                                 response_format=response_format(bad))
+    events = list(handle.events(timeout=60))
+    assert events[-1].kind == "error" and "'bad' cannot be used" in events[-1].text
+    # the engine thread goes on
+    assert reply_of(demo_service, "bf16", FORMATS["json_schema"], 96)[1]["stopped"] == "stop"
+
+
+# --- over HTTP, with the openai client ----------------------------------------------------
+
+def test_openai_parse_gets_the_object(api_client, api_server):
+    from typing import Literal
+
+    import httpx
+    import openai
+    from pydantic import BaseModel
+
+    class Doc(BaseModel):  # SCHEMA's fields
+        module: Literal["json", "os", "re", "sys"]
+        kind: Literal["function", "class", "constant"]
+        stable: bool
+
+    args = dict(model="unimax-demo", messages=QUESTION, max_tokens=96)
+    parsed = api_client.chat.completions.parse(**args, response_format=Doc)
+    message = parsed.choices[0].message
+    assert isinstance(message.parsed, Doc), message.content
+    assert parsed.choices[0].finish_reason == "stop"
+    assert parsed.model_extra["unimax"]["mode"] == "exact"
+    # streamed: the same text
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
+    whole = api_client.chat.completions.create(**args, response_format=fmt)
+    pieces = [c.choices[0].delta.content or "" for c in api_client.chat.completions.create(
+        **args, response_format=fmt, stream=True) if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert set(json.loads(whole.choices[0].message.content)) == set(SCHEMA["properties"])
+    # refused, by name
+    for body, param in [
+            ({"response_format": {"type": "yaml"}}, "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": {
+                    "a": {"$ref": "#/$defs/none"}}}}}}, None),
+            ({"response_format": {"type": "json_object"},
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+             None)]:
+        with pytest.raises(openai.BadRequestError) as err:
+            api_client.chat.completions.create(**args, extra_body=body)
+        assert err.value.status_code == 400
+        if param:
+            assert err.value.body["param"] == param
+    reply = httpx.post(api_server + "v1/completions", json={
+        "model": "unimax-demo", "prompt": "x", "response_format": {"type": "json_object"}})
+    assert reply.status_code == 400 and "chat/completions" in reply.text

@@ -1,0 +1,126 @@
+"""Structured output: a reply held to JSON, or to a JSON schema (the OpenAI API's
+``response_format``), by xgrammar's grammar matcher.
+
+Before each token the matcher says which tokens keep the text a prefix of some text the grammar
+accepts; the others' logits go to -inf, so greedy decoding takes the model's most likely
+token among those allowed (and sampling draws from the model's distribution over them). Once the
+text is complete, only the stop tokens are allowed: the reply ends there.
+
+A grammar is compiled once per request on the caller's thread (xgrammar caches compiled
+schemas), against the tokenizer's vocabulary padded to the model's: ids the tokenizer lacks are
+never allowed. The mask needs each token's logits before the token is chosen, so a constrained
+reply runs on the exact model's eager per-token path (logprobs.generate), as log-probabilities
+do: exact, slower than the engines' graphs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``json_object``: any JSON object; ``json_schema``: one valid against ``schema`` (its
+    JSON text)."""
+
+    kind: str
+    schema: str | None = None
+    name: str | None = None
+
+
+def response_format(raw) -> ResponseFormat | None:
+    """OpenAI's ``response_format`` ({"type": "text" | "json_object" | "json_schema", ...}) ->
+    a ResponseFormat, or None for plain text."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise RequestError("response_format must be {\"type\": \"text\"}, {\"type\": "
+                           "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                           "{\"name\": ..., \"schema\": {...}}}")
+    spec = raw.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError("response_format json_schema needs \"json_schema\": {\"name\": ..., "
+                           "\"schema\": {...}}, the schema a JSON object")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise RequestError("response_format json_schema.name must be a string")
+    return ResponseFormat("json_schema", json.dumps(spec["schema"]), name)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError("response_format needs the xgrammar package, which is not "
+                           "installed here: pip install xgrammar (see requirements.txt)"
+                           ) from None
+    return xgrammar
+
+
+class Grammars:
+    """Compiles response formats for one tokenizer; built on first use (xgrammar reads the
+    whole vocabulary once)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
+        self.compiler = None
+
+    def compile(self, fmt: ResponseFormat):
+        xgr = _xgrammar()
+        if self.compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_ids)
+            self.compiler = xgr.GrammarCompiler(info)
+        if fmt.kind == "json_object":
+            return self.compiler.compile_json_schema('{"type": "object"}')
+        try:
+            return self.compiler.compile_json_schema(fmt.schema)
+        except (RuntimeError, ValueError) as err:
+            what = f" {fmt.name!r}" if fmt.name else ""
+            raise RequestError(f"response_format: the JSON schema{what} cannot be used: "
+                               f"{err}") from None
+
+
+class Constraint:
+    """One reply's grammar state. ``active`` False: tokens pass unmasked and unfed (a
+    thinking block before the constrained answer; see ``logprobs.generate``)."""
+
+    def __init__(self, compiled, vocab_size: int, active: bool = True):
+        xgr = _xgrammar()
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.active = active
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` (V,) with every token the grammar forbids at -inf."""
+        if not self.active:
+            return logits
+        xgr = _xgrammar()
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        out = logits.float().clone()[None]
+        # xgrammar's own kernel on a CPU; on a GPU its plain torch form, which needs no
+        # compiler for the card (the mask is one small copy per token on this eager path)
+        xgr.apply_token_bitmask_inplace(
+            out, self.bitmask.to(out.device), vocab_size=self.vocab_size,
+            backend="cpu" if out.device.type == "cpu" else "torch_native")
+        return out[0]
+
+    def accept(self, token: int) -> None:
+        if self.active and not self.matcher.accept_token(int(token)):
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+
+    @property
+    def finished(self) -> bool:
+        """The text is complete (the matcher took a stop token)."""
+        return self.matcher.is_terminated()
