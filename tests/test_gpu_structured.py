@@ -13,7 +13,7 @@ from helpers import ROOT, require_fla
 from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
-from unimax.structured import response_format
+from unimax.structured import MAX_BLANKS_JSON, response_format
 
 pytestmark = pytest.mark.gpu
 DEMO = ROOT / "models" / "unimax-demo"
@@ -43,7 +43,8 @@ def test_structured_output_on_gpu():
         info = xgr.TokenizerInfo.from_huggingface(
             service.tokenizer, vocab_size=service.model.config.vocab_size, stop_token_ids=stops)
         processor = xgrammar.contrib.hf.LogitsProcessor(
-            xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA)))
+            xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA),
+                                                     max_whitespace_cnt=MAX_BLANKS_JSON))
         for n in range(len(tokens) + 1):
             ids = torch.tensor([prompt + tokens[:n]], device="cuda")
             with torch.no_grad():

@@ -20,7 +20,7 @@ from unimax.errors import RequestError
 from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
-from unimax.structured import response_format
+from unimax.structured import MAX_BLANKS_JSON, response_format
 
 DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
@@ -45,7 +45,8 @@ def reference(folder, prompt: list[int], schema: dict, n: int, stops: list[int],
     vocab = model.config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
     processor = xgrammar.contrib.hf.LogitsProcessor(
-        xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))
+        xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
+                                                      max_whitespace_cnt=MAX_BLANKS_JSON))
     reply: list[int] = []
     held = after is None
     for _ in range(n):

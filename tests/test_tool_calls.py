@@ -16,7 +16,7 @@ from transformers.utils.chat_parsing import parse_response
 from helpers import QWEN35_TOOLS_TEMPLATE, ROOT, demo_variant, reference_chat_reply
 from unimax.chat import check_messages, encode_chat
 from unimax.errors import RequestError
-from unimax.tool_calls import ToolCallParser, call_format, check_tools
+from unimax.tool_calls import ToolCallParser, call_format, call_grammar, check_tools
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "The documentation of a Python standard library function.",
@@ -129,6 +129,11 @@ def test_call_format_follows_the_chat_template():
     own = {"fields": {"tool_calls": {}}}  # a tokenizer's own template comes first
     assert call_format(SimpleNamespace(chat_template=hermes, response_template=own)) is own
     assert call_format(SimpleNamespace(chat_template="{{ tools }} in no known format")) is None
+    # the grammars that force a call: xgrammar's structural tags for the two formats
+    assert call_grammar(SimpleNamespace(chat_template=QWEN35_TOOLS_TEMPLATE)) == "qwen_3_5"
+    assert call_grammar(SimpleNamespace(chat_template=hermes)) == "qwen_3"
+    assert call_grammar(demo) is None
+    assert call_grammar(SimpleNamespace(chat_template=hermes, response_template=own)) is None
 
 
 @pytest.mark.parametrize("tools,fragment", [
@@ -289,10 +294,150 @@ def test_tool_choice_none_keeps_the_tools_from_the_model(tools_app):
     assert reply.message.content == text and not reply.message.tool_calls
 
 
+# a tool whose arguments are closed choices, which the demo model (no tool training) finishes
+DESCRIBE = {"type": "function", "function": {
+    "name": "describe", "description": "What kind of thing a standard library name is.",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "required": ["module", "kind"],
+                   "properties": {"module": {"enum": ["json", "os", "re"]},
+                                  "kind": {"enum": ["function", "class"]}}}}}
+COUNT = {"type": "function", "function": {
+    "name": "count", "description": "How many names a standard library module has.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["module"],
+                   "properties": {"module": {"enum": ["json", "os", "re"]}}}}}
+
+
+def forced_reference(folder, tools: list[dict], choice, n: int, grammar: str = "qwen_3_5"
+                     ) -> str:
+    """The twin of a forced call: the model stepped through the transformers call convention
+    (a prefill, then one token at a time on its cache), masked by xgrammar's transformers
+    logits processor over its own structural tag for the call format (Qwen3.5's by default),
+    greedy to the stop token; the reply's text."""
+    import torch
+    import xgrammar as xgr
+    import xgrammar.contrib.hf
+    from transformers import AutoTokenizer
+
+    import unimax
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = unimax.load_model(str(folder), device="cpu")
+    stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
+                                              stop_token_ids=stops)
+    from unimax.structured import MAX_BLANKS_CALL
+
+    tag = xgr.get_model_structural_tag(grammar, tools=tools, tool_choice=choice,
+                                       reasoning="disabled", max_whitespace_cnt=MAX_BLANKS_CALL)
+    processor = xgrammar.contrib.hf.LogitsProcessor(
+        xgr.GrammarCompiler(info).compile_structural_tag(tag))
+    ids = list(tok.apply_chat_template(QUESTION, tools=tools, add_generation_prompt=True,
+                                       tokenize=True, return_dict=False))
+    reply, cache, step = [], model.make_recurrent_cache(), ids
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([step]), past_key_values=cache,
+                           use_cache=True).logits[:, -1].float()
+            token = int(processor(torch.tensor([ids + reply]), logits).argmax())
+            if token in stops:
+                break
+            reply.append(token)
+            step = [token]
+    return tok.decode(reply, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "describe"}}])
+def test_tool_choice_forces_a_call_in_the_models_format(tools_app, choice):
+    api, folder = tools_app
+    tools = [DESCRIBE, COUNT]  # (offered lookup, whose argument is free text, it rambles)
+    args = dict(model=MODEL, messages=QUESTION, tools=tools, tool_choice=choice,
+                max_tokens=160)
+    reply = api.chat.completions.create(**args)
+    text = forced_reference(folder, tools, choice, 160)
+    expected = parse_response(text, XML, prefix="", tools=tools)
+    [want] = expected["tool_calls"]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == \
+        (want["function"]["name"], want["function"]["arguments"])
+    # (xgrammar's "required" lets text come before the calls, as the model's format does)
+    # (and a reply's leading blank: the detokenizers differ on it)
+    assert (reply.choices[0].message.content or "").strip() == \
+        (expected.get("content") or "").strip()
+    assert reply.model_extra["unimax"]["mode"] == "exact"
+    if isinstance(choice, dict):
+        assert call.function.name == "describe"
+    streamed = [c for chunk in api.chat.completions.create(**args, stream=True)
+                for c in chunk.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(call.function.name, call.function.arguments)]
+
+
+# Qwen3's (Hermes') JSON calls, in the demo's ChatML
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}{%- for tool in tools %}"
+    "{{- '\\n' + tool | tojson }}{%- endfor %}{{- '\\n</tools>\\n\\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags.<|im_end|>\\n' }}{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role "
+    "+ '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_forced_call_in_qwen3_json_format(tmp_path):
+    from transformers import AutoTokenizer
+
+    from unimax.presets import Preset
+    from unimax.service import EngineService
+    from unimax.settings import GenerationSettings
+    from unimax.structured import ToolCallFormat
+
+    folder = demo_variant(tmp_path / "hermes", HERMES_TEMPLATE)
+    assert call_grammar(AutoTokenizer.from_pretrained(folder)) == "qwen_3"
+    service = EngineService(Preset(model=str(folder), device="cpu")).start()
+    try:
+        forced = ToolCallFormat("qwen_3", json.dumps([DESCRIBE]), "describe")
+        handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
+                                tools=[DESCRIBE], response_format=forced)
+        done = list(handle.events(timeout=300))[-1]
+    finally:
+        service.stop()
+    assert done.kind == "done" and done.data["stopped"] == "stop", done.text
+    text = forced_reference(folder, [DESCRIBE], {"type": "function", "function": {
+        "name": "describe"}}, 96, grammar="qwen_3")
+    assert done.data["reply"].strip() == text.strip()
+    [call] = parse_response(text, JSON, prefix="", tools=[DESCRIBE])["tool_calls"]
+    assert call["function"]["name"] == "describe"
+    assert set(call["function"]["arguments"]) == {"module", "kind"}
+
+
+def test_openai_parse_with_a_forced_pydantic_tool(tools_app):
+    """The openai client's structured tool calls (as instructor and LangChain's
+    with_structured_output send them): a strict function tool from a pydantic model, forced by
+    name; the call's arguments come back parsed into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Describe(BaseModel):
+        module: Literal["json", "os", "re"]
+        kind: Literal["function", "class"]
+
+    api, _ = tools_app
+    tool = openai.pydantic_function_tool(Describe)
+    reply = api.chat.completions.parse(
+        model=MODEL, messages=QUESTION, tools=[tool], max_tokens=160,
+        tool_choice={"type": "function", "function": {"name": "Describe"}})
+    [call] = reply.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Describe)
+
+
 @pytest.mark.parametrize("kwargs,param,fragment", [
-    ({"tool_choice": "required"}, "tool_choice", "cannot force"),
-    ({"tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice",
-     "cannot force"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+    ({"tool_choice": "always"}, "tool_choice", "must be"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "no tools"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "name must be"),
     ({"extra_body": {"parallel_tool_calls": "yes"}}, "parallel_tool_calls", "true or false"),
     ({"messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [

@@ -31,8 +31,15 @@ from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
-from unimax.structured import ResponseFormat, response_format
-from unimax.tool_calls import CALL_TAG, Parts, ToolCallParser, call_format, check_tools
+from unimax.structured import ResponseFormat, ToolCallFormat, response_format
+from unimax.tool_calls import (
+    CALL_TAG,
+    Parts,
+    ToolCallParser,
+    call_format,
+    call_grammar,
+    check_tools,
+)
 
 from .api_metrics import Metrics
 
@@ -116,6 +123,7 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
     metrics = Metrics(service)
     created = int(time.time())
     tool_format = call_format(service.tokenizer)  # None: the template takes no tools
+    grammar = call_grammar(service.tokenizer)  # None: no forced calls (tool_choice)
 
     @app.exception_handler(APIError)
     async def api_error(_request, err: APIError):
@@ -142,8 +150,8 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         model, mode = _model(body, model_ids)
         messages = _messages(body.get("messages"))
         want = _chat_logprobs(body)
-        tools, first_only = _tools(body, tool_format)
-        fmt = _response_format(body, tools)
+        tools, first_only, forced = _tools(body, tool_format, grammar)
+        fmt = forced or _response_format(body, tools)
         settings, stops, stream, usage_chunk = _options(body, service, _thinking(body))
         handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want,
                                 tools=tools, response_format=fmt)
@@ -305,19 +313,23 @@ def _call_of(call, index: int, number: int) -> dict:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _tools(body: dict, tool_format: dict | None) -> tuple[list[dict] | None, bool]:
-    """The tools offered to the model, and whether only its first call counts
-    (``parallel_tool_calls: false``). tool_choice "none" keeps them from the model."""
+def _tools(body: dict, tool_format: dict | None, grammar: str | None
+           ) -> tuple[list[dict] | None, bool, ToolCallFormat | None]:
+    """The tools offered to the model, whether only its first call counts
+    (``parallel_tool_calls: false``), and the call the reply is held to where ``tool_choice``
+    forces one ("required", or ``{"type": "function", "function": {"name": ...}}``: the model's
+    call format as a grammar, unimax/structured.py). tool_choice "none" keeps the tools from the
+    model."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel not in (None, True, False):
         raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
-    if choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice must be \"auto\" or \"none\": UNI MAX cannot force "
-                       "a call (the model decides; nothing constrains its output)",
-                       "tool_choice", "unsupported_parameter")
+    name = _forced_name(choice)
     if tools in (None, []) or choice == "none":
-        return None, False
+        if choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice forces a call, but the request has no tools",
+                           "tool_choice")
+        return None, False, None
     try:
         check_tools(tools)
     except RequestError as err:
@@ -326,7 +338,31 @@ def _tools(body: dict, tool_format: dict | None) -> tuple[list[dict] | None, boo
         raise APIError(400, "this model's chat template does not take tools, so the model "
                        "cannot call any; leave tools out, or serve a model whose template "
                        "renders them (Qwen3.5, Qwen3)", "tools", "unsupported_parameter")
-    return tools, parallel is False
+    if choice in (None, "auto"):
+        return tools, parallel is False, None
+    names = [tool["function"]["name"] for tool in tools]
+    if name is not None and name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools "
+                       f"({', '.join(names)})", "tool_choice")
+    if grammar is None:
+        raise APIError(400, "tool_choice can force a call only in the call formats UNI MAX "
+                       "has a grammar for (Qwen3.5's, Qwen3's); this model's is another: use "
+                       "\"auto\"", "tool_choice", "unsupported_parameter")
+    forced = ToolCallFormat(grammar, json.dumps(tools), name, parallel is not False)
+    return tools, parallel is False, forced
+
+
+def _forced_name(choice) -> str | None:
+    """The function a named tool_choice forces (None for the string choices)."""
+    if choice in (None, "auto", "none", "required"):
+        return None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       "tool_choice")
+    return function["name"]
 
 
 def _response_format(body: dict, tools: list[dict] | None) -> ResponseFormat | None:

@@ -33,7 +33,7 @@ from .presets import Preset, PresetError
 from .reasoning import CLOSE, opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
-from .structured import Constraint, Grammars, ResponseFormat
+from .structured import Constraint, Grammars, ResponseFormat, ToolCallFormat
 
 log = logging.getLogger("unimax.service")
 # A token is rarely longer than this many characters: longer conversations cannot fit the
@@ -72,7 +72,7 @@ class RequestHandle:
         self.thinking_open = False  # the chat prompt leaves a <think> block open (reasoning.py)
         self.tools: list[dict] | None = None  # functions offered to the chat template
         # the reply held to a grammar (structured.py): the compiled grammar, set by prepare()
-        self.response_format: ResponseFormat | None = None
+        self.response_format: ResponseFormat | ToolCallFormat | None = None
         self.grammar = None
         # where later turns stop matching the prompt (chat.history_end): the state kept is
         # the one there, not after the reply
@@ -256,7 +256,7 @@ class EngineService:
                text: str | None = None, tokens: list[int] | None = None,
                logprobs: LogprobsRequest | None = None,
                tools: list[dict] | None = None,
-               response_format: ResponseFormat | None = None,
+               response_format: ResponseFormat | ToolCallFormat | None = None,
                internal: bool = False) -> RequestHandle:
         """Queue a reply to ``messages`` (or to a raw ``text`` or ``tokens`` prompt). The
         request is checked and tokenized here, on the caller's thread, so a bad or huge
@@ -264,8 +264,9 @@ class EngineService:
         an error event. With ``logprobs`` the exact model serves it, whatever the mode, and
         each "delta" event carries its tokens' entries (see ``_serve_exact``). ``tools``:
         OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls).
-        ``response_format``: the reply held to JSON or a JSON schema (structured.py); the exact
-        model serves it too, after the thinking block when the prompt opens one."""
+        ``response_format``: the reply held to JSON, a JSON schema or a tool call in the model's
+        call format (structured.py); the exact model serves it too, after the thinking block
+        when the prompt opens one."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
@@ -313,9 +314,10 @@ class EngineService:
                                f"context setting of {context}; clear the chat, shorten the "
                                "message, or raise max_context in the preset")
         if handle.response_format is not None:
-            if not isinstance(handle.response_format, ResponseFormat):
+            if not isinstance(handle.response_format, (ResponseFormat, ToolCallFormat)):
                 raise RequestError("response_format must be a unimax ResponseFormat "
-                                   "(structured.response_format reads OpenAI's)")
+                                   "(structured.response_format reads OpenAI's) or "
+                                   "ToolCallFormat")
             with self.grammar_lock:
                 handle.grammar = self.grammars.compile(handle.response_format)
         return prompt

@@ -1,5 +1,6 @@
 """Structured output: a reply held to JSON, or to a JSON schema (the OpenAI API's
-``response_format``), by xgrammar's grammar matcher.
+``response_format``), or to a tool call in the model's own call format (``tool_choice``
+"required" or a named function), by xgrammar's grammar matcher.
 
 Before each token the matcher says which tokens keep the text a prefix of some text the grammar
 accepts; the others' logits go to -inf, so greedy decoding takes the model's most likely
@@ -22,6 +23,14 @@ import torch
 
 from .errors import RequestError
 
+# The longest run of blanks the grammar allows between tokens of the JSON (xgrammar's
+# max_whitespace_cnt; within strings it does not apply). A model held to a grammar whose likely
+# next text is forbidden can take blanks forever, the run of a reply to max_tokens (the demo
+# model did, after a call's last parameter); a bound ends that. A JSON reply's is wide enough
+# for an indented object five levels deep; a call's arguments are written with a line break.
+MAX_BLANKS_JSON = 24
+MAX_BLANKS_CALL = 4
+
 
 @dataclass(frozen=True)
 class ResponseFormat:
@@ -31,6 +40,20 @@ class ResponseFormat:
     kind: str
     schema: str | None = None
     name: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """A reply that must call a tool, written in the model's call format: ``grammar`` is
+    xgrammar's structural tag for it (tool_calls.call_grammar), ``tools`` OpenAI's list as JSON
+    text, ``name`` the function to call (None: any of them, "required"); ``parallel`` False
+    stops after the first call."""
+
+    grammar: str
+    tools: str
+    name: str | None = None
+    parallel: bool = True
+    kind: str = "tool_call"
 
 
 def response_format(raw) -> ResponseFormat | None:
@@ -75,20 +98,36 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
         self.compiler = None
 
-    def compile(self, fmt: ResponseFormat):
+    def compile(self, fmt: ResponseFormat | ToolCallFormat):
         xgr = _xgrammar()
         if self.compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_ids)
             self.compiler = xgr.GrammarCompiler(info)
-        if fmt.kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}')
+        if isinstance(fmt, ToolCallFormat):
+            return self._tool_call(xgr, fmt)
+        schema = '{"type": "object"}' if fmt.kind == "json_object" else fmt.schema
         try:
-            return self.compiler.compile_json_schema(fmt.schema)
+            return self.compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_BLANKS_JSON)
         except (RuntimeError, ValueError) as err:
             what = f" {fmt.name!r}" if fmt.name else ""
             raise RequestError(f"response_format: the JSON schema{what} cannot be used: "
                                f"{err}") from None
+
+
+    def _tool_call(self, xgr, fmt: ToolCallFormat):
+        choice = "required" if fmt.name is None else \
+            {"type": "function", "function": {"name": fmt.name}}
+        try:
+            # the thinking block, where the prompt opens one, is left to Constraint.active
+            tag = xgr.get_model_structural_tag(fmt.grammar, tools=json.loads(fmt.tools),
+                                               tool_choice=choice, reasoning="disabled",
+                                               parallel_tool_calls=fmt.parallel,
+                                               max_whitespace_cnt=MAX_BLANKS_CALL)
+            return self.compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError) as err:
+            raise RequestError(f"tool_choice: the tools' parameter schemas cannot be used to "
+                               f"force a call: {err}") from None
 
 
 class Constraint:

@@ -26,6 +26,8 @@ from .errors import RequestError
 
 # serve's name for each call format (its table is keyed by model type)
 FORMATS = {"xml": "qwen3_5", "json": "qwen3"}
+# xgrammar's structural tag for each (structured.ToolCallFormat: tool_choice that forces a call)
+GRAMMARS = {"xml": "qwen_3_5", "json": "qwen_3"}
 # how a call opens in both: Qwen3.5 may write one inside its thinking block without closing
 # the block first, so with tools this tag ends the block too (reasoning.ThinkSplitter)
 CALL_TAG = "<tool_call>"
@@ -37,13 +39,12 @@ PARSE_ERRORS = (ValueError, KeyError, TypeError)
 def call_format(tokenizer) -> dict | None:
     """The response template that reads this model's tool calls; None when its chat template
     does not render tools (the model was never shown any) or writes calls in no known format."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not re.search(r"\btools\b", template):
+    if not _takes_tools(tokenizer):
         return None
     own = getattr(tokenizer, "response_template", None)
     if isinstance(own, dict) and "tool_calls" in own.get("fields", {}):
         return own
-    kind = "xml" if "<function=" in template else "json" if "<tool_call>" in template else None
+    kind = _kind(tokenizer)
     if kind is None:
         return None
     try:
@@ -53,6 +54,25 @@ def call_format(tokenizer) -> dict | None:
     config = SimpleNamespace(model_type=FORMATS[kind])
     config.config = config  # serve's lookup reads a config (a model's in transformers 5.15)
     return get_response_template(tokenizer, config)
+
+
+def call_grammar(tokenizer) -> str | None:
+    """xgrammar's structural-tag name for the call format this model's template teaches (what a
+    forced call is held to); None where there is none here (no tools, another format, or the
+    tokenizer's own response template, which may read calls otherwise)."""
+    if not _takes_tools(tokenizer) or getattr(tokenizer, "response_template", None):
+        return None
+    return GRAMMARS.get(_kind(tokenizer))
+
+
+def _takes_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and bool(re.search(r"\btools\b", template))
+
+
+def _kind(tokenizer) -> str | None:
+    template = tokenizer.chat_template
+    return "xml" if "<function=" in template else "json" if "<tool_call>" in template else None
 
 
 def check_tools(tools) -> list[dict]:
