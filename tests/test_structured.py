@@ -201,3 +201,20 @@ def test_openai_parse_gets_the_object(api_client, api_server):
     reply = httpx.post(api_server + "v1/completions", json={
         "model": "unimax-demo", "prompt": "x", "response_format": {"type": "json_object"}})
     assert reply.status_code == 400 and "chat/completions" in reply.text
+
+
+def test_sampled_replies_keep_to_the_schema(demo_service):
+    """Sampling draws from the model's distribution over the tokens the grammar allows: every
+    seed's reply is the schema's JSON, and they are not all alike."""
+    fmt = response_format(FORMATS["json_schema"])
+    replies = []
+    for seed in range(4):
+        handle = demo_service.submit("c", QUESTION, "verified", GenerationSettings(
+            max_new_tokens=96, temperature=1.0, seed=seed), response_format=fmt)
+        done = list(handle.events(timeout=300))[-1]
+        assert done.kind == "done" and done.data["stopped"] == "stop", done.text
+        value = json.loads(done.data["reply"])
+        assert value["module"] in SCHEMA["properties"]["module"]["enum"]
+        assert value["kind"] in SCHEMA["properties"]["kind"]["enum"]
+        replies.append(done.data["reply"])
+    assert len(set(replies)) > 1
