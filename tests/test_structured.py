@@ -63,14 +63,13 @@ def reference(folder, prompt: list[int], schema: dict, n: int, stops: list[int],
     return reply
 
 
-def reply_of(service, mode: str, fmt: dict, n: int) -> tuple[list[int], dict]:
+def reply_of(service, mode: str, fmt: dict, n: int) -> dict:
+    """The done event's data of a reply to QUESTION held to ``fmt``."""
     handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=n),
                             response_format=response_format(fmt))
     events = list(handle.events(timeout=300))
     assert events[-1].kind == "done", events[-1].text
-    with service.tokenizer_lock:
-        ids = service.tokenizer.encode(events[-1].data["reply"], add_special_tokens=False)
-    return ids, events[-1].data
+    return events[-1].data
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +153,7 @@ def test_a_schema_xgrammar_cannot_use_is_an_error_event_not_a_crash(demo_service
     events = list(handle.events(timeout=60))
     assert events[-1].kind == "error" and "'bad' cannot be used" in events[-1].text
     # the engine thread goes on
-    assert reply_of(demo_service, "bf16", FORMATS["json_schema"], 96)[1]["stopped"] == "stop"
+    assert reply_of(demo_service, "bf16", FORMATS["json_schema"], 96)["stopped"] == "stop"
 
 
 # --- over HTTP, with the openai client ----------------------------------------------------
@@ -218,3 +217,25 @@ def test_sampled_replies_keep_to_the_schema(demo_service):
         assert value["kind"] in SCHEMA["properties"]["kind"]["enum"]
         replies.append(done.data["reply"])
     assert len(set(replies)) > 1
+
+
+def test_the_next_turn_starts_from_the_kept_state():
+    """A reply held to a grammar keeps the state after its prompt: the conversation's next turn
+    prefills only what is new, and still replies as the twin does on the whole prompt."""
+    service = EngineService(Preset(model=str(DEMO), device="cpu")).start()
+    try:
+        done = reply_of(service, "verified", FORMATS["json_schema"], 96)
+        turns = [*QUESTION, {"role": "assistant", "content": done["reply"]},
+                 {"role": "user", "content": "And what does json.loads do?"}]
+        handle = service.submit("c", turns, "bf16", GenerationSettings(max_new_tokens=96),
+                                response_format=response_format(FORMATS["json_schema"]))
+        events = list(handle.events(timeout=300))
+        prompt, stops = service.render(turns), service.stop_ids
+    finally:
+        service.stop()
+    started, second = events[1], events[-1]
+    assert started.kind == "started" and second.kind == "done", second.text
+    assert started.data["reused_tokens"] == len(service.render(QUESTION)) > 0
+    assert second.data["stats"]["reused_tokens"] == started.data["reused_tokens"]
+    tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
+    assert tokens == reference(DEMO, prompt, SCHEMA, 96, stops)

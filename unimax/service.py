@@ -506,23 +506,38 @@ class EngineService:
         forward (logprobs.py): the engines' graphs hand back tokens, not distributions, and a
         grammar masks each token's logits before it is chosen. Its cache is its own, but its
         attention layers borrow the mode's engine's KV buffers (no second max_context buffer
-        for a hybrid): every other request restores or resets its state before it runs. No
-        state is kept from it. Events: "prompt" (with echo: the prompt's text and entries),
-        then a "delta" per token with its entry."""
+        for a hybrid): every other request restores or resets its state before it runs. A reply
+        held to a grammar (no log-probabilities asked) starts from the conversation's kept
+        state and keeps one, as the engines' replies do: the state after its prompt, or where
+        the chat template's later turns part from it (``keep_at``), so that an agent's next
+        turn prefills only what is new. Events: "prompt" (with echo: the prompt's text and
+        entries), then a "delta" per token with its entry."""
         want, settings, prompt = handle.logprobs or LogprobsRequest(), handle.settings, \
             handle.prompt
         constraint = None if handle.grammar is None else Constraint(
             handle.grammar, self.model.config.vocab_size, active=not handle.thinking_open)
         cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
+        kept = handle.logprobs is None
+        ckpt = self.store.best_prefix(handle.conversation_id, prompt) if kept else None
+        reused = 0
+        if ckpt is not None:
+            self.store.restore(ckpt, cache)
+            reused = len(ckpt.tokens)
         started = time.perf_counter()
-        handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0,
+        handle.emit("started", prefill_tokens=len(prompt) - reused, reused_tokens=reused,
                     thinking_open=handle.thinking_open)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         # every position's logits only when the prompt is scored; else the prefill's chunks
         chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk) \
             if want.prompt else self.preset.prefill_chunk
-        entries, logits = logprobs.prefill(self.model, cache, ids,
-                                           want.top if want.prompt else None, chunk)
+        keep = handle.keep_at if handle.keep_at is not None else len(prompt)
+        bounds = [reused, keep, len(prompt)] if reused < keep < len(prompt) else \
+            [reused, len(prompt)]
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)
+            entries, logits = logprobs.prefill(self.model, cache, ids,
+                                               want.top if want.prompt else None, chunk)
+            if kept and end == keep:
+                self.store.save(handle.conversation_id, prompt[:keep], cache)
         prefilled = time.perf_counter()
         if want.prompt:
             echo = EntryText(self.tokenizer)
@@ -557,10 +572,12 @@ class EngineService:
         if tail:
             handle.emit("delta", tail)
         stats = {"mode": "exact", "requested_mode": handle.mode,
-                 "conversation_id": handle.conversation_id, "prefilled_tokens": len(prompt),
-                 "reused_tokens": 0, "generated_tokens": len(tokens), "bridge_mib": None,
+                 "conversation_id": handle.conversation_id,
+                 "prefilled_tokens": len(prompt) - reused, "reused_tokens": reused,
+                 "generated_tokens": len(tokens), "bridge_mib": None,
                  "bridge_ms": None, "acceptance_rate": None, "device": str(self.device),
-                 "prefill_tok_s": round(len(prompt) / max(prefilled - started, 1e-9), 1),
+                 "prefill_tok_s": round((len(prompt) - reused) / max(prefilled - started, 1e-9),
+                                        1),
                  "ttft_ms": round((times[0] - started) * 1e3, 2) if times else None,
                  "decode_tok_s": round((len(times) - 1) / max(times[-1] - times[0], 1e-9), 2)
                  if len(times) > 1 else None, "stopped": stopped,
