@@ -17,6 +17,13 @@
 # test_gpu_hybrid.py's graphs test (487 s) left its full-FP8 draft to test_gpu_hybrid_full.py;
 # twenty-sixth session: the block_size-16 verified test, past 300 s alone, has a file of its own:
 # test_gpu_verified_spans.py.)
+# tests/test_gpu_structured.py needs xgrammar there, which the device lacks with its pydantic:
+# their cp312 wheels in .whl as well (pip download --no-deps --only-binary=:all: --python-version
+# 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+# -d .whl xgrammar==0.2.9 apache-tvm-ffi pydantic pydantic_core annotated-types
+# typing-inspection); with .gpucache that passes the 64 MiB carry, so run that file in a call of
+# its own: bash bench/gpu_tests.sh tests/test_gpu_structured.py (carry [".whl"]). Without the
+# wheels it is skipped.
 # Arguments go to one pytest process instead (e.g. one file, or -k to pick tests);
 # GPU_TEST_FILES picks files to run side by side as without arguments (e.g. a file that ran
 # out of time, alone: GPU_TEST_FILES="tests/test_gpu_fused.py tests/test_gpu_tma.py");
