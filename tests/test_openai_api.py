@@ -66,6 +66,33 @@ def test_completions_continue_raw_text(api_client):
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 0}], ids=["engine", "exact"])
+def test_a_completion_reads_on_from_its_prompt(api_client, extra):
+    """prompt + completion is the text of prompt + reply tokens: the completion's first word
+    keeps the leading space SentencePiece drops from a text's first word (it read "The os
+    module isnot optional." before), streamed or not, on the engines' path and the exact one."""
+    import torch
+
+    import unimax
+    from helpers import ROOT
+
+    folder = ROOT / "models" / "unimax-demo"
+    tok, model = unimax.load_tokenizer(folder), unimax.load_model(folder, device="cpu")
+    prompt = "The os module is"
+    ids = tok.encode(prompt)
+    reply = unimax.exact_greedy_tokens(model, torch.tensor([ids]), 6)[0].tolist()
+    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    reply = reply[:next((i for i, t in enumerate(reply) if t in ends), len(reply))]
+    want = tok.decode(ids + reply, skip_special_tokens=True)
+    assert want.startswith(prompt + " ")
+    args = dict(model=f"{MODEL}:bf16", prompt=prompt, max_tokens=6, temperature=0, **extra)
+    text = api_client.completions.create(**args).choices[0].text
+    assert prompt + text == want
+    streamed = "".join(c.choices[0].text for c in api_client.completions.create(**args,
+                                                                              stream=True))
+    assert streamed == text
+
+
 def test_stop_strings_cut_the_reply(api_client):
     full = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
                                           temperature=0).choices[0].message.content

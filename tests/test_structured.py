@@ -8,6 +8,7 @@ structured-output helper (``chat.completions.parse`` with a pydantic model) must
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from unimax.errors import RequestError
 from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
-from unimax.structured import MAX_BLANKS_JSON, response_format
+from unimax.structured import MAX_BLANKS_JSON, response_format, structured_outputs
 
 DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
@@ -35,18 +36,20 @@ FORMATS = {"json_object": {"type": "json_object"},
                                                                   "schema": SCHEMA}}}
 
 
-def reference(folder, prompt: list[int], schema: dict, n: int, stops: list[int],
+def reference(folder, prompt: list[int], schema, n: int, stops: list[int],
               after: str | None = None) -> list[int]:
     """Greedy under xgrammar's transformers logits processor, on full forwards without a
-    cache; ``after``: the grammar starts once the reply's text holds this (a thinking block's
-    end)."""
+    cache. ``schema``: a JSON schema, or a function of an xgrammar compiler that compiles the
+    grammar; ``after``: the grammar starts once the reply's text holds this (a thinking
+    block's end)."""
     model = unimax.load_model(str(folder), device="cpu")
     tokenizer = unimax.load_tokenizer(str(folder))
     vocab = model.config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
+    compiler = xgr.GrammarCompiler(info)
     processor = xgrammar.contrib.hf.LogitsProcessor(
-        xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
-                                                      max_whitespace_cnt=MAX_BLANKS_JSON))
+        schema(compiler) if callable(schema) else
+        compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_BLANKS_JSON))
     reply: list[int] = []
     held = after is None
     for _ in range(n):
@@ -129,6 +132,50 @@ def test_the_grammar_starts_after_the_thinking_block(tmp_path):
     assert set(json.loads(answer)) == {"module", "kind", "stable"}
 
 
+# vLLM's structured_outputs: each kind, the reply it must give, and the grammar xgrammar compiles
+# for it in the reference
+STRUCTURED = {
+    "choice": ({"choice": ["a function", "a class", "a module"]},
+               lambda text: text in ("a function", "a class", "a module"),
+               lambda c: c.compile_grammar('root ::= "a function" | "a class" | "a module"')),
+    "regex": ({"regex": r"(os|json)\.[a-z]{2,6}"},
+              lambda text: re.fullmatch(r"(os|json)\.[a-z]{2,6}", text),
+              lambda c: c.compile_regex(r"(os|json)\.[a-z]{2,6}")),
+    "grammar": ({"grammar": 'root ::= ("yes" | "no") ", " [a-z]{1,4}'},
+                lambda text: re.fullmatch(r"(yes|no), [a-z]{1,4}", text),
+                lambda c: c.compile_grammar('root ::= ("yes" | "no") ", " [a-z]{1,4}')),
+}
+
+
+@pytest.mark.parametrize("kind", list(STRUCTURED))
+def test_vllm_structured_outputs(demo_service, kind):
+    raw, valid, compile_reference = STRUCTURED[kind]
+    handle = demo_service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=24),
+                                 response_format=structured_outputs(raw))
+    events = list(handle.events(timeout=300))
+    done = events[-1]
+    assert done.kind == "done" and done.data["stopped"] == "stop", done.text
+    assert valid(done.data["reply"]), done.data["reply"]
+    tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
+    assert tokens == reference(DEMO, demo_service.render(QUESTION), compile_reference, 24,
+                               demo_service.stop_ids)
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ("json", "must be an object"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({}, "exactly one"),
+    ({"whitespace_pattern": " "}, "whitespace_pattern is not supported"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": ["a", 3]}, "non-empty list"),
+    ({"json": "{not json"}, "JSON schema"),
+    ({"regex": ""}, "non-empty string"),
+])
+def test_bad_structured_outputs_are_named(raw, fragment):
+    with pytest.raises(RequestError, match=fragment):
+        structured_outputs(raw)
+
+
 @pytest.mark.parametrize("raw, fragment", [
     ({"type": "xml"}, "response_format must be"),
     ("json", "response_format must be"),
@@ -197,9 +244,28 @@ def test_openai_parse_gets_the_object(api_client, api_server):
         assert err.value.status_code == 400
         if param:
             assert err.value.body["param"] == param
-    reply = httpx.post(api_server + "v1/completions", json={
-        "model": "unimax-demo", "prompt": "x", "response_format": {"type": "json_object"}})
-    assert reply.status_code == 400 and "chat/completions" in reply.text
+    # vLLM's structured_outputs, and its older guided_* names, on both routes
+    choices = ["a function", "a class", "a module"]
+    chat = api_client.chat.completions.create(
+        **args, extra_body={"structured_outputs": {"choice": choices}})
+    assert chat.choices[0].message.content in choices
+    old = api_client.chat.completions.create(**args, extra_body={"guided_choice": choices})
+    assert old.choices[0].message.content == chat.choices[0].message.content
+    completion = api_client.completions.create(
+        model="unimax-demo", prompt="The os module is", max_tokens=16,
+        extra_body={"structured_outputs": {"regex": "( [a-z]{2,8}){1,3}[.]"}})
+    assert re.fullmatch("( [a-z]{2,8}){1,3}[.]", completion.choices[0].text)
+    assert completion.choices[0].finish_reason == "stop"
+    for body, param, fragment in [
+            ({"structured_outputs": {"regex": "([a"}}, None, "the regex cannot be used: Regex"),
+            ({"structured_outputs": {"choice": ["x"]}, "guided_regex": "y"}, "guided_regex",
+             "send one"),
+            ({"structured_outputs": {"regex": "x", "whitespace_pattern": "y"}},
+             "structured_outputs", "not supported")]:
+        reply = httpx.post(api_server + "v1/completions", json={
+            "model": "unimax-demo", "prompt": "x", "max_tokens": 4, **body})
+        assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
+        assert reply.json()["error"]["param"] == param
 
 
 def test_sampled_replies_keep_to_the_schema(demo_service):

@@ -31,7 +31,12 @@ from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
 from unimax.settings import GenerationSettings, SettingsError
-from unimax.structured import ResponseFormat, ToolCallFormat, response_format
+from unimax.structured import (
+    ResponseFormat,
+    ToolCallFormat,
+    response_format,
+    structured_outputs,
+)
 from unimax.tool_calls import (
     CALL_TAG,
     Parts,
@@ -61,9 +66,11 @@ UNSUPPORTED = {
     "mirostat": (None, 0), "mirostat_mode": (None, 0), "min_tokens": (None, 0),
     "ignore_eos": (None, False), "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False), "stop_token_ids": (None, []),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
+# vLLM's older names for its structured_outputs keys (removed in its 0.12; clients still send
+# them)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 # chat_template_kwargs that reach the template (Qwen's documented way to switch thinking off
 # through an OpenAI-compatible server: extra_body={"chat_template_kwargs": {...}})
 TEMPLATE_KWARGS = ("enable_thinking",)
@@ -168,15 +175,13 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
             raise APIError(400, "chat_template_kwargs applies to /v1/chat/completions: a "
                            "completions prompt goes to the model as it is, with no template",
                            "chat_template_kwargs")
-        if body.get("response_format") not in (None, {"type": "text"}):
-            raise APIError(400, "response_format applies to /v1/chat/completions",
-                           "response_format", "unsupported_parameter")
         want, echo = _completion_logprobs(body)
+        fmt = _response_format(body)
         if want is not None and not want.generate:  # scoring only: no reply, no max_tokens
             body = {**body, "max_tokens": None, "max_completion_tokens": None}
         settings, stops, stream, usage_chunk = _options(body, service)
         handle = service.submit(API_CONVERSATION, [], mode, settings, text=text, tokens=tokens,
-                                logprobs=want)
+                                logprobs=want, response_format=fmt)
         echoed = None
         if echo and want is None:  # (with logprobs the engine thread sends the prompt's text)
             echoed = text if text is not None else service.decode(tokens)
@@ -365,17 +370,29 @@ def _forced_name(choice) -> str | None:
     return function["name"]
 
 
-def _response_format(body: dict, tools: list[dict] | None) -> ResponseFormat | None:
-    """``response_format``: the reply held to JSON or to a JSON schema (unimax/structured.py),
-    served by the exact model token by token."""
-    try:
-        fmt = response_format(body.get("response_format"))
-    except RequestError as err:
-        raise APIError(400, str(err), "response_format") from None
+def _response_format(body: dict, tools: list[dict] | None = None) -> ResponseFormat | None:
+    """The reply held to a grammar (unimax/structured.py), served by the exact model token by
+    token: OpenAI's ``response_format`` (JSON, a JSON schema), vLLM's ``structured_outputs``
+    (also a regex, a choice, an EBNF grammar) or its older ``guided_*`` fields; one of them."""
+    formats = {}
+    for param in ("response_format", "structured_outputs", *GUIDED):
+        if body.get(param) is None:
+            continue
+        try:
+            fmt = response_format(body[param]) if param == "response_format" else \
+                structured_outputs(body[param] if param == "structured_outputs" else
+                                   {GUIDED[param]: body[param]})
+        except RequestError as err:
+            raise APIError(400, str(err), param) from None
+        if fmt is not None:
+            formats[param] = fmt
+    if len(formats) > 1:
+        raise APIError(400, f"{' and '.join(formats)} both hold the reply to a format; send "
+                       "one", list(formats)[1])
+    param, fmt = next(iter(formats.items()), (None, None))
     if fmt is not None and tools:
-        raise APIError(400, "response_format with tools: a reply held to the schema cannot "
-                       "call a tool; send one of them", "response_format",
-                       "unsupported_parameter")
+        raise APIError(400, f"{param} with tools: a reply held to the format cannot call a "
+                       "tool; send one of them", param, "unsupported_parameter")
     return fmt
 
 

@@ -6,20 +6,27 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Text deltas for a growing token list in O(new tokens) per call: decode a short window that
     starts a few tokens back (so word-boundary spaces and merges come out right) and emit what
-    it adds; hold back an incomplete UTF-8 character."""
+    it adds; hold back an incomplete UTF-8 character. ``previous``: the token before the first
+    one, whose text is not part of this text but whose context is: SentencePiece drops the
+    leading space of a text's first word, which a completion of a raw prompt must keep
+    ("The os module is" + " not optional.")."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, previous: int | None = None):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""
         self.prefix = 0  # window start
         self.read = 0  # tokens already turned into text
+        self.context = [] if previous is None else [previous]
+
+    def _decode(self, end: int) -> str:
+        head = self.context if self.prefix == 0 else []
+        return self.tokenizer.decode(head + self.tokens[self.prefix:end],
+                                     skip_special_tokens=True)
 
     def add(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        before, after = self._decode(self.read), self._decode(len(self.tokens))
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before):]
@@ -30,9 +37,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The rest at the end of a reply, an incomplete character included (shown as the
         replacement character, as a full decode would)."""
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        before, after = self._decode(self.read), self._decode(len(self.tokens))
         delta = after[len(before):] if len(after) > len(before) else ""
         self.prefix = self.read = len(self.tokens)
         self.text += delta

@@ -165,9 +165,11 @@ class EntryText:
     IncrementalDetokenizer's: a token that ends inside a character has no text of its own yet,
     and the one that completes it carries it)."""
 
-    def __init__(self, tokenizer, previous: int | None = None):
+    def __init__(self, tokenizer, previous: int | None = None, continues: bool = False):
+        """``continues``: the text goes on from ``previous``'s (a raw prompt's completion, whose
+        first word keeps its leading space)."""
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, previous if continues else None)
         self.previous = previous
 
     def add(self, entry: TokenLogprob) -> tuple[dict, str]:

@@ -423,6 +423,11 @@ class EngineService:
         """Prompt token ids for a conversation ending with a user message."""
         return encode_chat(self.tokenizer, messages, self._thinking(thinking), tools)
 
+    @staticmethod
+    def _raw(handle: RequestHandle) -> bool:
+        """A prompt given as text or token ids, with no chat template: a completion."""
+        return handle.text is not None or handle.tokens is not None
+
     def _thinking(self, thinking: bool | None) -> bool | None:
         return self.preset.enable_thinking if thinking is None else thinking
 
@@ -447,7 +452,9 @@ class EngineService:
             new_tokens = prompt
         handle.emit("started", prefill_tokens=len(new_tokens), reused_tokens=len(prompt) -
                     len(new_tokens), thinking_open=handle.thinking_open)
-        detok = IncrementalDetokenizer(self.tokenizer)
+        # a raw prompt's completion goes on from the prompt's text (its first word keeps its
+        # leading space); a chat reply starts a turn of its own
+        detok = IncrementalDetokenizer(self.tokenizer, prompt[-1] if self._raw(handle) else None)
         curve: list[list[float]] = []
         timing = {"first": None, "last": None}
 
@@ -544,7 +551,7 @@ class EngineService:
             items = [echo.add(entry)[0] for entry in entries]
             echo.flush()
             handle.emit("prompt", echo.text, logprobs=items)
-        reply = EntryText(self.tokenizer, previous=prompt[-1])
+        reply = EntryText(self.tokenizer, previous=prompt[-1], continues=self._raw(handle))
         times: list[float] = []
 
         def on_token(entry) -> bool:

@@ -1,5 +1,6 @@
 """Structured output: a reply held to JSON, or to a JSON schema (the OpenAI API's
-``response_format``), or to a tool call in the model's own call format (``tool_choice``
+``response_format``), to a regex, a choice of strings or an EBNF grammar (vLLM's
+``structured_outputs``), or to a tool call in the model's own call format (``tool_choice``
 "required" or a named function), by xgrammar's grammar matcher.
 
 Before each token the matcher says which tokens keep the text a prefix of some text the grammar
@@ -17,6 +18,7 @@ do: exact, slower than the engines' graphs.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +36,12 @@ MAX_BLANKS_CALL = 4
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """``json_object``: any JSON object; ``json_schema``: one valid against ``schema`` (its
-    JSON text)."""
+    """``json_object``: any JSON object; ``json_schema``: one valid against ``spec`` (the
+    schema's JSON text); ``regex``: text matching the pattern ``spec``; ``choice``: one of the
+    strings in ``spec`` (a JSON list); ``grammar``: text of the EBNF grammar ``spec``."""
 
     kind: str
-    schema: str | None = None
+    spec: str | None = None
     name: str | None = None
 
 
@@ -80,6 +83,48 @@ def response_format(raw) -> ResponseFormat | None:
     return ResponseFormat("json_schema", json.dumps(spec["schema"]), name)
 
 
+# vLLM's structured_outputs keys that UNI MAX serves (one per request)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def structured_outputs(raw) -> ResponseFormat | None:
+    """vLLM's ``structured_outputs`` ({"json": schema} | {"regex": pattern} | {"choice":
+    [strings]} | {"grammar": EBNF}) -> a ResponseFormat, or None when absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RequestError("structured_outputs must be an object with one of "
+                           f"{', '.join(STRUCTURED_KINDS)}")
+    given = {key: value for key, value in raw.items() if value is not None}
+    other = sorted(set(given) - set(STRUCTURED_KINDS))
+    if other:
+        raise RequestError(f"structured_outputs.{other[0]} is not supported by UNI MAX; it "
+                           f"serves {', '.join(STRUCTURED_KINDS)}")
+    if len(given) != 1:
+        raise RequestError("structured_outputs takes exactly one of "
+                           f"{', '.join(STRUCTURED_KINDS)}")
+    (kind, value), = given.items()
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+        if not isinstance(value, dict):
+            raise RequestError("structured_outputs.json must be a JSON schema (an object, or "
+                               "its JSON text)")
+        return ResponseFormat("json_schema", json.dumps(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(c, str) and c for c in value):
+            raise RequestError("structured_outputs.choice must be a non-empty list of "
+                               "non-empty strings")
+        return ResponseFormat("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"structured_outputs.{kind} must be a non-empty string")
+    return ResponseFormat(kind, value)
+
+
 def _xgrammar():
     try:
         import xgrammar
@@ -106,13 +151,22 @@ class Grammars:
             self.compiler = xgr.GrammarCompiler(info)
         if isinstance(fmt, ToolCallFormat):
             return self._tool_call(xgr, fmt)
-        schema = '{"type": "object"}' if fmt.kind == "json_object" else fmt.schema
         try:
+            if fmt.kind == "regex":
+                return self.compiler.compile_regex(fmt.spec)
+            if fmt.kind == "grammar":
+                return self.compiler.compile_grammar(fmt.spec)
+            if fmt.kind == "choice":  # an EBNF of the strings, as JSON spells them
+                return self.compiler.compile_grammar("root ::= " + " | ".join(
+                    json.dumps(c, ensure_ascii=False) for c in json.loads(fmt.spec)))
+            schema = '{"type": "object"}' if fmt.kind == "json_object" else fmt.spec
             return self.compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_BLANKS_JSON)
         except (RuntimeError, ValueError) as err:
-            what = f" {fmt.name!r}" if fmt.name else ""
-            raise RequestError(f"response_format: the JSON schema{what} cannot be used: "
-                               f"{err}") from None
+            what = {"regex": "the regex", "grammar": "the grammar", "choice": "the choices"}.get(
+                fmt.kind, "the JSON schema" + (f" {fmt.name!r}" if fmt.name else ""))
+            # (xgrammar's messages start with the C++ source's time and place)
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()
+            raise RequestError(f"{what} cannot be used: {why}") from None
 
 
     def _tool_call(self, xgr, fmt: ToolCallFormat):
