@@ -129,8 +129,9 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise RequestError("response_format needs the xgrammar package, which is not "
-                           "installed here: pip install xgrammar (see requirements.txt)"
+        raise RequestError("structured output (response_format, structured_outputs, a "
+                           "tool_choice that forces a call) needs the xgrammar package, which "
+                           "is not installed here: pip install xgrammar (see requirements.txt)"
                            ) from None
     return xgrammar
 
@@ -164,10 +165,7 @@ class Grammars:
         except (RuntimeError, ValueError) as err:
             what = {"regex": "the regex", "grammar": "the grammar", "choice": "the choices"}.get(
                 fmt.kind, "the JSON schema" + (f" {fmt.name!r}" if fmt.name else ""))
-            # (xgrammar's messages start with the C++ source's time and place)
-            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()
-            raise RequestError(f"{what} cannot be used: {why}") from None
-
+            raise RequestError(f"{what} cannot be used: {_why(err)}") from None
 
     def _tool_call(self, xgr, fmt: ToolCallFormat):
         choice = "required" if fmt.name is None else \
@@ -181,12 +179,18 @@ class Grammars:
             return self.compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError) as err:
             raise RequestError(f"tool_choice: the tools' parameter schemas cannot be used to "
-                               f"force a call: {err}") from None
+                               f"force a call: {_why(err)}") from None
+
+
+def _why(err: Exception) -> str:
+    """xgrammar's message without the C++ source's time and place it starts with."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()
 
 
 class Constraint:
-    """One reply's grammar state. ``active`` False: tokens pass unmasked and unfed (a
-    thinking block before the constrained answer; see ``logprobs.generate``)."""
+    """One reply's grammar state, for ``logprobs.generate``. ``active`` False: tokens pass
+    unmasked and unfed (a thinking block before the constrained answer: the service turns it
+    on at ``</think>``)."""
 
     def __init__(self, compiled, vocab_size: int, active: bool = True):
         xgr = _xgrammar()
@@ -212,8 +216,3 @@ class Constraint:
     def accept(self, token: int) -> None:
         if self.active and not self.matcher.accept_token(int(token)):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
-
-    @property
-    def finished(self) -> bool:
-        """The text is complete (the matcher took a stop token)."""
-        return self.matcher.is_terminated()
