@@ -379,3 +379,24 @@ def reference_chat_reply(folder, messages: list[dict], n: int,
     ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
     out = out[:next((i for i, t in enumerate(out) if t in ends), len(out))]  # the turn's end
     return tok.decode(out, skip_special_tokens=True), len(ids)
+
+
+# A JSON schema of closed choices: the demo model (trained on stdlib docs, not on JSON) finishes
+# an object of it (structured-output tests)
+DOC_SCHEMA = {"type": "object", "additionalProperties": False,
+              "required": ["module", "kind", "stable"],
+              "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
+                             "kind": {"enum": ["function", "class", "constant"]},
+                             "stable": {"type": "boolean"}}}
+
+
+def grammar_processor(tokenizer, vocab_size: int, stops: list[int], build):
+    """xgrammar's own transformers logits processor (the structured-output tests' reference
+    mask) over the grammar ``build(compiler)`` compiles for this vocabulary and these stop
+    ids."""
+    import xgrammar as xgr
+    import xgrammar.contrib.hf
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stops)
+    return xgrammar.contrib.hf.LogitsProcessor(build(xgr.GrammarCompiler(info)))

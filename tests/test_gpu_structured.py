@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from helpers import ROOT, require_fla
+from helpers import DOC_SCHEMA as SCHEMA
+from helpers import ROOT, grammar_processor, require_fla
 from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
@@ -18,17 +19,11 @@ from unimax.structured import MAX_BLANKS_JSON, response_format
 pytestmark = pytest.mark.gpu
 DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
-SCHEMA = {"type": "object", "additionalProperties": False,
-          "required": ["module", "kind", "stable"],
-          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
-                         "kind": {"enum": ["function", "class", "constant"]},
-                         "stable": {"type": "boolean"}}}
 
 
 def test_structured_output_on_gpu():
     require_fla()
-    xgr = pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
-    import xgrammar.contrib.hf
+    pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
 
     service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
     try:
@@ -40,11 +35,10 @@ def test_structured_output_on_gpu():
         assert done.kind == "done", done.text
         tokens = [i["token"] for e in events for i in e.data.get("logprobs", [])]
         prompt, stops = service.render(QUESTION), service.stop_ids
-        info = xgr.TokenizerInfo.from_huggingface(
-            service.tokenizer, vocab_size=service.model.config.vocab_size, stop_token_ids=stops)
-        processor = xgrammar.contrib.hf.LogitsProcessor(
-            xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA),
-                                                     max_whitespace_cnt=MAX_BLANKS_JSON))
+        processor = grammar_processor(
+            service.tokenizer, service.model.config.vocab_size, stops,
+            lambda c: c.compile_json_schema(json.dumps(SCHEMA),
+                                            max_whitespace_cnt=MAX_BLANKS_JSON))
         for n in range(len(tokens) + 1):
             ids = torch.tensor([prompt + tokens[:n]], device="cuda")
             with torch.no_grad():

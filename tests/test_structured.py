@@ -12,11 +12,10 @@ import re
 
 import pytest
 import torch
-import xgrammar as xgr
-import xgrammar.contrib.hf
 
 import unimax
-from helpers import ROOT, thinking_demo_model
+from helpers import DOC_SCHEMA as SCHEMA
+from helpers import ROOT, grammar_processor, thinking_demo_model
 from unimax.errors import RequestError
 from unimax.presets import Preset
 from unimax.service import EngineService
@@ -25,12 +24,6 @@ from unimax.structured import MAX_BLANKS_JSON, response_format, structured_outpu
 
 DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
-# closed choices: the demo model (trained on stdlib docs, not on JSON) finishes this object
-SCHEMA = {"type": "object", "additionalProperties": False,
-          "required": ["module", "kind", "stable"],
-          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
-                         "kind": {"enum": ["function", "class", "constant"]},
-                         "stable": {"type": "boolean"}}}
 FORMATS = {"json_object": {"type": "json_object"},
            "json_schema": {"type": "json_schema", "json_schema": {"name": "doc",
                                                                   "schema": SCHEMA}}}
@@ -44,12 +37,10 @@ def reference(folder, prompt: list[int], schema, n: int, stops: list[int],
     block's end)."""
     model = unimax.load_model(str(folder), device="cpu")
     tokenizer = unimax.load_tokenizer(str(folder))
-    vocab = model.config.vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
-    compiler = xgr.GrammarCompiler(info)
-    processor = xgrammar.contrib.hf.LogitsProcessor(
-        schema(compiler) if callable(schema) else
-        compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_BLANKS_JSON))
+    processor = grammar_processor(
+        tokenizer, model.config.vocab_size, stops,
+        schema if callable(schema) else lambda c: c.compile_json_schema(
+            json.dumps(schema), max_whitespace_cnt=MAX_BLANKS_JSON))
     reply: list[int] = []
     held = after is None
     for _ in range(n):

@@ -315,22 +315,19 @@ def forced_reference(folder, tools: list[dict], choice, n: int, grammar: str = "
     greedy to the stop token; the reply's text."""
     import torch
     import xgrammar as xgr
-    import xgrammar.contrib.hf
     from transformers import AutoTokenizer
 
     import unimax
+    from helpers import grammar_processor
+    from unimax.structured import MAX_BLANKS_CALL
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = unimax.load_model(str(folder), device="cpu")
     stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
-                                              stop_token_ids=stops)
-    from unimax.structured import MAX_BLANKS_CALL
-
     tag = xgr.get_model_structural_tag(grammar, tools=tools, tool_choice=choice,
                                        reasoning="disabled", max_whitespace_cnt=MAX_BLANKS_CALL)
-    processor = xgrammar.contrib.hf.LogitsProcessor(
-        xgr.GrammarCompiler(info).compile_structural_tag(tag))
+    processor = grammar_processor(tok, model.config.vocab_size, stops,
+                                  lambda c: c.compile_structural_tag(tag))
     ids = list(tok.apply_chat_template(QUESTION, tools=tools, add_generation_prompt=True,
                                        tokenize=True, return_dict=False))
     reply, cache, step = [], model.make_recurrent_cache(), ids
