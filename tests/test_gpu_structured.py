@@ -1,8 +1,8 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): structured output on CUDA, where the grammar's mask
-goes through xgrammar's plain torch form (unimax/structured.py) onto the exact model's BF16
-logits. The reply must be the schema's JSON and follow the naive twin (full forwards without a
-cache, xgrammar's transformers logits processor): a divergence only where that reference's
-top two allowed logits are within BF16 rounding."""
+is applied inside the mode's captured one-token graphs (unimax/token_mask.py): BF16-only's
+decoder, verified mode's exact step. The reply must be the schema's JSON and follow the naive
+twin (full forwards without a cache, xgrammar's transformers logits processor): a divergence
+only where that reference's top two allowed logits are within BF16 rounding."""
 
 import json
 
@@ -21,19 +21,21 @@ DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
-def test_structured_output_on_gpu():
+@pytest.mark.parametrize("mode", ["bf16", "verified"])
+def test_structured_output_on_gpu(mode):
     require_fla()
     pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
 
     service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
     try:
         fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
-        handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
+        handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(fmt))
         events = list(handle.events(timeout=300))
         done = events[-1]
         assert done.kind == "done", done.text
-        tokens = [i["token"] for e in events for i in e.data.get("logprobs", [])]
+        assert done.data["stats"]["mode"] == mode  # the mode's engine, its captured graphs
+        tokens = done.data["tokens"]
         prompt, stops = service.render(QUESTION), service.stop_ids
         processor = grammar_processor(
             service.tokenizer, service.model.config.vocab_size, stops,
@@ -53,7 +55,8 @@ def test_structured_output_on_gpu():
                 break
     finally:
         service.stop()
-    print("reply", repr(done.data["reply"]), done.data["stopped"])
+    print(mode, "reply", repr(done.data["reply"]), done.data["stopped"],
+          "decode tok/s", done.data["stats"]["decode_tok_s"])
     assert done.data["stopped"] == "stop"
     value = json.loads(done.data["reply"])
     assert set(value) == set(SCHEMA["properties"]) and isinstance(value["stable"], bool)

@@ -2,8 +2,10 @@
 
 The reference is the naive twin: the demo model's full forward over the whole text at every
 step (no cache), its logits masked by xgrammar's own transformers logits processor
-(``xgrammar.contrib.hf.LogitsProcessor``), greedy, up to a stop token. The service must give
-the same tokens in every mode, behind a thinking block too; over HTTP the ``openai`` client's
+(``xgrammar.contrib.hf.LogitsProcessor``), greedy, up to a stop token. The service serves such a
+reply on the mode's engine, one masked step at a time: bf16 and verified must give the twin's
+tokens, fp8 those of the twin whose steps after the first run the FP8 tail's forward (the
+mode's decoder), behind a thinking block too; over HTTP the ``openai`` client's
 structured-output helper (``chat.completions.parse`` with a pydantic model) must get its object.
 """
 
@@ -17,6 +19,8 @@ import unimax
 from helpers import DOC_SCHEMA as SCHEMA
 from helpers import ROOT, grammar_processor, thinking_demo_model
 from unimax.errors import RequestError
+from unimax.fp8 import quantize_view
+from unimax.modes import APP_MODES
 from unimax.presets import Preset
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
@@ -30,12 +34,14 @@ FORMATS = {"json_object": {"type": "json_object"},
 
 
 def reference(folder, prompt: list[int], schema, n: int, stops: list[int],
-              after: str | None = None) -> list[int]:
+              after: str | None = None, decode: str = "bf16") -> list[int]:
     """Greedy under xgrammar's transformers logits processor, on full forwards without a
     cache. ``schema``: a JSON schema, or a function of an xgrammar compiler that compiles the
     grammar; ``after``: the grammar starts once the reply's text holds this (a thinking
-    block's end)."""
+    block's end); ``decode`` "fp8": the tokens after the first from the FP8 tail's forward,
+    as fp8 mode decodes them."""
     model = unimax.load_model(str(folder), device="cpu")
+    decoder = quantize_view(model, "tail") if decode == "fp8" else model
     tokenizer = unimax.load_tokenizer(str(folder))
     processor = grammar_processor(
         tokenizer, model.config.vocab_size, stops,
@@ -45,7 +51,7 @@ def reference(folder, prompt: list[int], schema, n: int, stops: list[int],
     held = after is None
     for _ in range(n):
         ids = torch.tensor([prompt + reply])
-        logits = model(input_ids=ids).logits[:, -1].float()
+        logits = (decoder if reply else model)(input_ids=ids).logits[:, -1].float()
         if held:
             logits = processor(ids, logits)
         token = int(logits.argmax())
@@ -79,16 +85,15 @@ def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, 
     schema = SCHEMA if name == "json_schema" else {"type": "object"}
     n = 96  # the demo model spends tokens on blanks between the fields
     prompt = demo_service.render(QUESTION)
-    expected = reference(DEMO, prompt, schema, n, demo_service.stop_ids)
+    expected = reference(DEMO, prompt, schema, n, demo_service.stop_ids,
+                         decode=APP_MODES[mode].decode if mode != "verified" else "bf16")
     handle = demo_service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=n),
                                  response_format=response_format(FORMATS[name]))
-    tokens, done = [], None
-    for event in handle.events(timeout=300):
-        tokens += [item["token"] for item in event.data.get("logprobs", [])]
-        done = event
+    done = list(handle.events(timeout=300))[-1]
     assert done.kind == "done", done.text
-    assert tokens == expected
-    assert done.data["stats"]["mode"] == "exact"
+    assert done.data["tokens"] == expected
+    assert done.data["reply"] == demo_service.tokenizer.decode(expected)
+    assert done.data["stats"]["mode"] == mode  # the mode's engine served it
     assert done.data["stats"]["response_format"] == name
     text = done.data["reply"]
     assert text.startswith("{")
@@ -112,12 +117,12 @@ def test_the_grammar_starts_after_the_thinking_block(tmp_path):
         handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(FORMATS["json_schema"]))
         events = list(handle.events(timeout=300))
-        tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
         stops = service.stop_ids
     finally:
         service.stop()
     assert events[0].kind == "queued" and events[-1].kind == "done", events[-1].text
-    assert tokens == reference(folder, prompt, SCHEMA, 96, stops, after="</think>")
+    assert events[-1].data["tokens"] == reference(folder, prompt, SCHEMA, 96, stops,
+                                                  after="</think>")
     reasoning, answer = events[-1].data["reply"].split("</think>")
     assert reasoning and not reasoning.lstrip().startswith("{")
     assert set(json.loads(answer)) == {"module", "kind", "stable"}
@@ -147,9 +152,8 @@ def test_vllm_structured_outputs(demo_service, kind):
     done = events[-1]
     assert done.kind == "done" and done.data["stopped"] == "stop", done.text
     assert valid(done.data["reply"]), done.data["reply"]
-    tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
-    assert tokens == reference(DEMO, demo_service.render(QUESTION), compile_reference, 24,
-                               demo_service.stop_ids)
+    assert done.data["tokens"] == reference(DEMO, demo_service.render(QUESTION),
+                                            compile_reference, 24, demo_service.stop_ids)
 
 
 @pytest.mark.parametrize("raw, fragment", [
@@ -213,7 +217,7 @@ def test_openai_parse_gets_the_object(api_client, api_server):
     message = parsed.choices[0].message
     assert isinstance(message.parsed, Doc), message.content
     assert parsed.choices[0].finish_reason == "stop"
-    assert parsed.model_extra["unimax"]["mode"] == "exact"
+    assert parsed.model_extra["unimax"]["mode"] == "bf16"  # (the demo preset's mode)
     # streamed: the same text
     fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
     whole = api_client.chat.completions.create(**args, response_format=fmt)
@@ -259,13 +263,14 @@ def test_openai_parse_gets_the_object(api_client, api_server):
         assert reply.json()["error"]["param"] == param
 
 
-def test_sampled_replies_keep_to_the_schema(demo_service):
+@pytest.mark.parametrize("mode", ["bf16", "verified"])
+def test_sampled_replies_keep_to_the_schema(demo_service, mode):
     """Sampling draws from the model's distribution over the tokens the grammar allows: every
     seed's reply is the schema's JSON, and they are not all alike."""
     fmt = response_format(FORMATS["json_schema"])
     replies = []
     for seed in range(4):
-        handle = demo_service.submit("c", QUESTION, "verified", GenerationSettings(
+        handle = demo_service.submit("c", QUESTION, mode, GenerationSettings(
             max_new_tokens=96, temperature=1.0, seed=seed), response_format=fmt)
         done = list(handle.events(timeout=300))[-1]
         assert done.kind == "done" and done.data["stopped"] == "stop", done.text
@@ -294,5 +299,21 @@ def test_the_next_turn_starts_from_the_kept_state():
     assert started.kind == "started" and second.kind == "done", second.text
     assert started.data["reused_tokens"] == len(service.render(QUESTION)) > 0
     assert second.data["stats"]["reused_tokens"] == started.data["reused_tokens"]
-    tokens = [item["token"] for e in events for item in e.data.get("logprobs", [])]
-    assert tokens == reference(DEMO, prompt, SCHEMA, 96, stops)
+    assert second.data["tokens"] == reference(DEMO, prompt, SCHEMA, 96, stops)
+
+
+def test_with_logprobs_the_exact_path_holds_the_grammar(demo_service):
+    """Log-probabilities asked as well: the exact model's eager path serves the reply, masked
+    there; the same tokens as the twin, each with the model's own log-probability."""
+    from unimax.logprobs import LogprobsRequest
+
+    handle = demo_service.submit("c", QUESTION, "bf16", GenerationSettings(max_new_tokens=96),
+                                 logprobs=LogprobsRequest(top=2),
+                                 response_format=response_format(FORMATS["json_schema"]))
+    events = list(handle.events(timeout=300))
+    done = events[-1]
+    assert done.kind == "done" and done.data["stats"]["mode"] == "exact", done.text
+    entries = [item for e in events for item in e.data.get("logprobs", [])]
+    assert [item["token"] for item in entries] == done.data["tokens"] == reference(
+        DEMO, demo_service.render(QUESTION), SCHEMA, 96, demo_service.stop_ids)
+    assert all(len(item["top"]) == 2 and item["logprob"] <= 0 for item in entries)

@@ -371,9 +371,10 @@ def _forced_name(choice) -> str | None:
 
 
 def _response_format(body: dict, tools: list[dict] | None = None) -> ResponseFormat | None:
-    """The reply held to a grammar (unimax/structured.py), served by the exact model token by
-    token: OpenAI's ``response_format`` (JSON, a JSON schema), vLLM's ``structured_outputs``
-    (also a regex, a choice, an EBNF grammar) or its older ``guided_*`` fields; one of them."""
+    """The reply held to a grammar (unimax/structured.py), served by the mode's engine one
+    masked step at a time: OpenAI's ``response_format`` (JSON, a JSON schema), vLLM's
+    ``structured_outputs`` (also a regex, a choice, an EBNF grammar) or its older ``guided_*``
+    fields; one of them."""
     formats = {}
     for param in ("response_format", "structured_outputs", *GUIDED):
         if body.get(param) is None:

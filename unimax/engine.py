@@ -6,6 +6,8 @@ Modes:
   checks them with one exact forward, keeps the agreeing prefix and the exact token after it;
   the exact cache stays authoritative and the draft's cache is resynced from it after a
   rejection (after every block for the ``full`` draft).
+A reply held to a grammar (``generate``'s ``constraint``) decodes one masked step at a time:
+the decoder's in fast mode, the exact model's in verified mode (``_held_loop``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
 from .sampling import SamplingParams, sample_from_logits
 from .short_prefill import ShortPrefill
+from .token_mask import TokenMask
 from .verifier import Verifier, VerifyCounts
 
 
@@ -109,6 +112,9 @@ class UniMaxEngine:
         # Verified blocks draft as many tokens as pay (calibrated by capture_graphs).
         self.draft_length = DraftLength(self.block_size)
         self.prefill_chunk = PREFILL_CHUNK
+        # A reply held to a grammar: its mask, applied inside the decoder's and the verifier's
+        # one-token graphs (generate's ``constraint``)
+        decode_graph.token_mask = TokenMask(self.exact_model.config.vocab_size, self.device)
         # Short prompts through captured graphs (with graphs only: eager, it is only slower)
         self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
                               if decode_graph.use_graphs else None)
@@ -333,7 +339,8 @@ class UniMaxEngine:
                  keep_state: bool = False, draft_block: int | None = None,
                  on_block: Callable[[list[int]], bool] | None = None,
                  on_prefill: Callable[[int, int], bool] | None = None,
-                 checkpoint: tuple[int, Callable[[], None]] | None = None) -> Generation:
+                 checkpoint: tuple[int, Callable[[], None]] | None = None,
+                 constraint=None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (new tokens on top of the kept
         state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
         decided; returning False cancels after that block. Generation stops after a stop id.
@@ -345,7 +352,8 @@ class UniMaxEngine:
         the prefill stops after the first k of ``input_ids`` (k = all of them: after the
         prefill, before any reply token) for ``keep()`` to copy the exact cache there, then goes
         on (the service keeps a chat's state where the chat template's later turns stop
-        matching this prompt)."""
+        matching this prompt). ``constraint``: a ``structured.Constraint`` every token keeps
+        to (``_held_loop``: one masked step at a time, no drafts)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -375,17 +383,27 @@ class UniMaxEngine:
             result.prefill_seconds = time.perf_counter() - start
             return result
         first, out, result.bridge = prefilled
+        if constraint is not None:  # the first token keeps to the grammar too
+            mask = self.decode_graph.token_mask
+            mask.load(constraint)
+            logits = mask.apply(out.logits[:, -1])
+            first = logits.argmax(dim=-1, keepdim=True)
+            self.decode_graph.static_token.copy_(first)
         if not sampling.is_greedy:  # the first token is sampled from the exact logits too
             self.decode_graph.set_sampling(sampling)
-            first = self._sample_first(out.logits[:, -1])
+            first = self._sample_first(out.logits[:, -1] if constraint is None else logits)
             self.decode_graph.static_token.copy_(first)
         else:
             self.decode_graph.set_sampling(None)
+        if constraint is not None:
+            constraint.accept(int(first))
         result.prefill_seconds = time.perf_counter() - start - result.bridge.seconds
         start = time.perf_counter()
         keep_going = self._emit(result, [int(first)], stops, n, on_block)
         if keep_going and len(result.tokens) < n:
-            if mode == "fast":
+            if constraint is not None:
+                self._held_loop(result, stops, n, on_block, mode, constraint)
+            elif mode == "fast":
                 self._fast_loop(result, stops, n, on_block)
             else:
                 self._verified_loop(result, stops, n, draft_block, on_block)
@@ -460,6 +478,33 @@ class UniMaxEngine:
                     break
         finally:
             result.verify = _report(len(result.tokens), counts)
+
+    def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
+        """A reply held to a grammar, one token per graph: load the grammar's mask for the next
+        token, run one masked step, read the token, feed it to the grammar. Fast mode steps
+        the decoder; verified mode steps the exact model through the verifier (a masked k = 0
+        block: exact, no drafts, since each draft would need the mask its predecessor
+        decides). One host sync per token, as the exact eager path had, but each step is one
+        graph instead of hundreds of launches."""
+        mask = self.decode_graph.token_mask
+        counts = VerifyCounts() if mode == "verified" else None
+        sampled = not self.decode_graph.sampling.is_greedy
+        if counts is not None:
+            self.verifier.current.fill_(result.tokens[-1])
+        try:
+            while len(result.tokens) < n:
+                mask.load(constraint)
+                if counts is None:
+                    token = int(self.decode_graph.run_block(1, masked=True)[0, 0])
+                else:
+                    token = self.verifier.collect(self.verifier.launch(0, sampled, masked=True),
+                                                  counts)[0]
+                constraint.accept(token)
+                if not self._emit(result, [token], stops, n, on_block):
+                    return
+        finally:
+            if counts is not None:
+                result.verify = _report(len(result.tokens), counts)
 
     def _finish(self, result: Generation, mode: str, state_before: int) -> None:
         """Leave the exact cache at input + every emitted token (the last one fed too).

@@ -214,6 +214,9 @@ class MaxTurboGraphDecoder:
         self.draft_probs = torch.zeros(block_size, model.config.vocab_size, device=self.device)
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
+        # A grammar's mask over the logits of a masked step (run_block(1, masked=True)); the
+        # engine sets it, one for its decoder and verifier (unimax.token_mask)
+        self.token_mask = None
         self.runner = GraphRunner(self.device, use_graphs, timed=True)
         # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where
         # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
@@ -255,14 +258,16 @@ class MaxTurboGraphDecoder:
     def _step_eager(self, token: torch.Tensor) -> torch.Tensor:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
-    def _block(self, n: int, sampled: bool, record: bool = False) -> None:
+    def _block(self, n: int, sampled: bool, record: bool = False, masked: bool = False) -> None:
         with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
-            self._block_steps(n, sampled, record)
+            self._block_steps(n, sampled, record, masked)
 
-    def _block_steps(self, n: int, sampled: bool, record: bool) -> None:
+    def _block_steps(self, n: int, sampled: bool, record: bool, masked: bool = False) -> None:
         token = self.static_token
         for i in range(n):
             logits = self._step(token)
+            if masked:  # a grammar's step: its forbidden tokens at -inf before the choice
+                logits = self.token_mask.apply(logits)
             if record:  # a draft of verified sampling: keep the distribution it drew from
                 token, probs = sample_with_probs(logits, self.temperature, self.top_k,
                                                  self.top_p, self.uniforms[i:i + 1])
@@ -281,7 +286,9 @@ class MaxTurboGraphDecoder:
         return written + [self.draft_probs] if record else written
 
     @staticmethod
-    def _key(n: int, sampled: bool, record: bool):
+    def _key(n: int, sampled: bool, record: bool, masked: bool = False):
+        if masked:  # (not a draft block: the draft-length policy's costs never read it)
+            return (n, sampled, "masked")
         return (n, "record") if record else (n, sampled)
 
     @torch.inference_mode()
@@ -324,19 +331,24 @@ class MaxTurboGraphDecoder:
                                 writes=[self.cache], buffers=self._buffers(record))
 
     @torch.inference_mode()
-    def run_block(self, n: int, record: bool = False) -> torch.Tensor:
+    def run_block(self, n: int, record: bool = False, masked: bool = False) -> torch.Tensor:
         """Feed ``static_token`` and n - 1 produced tokens; returns a view of the n produced
         tokens (valid until the next block). No host sync. ``record`` (sampling only): also
-        write each token's warped distribution to ``draft_probs``."""
+        write each token's warped distribution to ``draft_probs``. ``masked``: one step whose
+        choice keeps to ``token_mask`` (loaded by the caller; its graph is captured at first
+        use)."""
         if not 1 <= n <= self.block_size:
             raise ValueError(f"a block has 1..{self.block_size} steps, got {n}")
+        if masked and (n != 1 or record or self.token_mask is None):
+            raise ValueError("a masked block is one step, not a draft, with token_mask set")
         sampled = not self.sampling.is_greedy
         record = record and sampled
         if sampled:
             self.uniforms[:n].uniform_(generator=self.generator)
         self.choose_pdl()  # (before this decoder's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
-        self.runner.run(self._key(n, sampled, record), lambda: self._block(n, sampled, record),
+        self.runner.run(self._key(n, sampled, record, masked),
+                        lambda: self._block(n, sampled, record, masked),
                         writes=[self.cache], buffers=self._buffers(record))
         self.cache.seen_tokens = seen + n  # Python-side bookkeeping is not part of a graph
         return self.out_tokens[:, :n]

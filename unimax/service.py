@@ -265,8 +265,10 @@ class EngineService:
         each "delta" event carries its tokens' entries (see ``_serve_exact``). ``tools``:
         OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls).
         ``response_format``: the reply held to JSON, a JSON schema or a tool call in the model's
-        call format (structured.py); the exact model serves it too, after the thinking block
-        when the prompt opens one."""
+        call format (structured.py), after the thinking block when the prompt opens one; the
+        mode's engine serves it one masked step at a time (UniMaxEngine.generate's
+        ``constraint``). The "done" event carries the reply's text and its token ids (no stop
+        id)."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
@@ -433,7 +435,7 @@ class EngineService:
 
     @torch.inference_mode()
     def _serve(self, handle: RequestHandle) -> None:
-        if handle.logprobs is not None or handle.grammar is not None:
+        if handle.logprobs is not None:
             self._serve_exact(handle)
             return
         engine = self._engine(handle.mode)
@@ -455,6 +457,7 @@ class EngineService:
         # a raw prompt's completion goes on from the prompt's text (its first word keeps its
         # leading space); a chat reply starts a turn of its own
         detok = IncrementalDetokenizer(self.tokenizer, prompt[-1] if self._raw(handle) else None)
+        constraint = self._constraint(handle)
         curve: list[list[float]] = []
         timing = {"first": None, "last": None}
 
@@ -472,6 +475,7 @@ class EngineService:
             delta = detok.add(tokens)
             if delta:
                 handle.emit("delta", delta)
+            self._gate(constraint, detok.text, delta)
             self._publish(handle, engine, None, len(new_tokens), len(prompt), detok, curve,
                           started, timing)
             return not handle.cancelled.is_set()
@@ -487,17 +491,18 @@ class EngineService:
             # later turns render this reply otherwise: keep the state where they part
             checkpoint = (handle.keep_at - reused, lambda: self.store.save(
                 handle.conversation_id, prompt[:handle.keep_at], engine.exact_cache))
-        elif handle.tools and handle.keep_at is None:
+        elif (handle.tools or handle.grammar is not None) and handle.keep_at is None:
             # an agent's loop: the next request re-sends this one with the reply's calls as the
-            # template writes them, which may differ from the model's text by a blank; the
-            # state after the prompt still starts it
+            # template writes them, which may differ from the model's text by a blank (and a
+            # grammar's tokens from the re-encoded text's); the state after the prompt still
+            # starts it
             checkpoint = (len(new_tokens), lambda: self.store.save(
                 handle.conversation_id, prompt, engine.exact_cache))
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
                                  on_block=on_block, on_prefill=on_prefill,
-                                 checkpoint=checkpoint)
+                                 checkpoint=checkpoint, constraint=constraint)
         tail = detok.flush()
         if tail:
             handle.emit("delta", tail)
@@ -506,45 +511,44 @@ class EngineService:
             self.store.save(handle.conversation_id, prompt + result.tokens, engine.exact_cache)
         stats = self._publish(handle, engine, result, len(new_tokens), len(prompt), detok, curve,
                               started, timing)
-        handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text)
+        handle.emit("done", stopped=result.stopped, stats=stats, reply=detok.text,
+                    tokens=result.tokens[:-1] if result.stopped == "stop" else result.tokens)
+
+    def _constraint(self, handle: RequestHandle) -> Constraint | None:
+        """The reply's grammar state; off behind an open thinking block (``_gate``)."""
+        return None if handle.grammar is None else Constraint(
+            handle.grammar, self.model.config.vocab_size, active=not handle.thinking_open)
+
+    @staticmethod
+    def _gate(constraint: Constraint | None, text: str, delta: str) -> None:
+        """Hold the reply to its grammar from the token after the thinking block's end."""
+        if constraint is not None and not constraint.active and \
+                CLOSE in text[-len(delta) - len(CLOSE):]:
+            constraint.active = True
 
     def _serve_exact(self, handle: RequestHandle) -> None:
-        """A request for log-probabilities or held to a grammar, on the exact model's eager
-        forward (logprobs.py): the engines' graphs hand back tokens, not distributions, and a
-        grammar masks each token's logits before it is chosen. Its cache is its own, but its
-        attention layers borrow the mode's engine's KV buffers (no second max_context buffer
-        for a hybrid): every other request restores or resets its state before it runs. A reply
-        held to a grammar (no log-probabilities asked) starts from the conversation's kept
-        state and keeps one, as the engines' replies do: the state after its prompt, or where
-        the chat template's later turns part from it (``keep_at``), so that an agent's next
-        turn prefills only what is new. Events: "prompt" (with echo: the prompt's text and
-        entries), then a "delta" per token with its entry."""
+        """A request for log-probabilities, on the exact model's eager forward (logprobs.py):
+        the engines' graphs hand back tokens, not distributions. Held to a grammar as well
+        (``response_format``), each token's logits are masked before it is chosen. Its cache is
+        its own, but its attention layers borrow the mode's engine's KV buffers (no second
+        max_context buffer for a hybrid): every other request restores or resets its state
+        before it runs. It starts from an empty state, on purpose: the prompt's figures must
+        come from this prefill. Events: "prompt" (with echo: the prompt's text and entries),
+        then a "delta" per token with its entry."""
         want, settings, prompt = handle.logprobs or LogprobsRequest(), handle.settings, \
             handle.prompt
-        constraint = None if handle.grammar is None else Constraint(
-            handle.grammar, self.model.config.vocab_size, active=not handle.thinking_open)
+        constraint = self._constraint(handle)
         cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
-        kept = handle.logprobs is None
-        ckpt = self.store.best_prefix(handle.conversation_id, prompt) if kept else None
         reused = 0
-        if ckpt is not None:
-            self.store.restore(ckpt, cache)
-            reused = len(ckpt.tokens)
         started = time.perf_counter()
         handle.emit("started", prefill_tokens=len(prompt) - reused, reused_tokens=reused,
                     thinking_open=handle.thinking_open)
         # every position's logits only when the prompt is scored; else the prefill's chunks
         chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk) \
             if want.prompt else self.preset.prefill_chunk
-        keep = handle.keep_at if handle.keep_at is not None else len(prompt)
-        bounds = [reused, keep, len(prompt)] if reused < keep < len(prompt) else \
-            [reused, len(prompt)]
-        for start, end in zip(bounds, bounds[1:], strict=False):
-            ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)
-            entries, logits = logprobs.prefill(self.model, cache, ids,
-                                               want.top if want.prompt else None, chunk)
-            if kept and end == keep:
-                self.store.save(handle.conversation_id, prompt[:keep], cache)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        entries, logits = logprobs.prefill(self.model, cache, ids,
+                                           want.top if want.prompt else None, chunk)
         prefilled = time.perf_counter()
         if want.prompt:
             echo = EntryText(self.tokenizer)
@@ -558,9 +562,7 @@ class EngineService:
             times.append(time.perf_counter())
             item, delta = reply.add(entry)
             handle.emit("delta", delta, logprobs=[item])
-            if constraint is not None and not constraint.active and \
-                    CLOSE in reply.text[-len(delta) - len(CLOSE):]:
-                constraint.active = True  # the thinking block ended: the answer is held
+            self._gate(constraint, reply.text, delta)
             return not handle.cancelled.is_set()
 
         max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))
@@ -592,7 +594,8 @@ class EngineService:
         with self.stats_lock:
             self.latest_stats = stats
         handle.emit("stats", stats=stats)
-        handle.emit("done", stopped=stopped, stats=stats, reply=reply.text)
+        handle.emit("done", stopped=stopped, stats=stats, reply=reply.text,
+                    tokens=[entry.token for entry in tokens])
 
     def _publish(self, handle, engine, result, prefilled, prompt_len, detok, curve, started,
                  timing) -> dict:
@@ -605,6 +608,7 @@ class EngineService:
             "bridge_ms": round(bridge.seconds * 1e3, 3) if bridge else None,
             "ttft_ms": round((timing["first"] - started) * 1e3, 2) if timing["first"] else None,
             "decode_curve": list(curve), "device": str(self.device),
+            "response_format": handle.response_format and handle.response_format.kind,
         }
         if timing["first"] and timing["last"] and len(detok.tokens) > 1:
             stats["decode_tok_s"] = round((len(detok.tokens) - 1) /

@@ -11,8 +11,10 @@ text is complete, only the stop tokens are allowed: the reply ends there.
 A grammar is compiled once per request on the caller's thread (xgrammar caches compiled
 schemas), against the tokenizer's vocabulary padded to the model's: ids the tokenizer lacks are
 never allowed. The mask needs each token's logits before the token is chosen, so a constrained
-reply runs on the exact model's eager per-token path (logprobs.generate), as log-probabilities
-do: exact, slower than the engines' graphs.
+reply runs one token per captured graph of the mode's engine, the mask applied inside it
+(unimax.token_mask, ``Constraint.fill``; verified mode: the exact model's step, no drafts); with
+log-probabilities asked as well, on the exact model's eager per-token path (logprobs.generate,
+``Constraint.masked``).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ def _why(err: Exception) -> str:
 
 
 class Constraint:
-    """One reply's grammar state, for ``logprobs.generate``. ``active`` False: tokens pass
+    """One reply's grammar state, for the engines (``fill``: the mask their graphs apply) and
+    for ``logprobs.generate`` (``masked``). ``active`` False: tokens pass
     unmasked and unfed (a thinking block before the constrained answer: the service turns it
     on at ``</think>``)."""
 
@@ -212,6 +215,15 @@ class Constraint:
             out, self.bitmask.to(out.device), vocab_size=self.vocab_size,
             backend="cpu" if out.device.type == "cpu" else "torch_native")
         return out[0]
+
+    def fill(self, out: torch.Tensor) -> None:
+        """The next token's bitmask into ``out`` (int32 (1, words), on the CPU; xgrammar's
+        layout): the grammar's, or every token while not ``active``. For the engines' graphs
+        (unimax.token_mask)."""
+        if self.active:
+            self.matcher.fill_next_token_bitmask(out)
+        else:
+            out.fill_(-1)
 
     def accept(self, token: int) -> None:
         if self.active and not self.matcher.accept_token(int(token)):

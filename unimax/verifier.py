@@ -233,11 +233,11 @@ class Verifier:
         with fused_gemv.auto_pdl(setting or False, trigger):
             self._check(k, sampled, span)
 
-    def _exact_steps(self, n: int, sampled: bool = False) -> None:
+    def _exact_steps(self, n: int, sampled: bool = False, masked: bool = False) -> None:
         """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
         for one-token forwards."""
         with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
-            self._exact_run(n, sampled)
+            self._exact_run(n, sampled, masked)
 
     def _check(self, k: int, sampled: bool, span: int | None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
@@ -276,19 +276,22 @@ class Verifier:
         (self.resync_draft_conv if one_pass else self.resync_draft)()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
-    def _exact_run(self, n: int, sampled: bool) -> None:
+    def _exact_run(self, n: int, sampled: bool, masked: bool = False) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
         pay) in one graph and one host sync instead of n, as BF16-only decoding does its
         blocks. Each step feeds the token the step before predicted (``sampled``: drew from
         the exact model's warped distribution with the run's own uniforms); the snapshot is the
         state before the run (a stop inside it: the engine restores it and feeds what was
-        kept)."""
+        kept). ``masked`` (n = 1): the step's choice keeps to the decoder's ``token_mask``, a
+        grammar's (the engine loads it before each step)."""
         self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
         d = self.decoder
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
             logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
+            if masked:
+                logits = d.token_mask.apply(logits)
             if sampled:  # no drafts to check: a plain draw from the exact model
                 self.predictions[:, i:i + 1].copy_(sample_from_logits(
                     logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1]))
@@ -381,7 +384,9 @@ class Verifier:
         return ("verify", k, span, window) + (("sampled",) if sampled else ())
 
     @staticmethod
-    def run_key(steps: int, window, sampled: bool):
+    def run_key(steps: int, window, sampled: bool, masked: bool = False):
+        if masked:  # (not an exact run's key: block_costs_ms never reads it)
+            return ("masked", window, sampled)
         return ("exact", steps, window) + (("sampled",) if sampled else ())
 
     def block_costs_ms(self) -> dict[int, float]:
@@ -402,28 +407,34 @@ class Verifier:
             costs[0] = runs
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
-    def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
+    def launch(self, k: int, sampled: bool = False, steps: int = 1,
+               masked: bool = False) -> tuple[int, int, int]:
         """Queue the graph that checks the k drafts the decoder just wrote (k = 0: none;
         ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
-        distributions; its sampling settings and seeded generator are the reply's). Returns
-        what ``collect`` needs."""
+        distributions; its sampling settings and seeded generator are the reply's).
+        ``masked`` (k = 0, one step): an exact step held to the decoder's ``token_mask`` (its
+        graph captured at first use). Returns what ``collect`` needs."""
         self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
                              f"k={k}, steps={steps}")
-        if sampled and steps > 1:  # drawn into the graph's own buffers: no temporary, no copy
+        if masked and (k or steps != 1 or self.decoder.token_mask is None):
+            raise ValueError("a masked block is one exact step, no drafts, with the decoder's "
+                             "token_mask set")
+        run = steps > 1 or masked  # an exact run's form: its tokens are the predictions
+        if sampled and run:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_run[:steps].uniform_(generator=self.decoder.generator)
         elif sampled:
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
             self.u_final.uniform_(generator=self.decoder.generator)
         writes = [self.cache, self.snapshot, self.decoder.cache]
-        if steps > 1:
+        if run:
             window = self.window_for(seen + steps)
             with self.cache.attending(window):
-                self.runner.run(self.run_key(steps, window, sampled),
-                                lambda: self._exact_steps(steps, sampled),
+                self.runner.run(self.run_key(steps, window, sampled, masked),
+                                lambda: self._exact_steps(steps, sampled, masked),
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.predictions[0, :steps]]
         else:
@@ -443,16 +454,16 @@ class Verifier:
         self.result_host[:size].copy_(self.result[:size], non_blocking=True)
         if self.result_ready is not None:
             self.result_ready.record()
-        return seen, k, steps
+        return seen, k, steps if run else 0
 
     def collect(self, launched: tuple[int, int, int], counts: VerifyCounts) -> list[int]:
         """Wait for a launched block's result (not for work queued after it), account for it
         (an exact run as that many k = 0 blocks) and return the tokens it emits: the kept
         drafts and the exact model's token after them, or the run's tokens. One host sync."""
-        seen, k, steps = launched
+        seen, k, steps = launched  # (steps 0: a block; else an exact run's, or a masked step)
         if self.result_ready is not None:
             self.result_ready.synchronize()
-        if steps > 1:
+        if steps:
             exact = self.result_host[1:steps + 1].tolist()
             counts.verifier_blocks += steps
             self.cache.seen_tokens = self.decoder.cache.seen_tokens = seen + steps

@@ -1,0 +1,85 @@
+"""Decode speed of a reply held to a JSON schema, through the app's engine service, per mode,
+side by side with the same mode's plain reply and with the exact model's eager per-token path
+(what served every structured reply before the masked graphs; a request with logprobs still
+runs there): decode tok/s, the service's own stat (the panel's).
+
+usage: python bench/structured.py [--preset presets/demo.yaml] [--modes bf16 verified]
+       [--repeats 3] [--tokens 96] [--json FILE]
+
+Each mode is warmed up first as the app does (graphs captured), then one held reply captures
+the masked one-token graphs (captured at first use); the figures are the medians of --repeats
+fresh conversations. Runs on the CPU too, where the figures are the CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unimax.logprobs import LogprobsRequest  # noqa: E402
+from unimax.presets import load_preset  # noqa: E402
+from unimax.service import EngineService, GenerationSettings  # noqa: E402
+from unimax.structured import response_format  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["module", "kind", "stable"],
+          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
+                         "kind": {"enum": ["function", "class", "constant"]},
+                         "stable": {"type": "boolean"}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
+
+
+def reply(service, conversation: str, mode: str, tokens: int, held: bool, eager: bool) -> dict:
+    handle = service.submit(conversation, QUESTION, mode, GenerationSettings(
+        max_new_tokens=tokens), response_format=response_format(FORMAT) if held else None,
+        logprobs=LogprobsRequest() if eager else None)
+    done = list(handle.events(timeout=600))[-1]
+    if done.kind != "done":
+        raise SystemExit(f"{mode}: {done.text}")
+    stats = done.data["stats"]
+    return {"tok_s": stats["decode_tok_s"], "tokens": len(done.data["tokens"]),
+            "served": stats["mode"], "reply": done.data["reply"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="presets/demo.yaml")
+    parser.add_argument("--modes", nargs="+", default=["bf16", "verified"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    service = EngineService(load_preset(args.preset)).start()
+    rows = []
+    try:
+        for mode in args.modes:
+            service.warm_up((mode,))
+            reply(service, "warm", mode, args.tokens, held=True, eager=False)
+            for name, held, eager in [("plain", False, False), ("held, graphs", True, False),
+                                      ("held, eager exact", True, True)]:
+                runs = [reply(service, f"{mode}-{name}-{i}", mode, args.tokens, held, eager)
+                        for i in range(args.repeats)]
+                rate = statistics.median(r["tok_s"] for r in runs)
+                rows.append({"mode": mode, "reply": name, "decode_tok_s": rate,
+                             "tokens": runs[0]["tokens"], "served": runs[0]["served"]})
+                print(f"{mode:9} {name:18} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
+                      f"{runs[0]['reply'][:60]!r}", flush=True)
+    finally:
+        service.stop()
+    print(f"\n{'mode':9} {'reply':18} {'tok/s':>9} {'x plain':>8}  served by")
+    for row in rows:
+        plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
+        print(f"{row['mode']:9} {row['reply']:18} {row['decode_tok_s']:9.1f} "
+              f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The grammar's mask inside the engines' graphs (unimax.token_mask) against its naive twin,
+xgrammar's own ``apply_token_bitmask_inplace``, on random bitmasks, and the masked steps' guards.
+The replies it serves are tested against the twin decoder in tests/test_structured.py."""
+
+import pytest
+import torch
+
+from unimax.token_mask import TokenMask
+
+
+@pytest.mark.parametrize("vocab", [32, 100, 4096, 4099])
+def test_the_mask_is_xgrammars(vocab):
+    xgr = pytest.importorskip("xgrammar")
+    generator = torch.Generator().manual_seed(vocab)
+    mask = TokenMask(vocab, torch.device("cpu"))
+    for _ in range(4):
+        words = torch.randint(-2**31, 2**31, mask.host.shape, generator=generator,
+                              dtype=torch.int64).to(torch.int32)
+        mask.host.copy_(words)
+        mask.bits.copy_(mask.host)
+        logits = torch.randn(1, vocab, generator=generator).to(torch.bfloat16)
+        want = logits.float().clone()
+        xgr.apply_token_bitmask_inplace(want, words, vocab_size=vocab, backend="cpu")
+        got = mask.apply(logits)
+        assert got.dtype == logits.dtype
+        assert torch.equal(got.float(), want)
+
+
+class Always:
+    """A constraint whose grammar allows token 3 only (or everything while inactive)."""
+
+    def __init__(self, active=True):
+        self.active = active
+
+    def fill(self, out):
+        out.zero_()
+        out[0, 0] = 1 << 3
+        if not self.active:
+            out.fill_(-1)
+
+
+def test_load_fills_from_the_constraint():
+    mask = TokenMask(70, torch.device("cpu"))
+    logits = torch.zeros(1, 70)
+    mask.load(Always())
+    assert mask.apply(logits).argmax() == 3 and torch.isinf(mask.apply(logits)).sum() == 69
+    mask.load(Always(active=False))
+    assert torch.equal(mask.apply(logits), logits)
+
+
+def test_structured_constraint_fills_every_token_while_inactive():
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from helpers import ROOT
+    from unimax.structured import Constraint, Grammars, response_format
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "unimax-demo")
+    vocab = len(tokenizer)
+    compiled = Grammars(tokenizer, vocab, [tokenizer.eos_token_id]).compile(
+        response_format({"type": "json_object"}))
+    constraint = Constraint(compiled, vocab, active=False)
+    mask = TokenMask(vocab, torch.device("cpu"))
+    mask.load(constraint)
+    assert bool((mask.host == -1).all())
+    constraint.active = True
+    mask.load(constraint)
+    allowed = ~torch.isinf(mask.apply(torch.zeros(1, vocab)))
+    texts = {tokenizer.decode([t]) for t in allowed.nonzero()[:, 1].tolist()}
+    assert 0 < len(texts) < vocab // 10 and all(t.strip() in ("{", "") for t in texts), texts
+
+
+def test_masked_steps_are_single_steps():
+    import unimax
+    from helpers import ROOT
+    from unimax.graph import MaxTurboGraphDecoder
+
+    model = unimax.load_model(str(ROOT / "models" / "unimax-demo"), device="cpu")
+    decoder = MaxTurboGraphDecoder(model, block_size=4, use_graphs=False)
+    with pytest.raises(ValueError, match="masked block is one step"):
+        decoder.run_block(1, masked=True)  # no token_mask set
+    decoder.token_mask = TokenMask(model.config.vocab_size, torch.device("cpu"))
+    with pytest.raises(ValueError, match="masked block is one step"):
+        decoder.run_block(2, masked=True)
+
+
+class Subsets:
+    """A stand-in grammar: before each token a random half of the vocabulary is allowed (drawn
+    from the tokens taken so far), so that the mask changes every step; records what it was
+    fed. ``allowed(reply)`` is the twin's view of the same sets."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.taken, self.active = vocab, [], True
+
+    def allowed(self, reply: list[int]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + 7 * len(reply) + sum(reply))
+        return torch.rand(self.vocab, generator=g) < 0.5
+
+    def fill(self, out):
+        out.fill_(-1)
+        if self.active:
+            keep = torch.zeros(out.shape[1] * 32, dtype=torch.bool)
+            keep[:self.vocab] = self.allowed(self.taken)
+            bits = keep.view(-1, 32).long() << torch.arange(32)
+            out.copy_(bits.sum(1).to(torch.int64).remainder(2**32).to(torch.int32)[None])
+
+    def accept(self, token: int):
+        self.taken.append(int(token))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("decode, mode", [("bf16", "fast"), ("fp8", "fast"),
+                                          ("fp8", "verified")])
+def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode):
+    """The engine's masked steps (the decoder's in fast mode, the verifier's exact step in
+    verified mode) against full forwards without a cache, each step's logits masked by the same
+    sets; the fp8 twin takes its steps after the first from the FP8 tail's forward, as fp8 mode
+    does. Pure GDN and a hybrid with attention; a stop id inside the reply ends it."""
+    import unimax
+    from helpers import write_qwen_checkpoint
+    from unimax.build import build_engine
+    from unimax.fp8 import quantize_view
+
+    types = ["linear_attention", "full_attention"] if hybrid else ["linear_attention"] * 2
+    write_qwen_checkpoint(tmp_path, seed=3, num_layers=2, layer_types=types)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
+    vocab = model.config.vocab_size
+    engine = build_engine(model, decode=decode, block_size=4, use_graphs=False)
+    decoder = quantize_view(model, "tail") if decode == "fp8" and mode == "fast" else model
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    grammar = Subsets(vocab)
+    reply: list[int] = []
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
+            logits = (decoder if reply else model)(input_ids=ids).logits[0, -1]
+            reply.append(int(logits.masked_fill(~grammar.allowed(reply), -torch.inf).argmax()))
+    stop = reply[7]
+    expected = reply[:reply.index(stop) + 1]
+    result = engine.generate(prompt, 12, mode=mode, stop_ids=[stop], constraint=grammar)
+    assert result.tokens == expected and result.stopped == "stop"
+    assert grammar.taken == expected
+    # without the mask the reply is another
+    assert engine.generate(prompt, 12, mode=mode).tokens[:len(expected)] != expected
+    # and the next turn goes on from the state after the reply, as for any reply
+    engine.generate(prompt, 12, mode=mode, stop_ids=[stop], constraint=Subsets(vocab))
+    second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
+    turn = engine.generate(second, 6, mode=mode, keep_state=True)
+    whole = torch.cat([prompt, torch.tensor([expected]), second], 1)
+    if decode == "bf16" or mode == "verified":
+        assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
+    else:  # fp8: its first token is the exact model's
+        assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]
