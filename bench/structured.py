@@ -3,23 +3,29 @@ side by side with the same mode's plain reply and with the exact model's eager p
 (what served every structured reply before the masked graphs; a request with logprobs still
 runs there): decode tok/s, the service's own stat (the panel's).
 
-usage: python bench/structured.py [--preset presets/demo.yaml] [--modes bf16 verified]
-       [--repeats 3] [--tokens 96] [--json FILE]
+usage: python bench/structured.py [--preset presets/demo.yaml] [--shape qwen3.5-0.8b]
+       [--modes bf16 verified] [--repeats 3] [--tokens 96] [--json FILE]
 
 Each mode is warmed up first as the app does (graphs captured), then one held reply captures
 the masked one-token graphs (captured at first use); the figures are the medians of --repeats
-fresh conversations. Runs on the CPU too, where the figures are the CPU's.
+fresh conversations. Runs on the CPU too, where the figures are the CPU's. ``--shape``: the
+preset served with random weights of a bench/shapes.py hybrid shape (as bench/service_ttft.py
+serves them): where a step is bandwidth-bound, as on an L4, the per-token host work of a held
+reply (the grammar's mask, the sync) weighs less than on the launch-bound demo model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from unimax.logprobs import LogprobsRequest  # noqa: E402
 from unimax.presets import load_preset  # noqa: E402
@@ -50,12 +56,31 @@ def reply(service, conversation: str, mode: str, tokens: int, held: bool, eager:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="presets/demo.yaml")
+    parser.add_argument("--shape", help="random weights of this bench/shapes.py hybrid shape")
     parser.add_argument("--modes", nargs="+", default=["bf16", "verified"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--json")
     args = parser.parse_args()
-    service = EngineService(load_preset(args.preset)).start()
+    with contextlib.ExitStack() as stack:
+        preset = load_preset(args.preset)
+        if args.shape:
+            from service_ttft import random_model_folder
+
+            preset = dataclasses.replace(
+                preset, model=stack.enter_context(random_model_folder(args.shape)))
+        rows = run(EngineService(preset).start(), args)
+    print(f"\n{args.preset}" + (f" with {args.shape}" if args.shape else ""))
+    print(f"{'mode':9} {'reply':18} {'tok/s':>9} {'x plain':>8}  served by")
+    for row in rows:
+        plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
+        print(f"{row['mode']:9} {row['reply']:18} {row['decode_tok_s']:9.1f} "
+              f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def run(service, args) -> list[dict]:
     rows = []
     try:
         for mode in args.modes:
@@ -72,13 +97,7 @@ def main() -> None:
                       f"{runs[0]['reply'][:60]!r}", flush=True)
     finally:
         service.stop()
-    print(f"\n{'mode':9} {'reply':18} {'tok/s':>9} {'x plain':>8}  served by")
-    for row in rows:
-        plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
-        print(f"{row['mode']:9} {row['reply']:18} {row['decode_tok_s']:9.1f} "
-              f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":
