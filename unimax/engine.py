@@ -410,7 +410,7 @@ class UniMaxEngine:
         _sync(self.device)
         result.decode_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        self._finish(result, mode, state_before)
+        self._finish(result, mode, state_before, held=constraint is not None)
         _sync(self.device)
         result.finish_seconds = time.perf_counter() - start
         return result
@@ -506,13 +506,16 @@ class UniMaxEngine:
             if counts is not None:
                 result.verify = _report(len(result.tokens), counts)
 
-    def _finish(self, result: Generation, mode: str, state_before: int) -> None:
+    def _finish(self, result: Generation, mode: str, state_before: int,
+                held: bool = False) -> None:
         """Leave the exact cache at input + every emitted token (the last one fed too).
 
         Fast mode never touched the exact cache after the prefill: one exact chunked forward
         over the reply brings it there (the same state a fresh prefill of prompt + reply
         gives). Verified mode kept it exact block by block: restore the last block's snapshot
-        and feed that block's emitted tokens."""
+        and feed that block's emitted tokens. A reply ``held`` to a grammar in verified mode
+        stepped the exact cache through every token but the last (its masked steps keep no
+        snapshot): feed what it has not."""
         if not result.tokens:
             return
         prompt_state = state_before + result.prefill_tokens
@@ -522,12 +525,9 @@ class UniMaxEngine:
         else:
             # Roll back to the start of the last verified block (or the prompt state when no
             # block ran) and feed what was emitted since.
-            ran_blocks = result.verify is not None and result.verify.verifier_blocks > 0
-            if ran_blocks:
+            if not held and result.verify is not None and result.verify.verifier_blocks > 0:
                 self.verifier.restore_snapshot()
-            fed = result.tokens
-            if ran_blocks:
-                fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
+            fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         with self.exact_cache.attending(self.exact_cache.seen_tokens + len(fed)):
             self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
