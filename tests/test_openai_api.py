@@ -135,7 +135,7 @@ def test_seeds_reproduce_samples(api_client):
     ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400, None),
     # other servers' sampling extensions are refused, not ignored
     ({"extra_body": {"repetition_penalty": 1.1}}, 400, "repetition_penalty"),
-    ({"extra_body": {"min_p": 0.05}}, 400, "min_p"),
+    ({"extra_body": {"min_p": 1.5}}, 400, "min_p"),
     ({"extra_body": {"stop_token_ids": [3]}}, 400, "stop_token_ids"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, 400, "chat_template_kwargs"),
     ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, 400,
@@ -275,3 +275,17 @@ def test_verified_mode_samples_reproducibly(api_client):
     again = api_client.chat.completions.create(**args)
     assert first.choices[0].message.content == again.choices[0].message.content
     assert first.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["bf16", "verified"])
+def test_min_p_reaches_the_sampler(api_client, mode):
+    """min_p 1 keeps only the likeliest token: a hot sampled reply is then the greedy one (in
+    verified mode through the speculative rule's warped distributions); min_p 0 at the same
+    temperature and seed is not."""
+    args = dict(model=f"{MODEL}:{mode}", messages=QUESTION, max_tokens=24, seed=3)
+    greedy = api_client.chat.completions.create(**args, temperature=0)
+    hot = dict(args, temperature=2.0)
+    held = api_client.chat.completions.create(**hot, extra_body={"min_p": 1.0})
+    free = api_client.chat.completions.create(**hot, extra_body={"min_p": 0})
+    assert held.choices[0].message.content == greedy.choices[0].message.content
+    assert free.choices[0].message.content != greedy.choices[0].message.content

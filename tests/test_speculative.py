@@ -3,6 +3,7 @@ the warped distribution against the sampler's definition; and end to end, with a
 distorted draft, verified samples distributed as the exact model's (a chi-square test over many
 seeds) where the draft's own samples are not; seeds reproduce."""
 
+import dataclasses
 import itertools
 import math
 
@@ -44,12 +45,15 @@ def test_speculative_step_matches_the_rule(k, sparse):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.3, top_k=4),
                                     SamplingParams(temperature=1.0, top_p=0.6),
-                                    SamplingParams(temperature=0.9, top_k=5, top_p=0.8)])
+                                    SamplingParams(temperature=0.9, top_k=5, top_p=0.8),
+                                    SamplingParams(temperature=1.2, min_p=0.2),
+                                    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1)])
 def test_warped_probs_is_what_the_sampler_draws_from(params):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 11, generator=gen) * 2
     probs = warped_probs(logits, torch.tensor([params.temperature]),
-                         torch.tensor([params.top_k]), torch.tensor([params.top_p]))
+                         torch.tensor([params.top_k]), torch.tensor([params.top_p]),
+                         torch.tensor([params.min_p]))
     for row in range(3):
         want = warped_probs_reference(logits[row], params)
         assert torch.allclose(probs[row].double(), want, atol=1e-6)
@@ -91,6 +95,7 @@ def distorted_engine(model, block_size=3):
 
 
 PARAMS = SamplingParams(temperature=1.0, top_k=4)
+MIN_P = SamplingParams(temperature=1.5, min_p=0.3)  # (over top-k 4's cut at this vocabulary)
 PROMPT = torch.tensor([[1, 3, 2, 4]])
 NEW = 3
 
@@ -130,13 +135,15 @@ def chi_square_limit(dof: int, z: float = 3.719) -> float:
     return dof * (1 - a + z * math.sqrt(a)) ** 3
 
 
-@pytest.mark.parametrize("blocks", ["drafts", "exact runs", "draft vocabulary"])
+@pytest.mark.parametrize("blocks", ["drafts", "exact runs", "draft vocabulary", "min-p"])
 def test_verified_samples_follow_the_exact_distribution(model, blocks):
     """Every emitted token is distributed as sampling from the exact model: through drafts
     kept or refused by the speculative rule, or ("exact runs") through the exact steps the
     draft-length policy falls back to when drafting does not pay, several to a block, or
     ("draft vocabulary") from a full FP8 draft whose head scores tokens 0-2 only
-    (unimax.draft_vocab: its distribution is zero on the others, which still come out)."""
+    (unimax.draft_vocab: its distribution is zero on the others, which still come out);
+    ("min-p") drafts again, warped by min-p instead of top-k."""
+    warp = MIN_P if blocks == "min-p" else PARAMS
     engine = distorted_engine(model)
     if blocks == "draft vocabulary":
         engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=3,
@@ -145,25 +152,25 @@ def test_verified_samples_follow_the_exact_distribution(model, blocks):
         priced_out(engine)
     runs, counts, drafted, accepted, exact_steps = 3000, {}, 0, 0, 0
     for seed in range(runs):
-        params = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)
+        params = dataclasses.replace(warp, seed=seed)
         result = engine.generate(PROMPT, NEW, mode="verified", sampling=params)
         key = tuple(result.tokens)
         counts[key] = counts.get(key, 0) + 1
         drafted += result.verify.drafted_tokens
         accepted += result.verify.accepted_draft_tokens
         exact_steps += result.verify.verifier_blocks if not result.verify.drafted_tokens else 0
-    if blocks == "drafts":
+    if blocks in ("drafts", "min-p"):
         assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
     elif blocks == "exact runs":
         assert drafted == 0 and exact_steps == runs * (NEW - 1)
     else:  # drafts rejected, and tokens the draft cannot propose out of the residual
         assert drafted > 1000 and accepted < drafted
         assert any(t > 2 for key in counts for t in key[1:])
-    exact = joint(model, PARAMS)
+    exact = joint(model, warp)
     stat, dof = chi_square(counts, exact, runs)
     assert stat < chi_square_limit(dof), (stat, dof)
     # the test has power: the draft's own distribution is far outside the same bound
-    draft_joint = joint(DistortedDraft(model), PARAMS)
+    draft_joint = joint(DistortedDraft(model), warp)
     expected_draft_counts = {key: prob * runs for key, prob in draft_joint.items()}
     stat_draft, _ = chi_square(expected_draft_counts, exact, runs)
     assert stat_draft > 5 * chi_square_limit(dof), stat_draft

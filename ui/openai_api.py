@@ -61,7 +61,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "best_of": (None, 1),
     # other servers' sampling extensions that clients send (vLLM, llama.cpp, TGI): ignoring one
     # would answer with output the client did not ask for
-    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "typical_p": (None, 1, 1.0),
+    "repetition_penalty": (None, 1, 1.0), "typical_p": (None, 1, 1.0),
     "top_a": (None, 0, 0.0), "tfs": (None, 1, 1.0), "tfs_z": (None, 1, 1.0),
     "mirostat": (None, 0), "mirostat_mode": (None, 0), "min_tokens": (None, 0),
     "ignore_eos": (None, False), "length_penalty": (None, 1, 1.0),
@@ -75,7 +75,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 # through an OpenAI-compatible server: extra_body={"chat_template_kwargs": {...}})
 TEMPLATE_KWARGS = ("enable_thinking",)
 SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_p": "min_p"}
 
 
 class APIError(Exception):
@@ -428,7 +428,7 @@ def _options(body: dict, service: EngineService, thinking: bool | None = None):
                                       "max_new_tokens"),
               "temperature": given("temperature", "temperature"),
               "top_p": given("top_p", "top_p"), "top_k": given("top_k", "top_k"),
-              "seed": given("seed", "seed"),
+              "min_p": given("min_p", "min_p"), "seed": given("seed", "seed"),
               "thinking": defaults.thinking if thinking is None else thinking}
     try:
         settings = GenerationSettings(**values)

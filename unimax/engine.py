@@ -441,7 +441,8 @@ class UniMaxEngine:
     def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
         graph = self.decode_graph
         uniform = torch.rand(1, generator=graph.generator, device=self.device)
-        return sample_from_logits(logits, graph.temperature, graph.top_k, graph.top_p, uniform)
+        return sample_from_logits(logits, graph.temperature, graph.top_k, graph.top_p, uniform,
+                                  graph.min_p)
 
     @staticmethod
     def _emit(result: Generation, tokens: list[int], stops: set[int], n: int,

@@ -209,6 +209,7 @@ class MaxTurboGraphDecoder:
         self.temperature = torch.ones(1, device=self.device)
         self.top_k = torch.zeros(1, **long)
         self.top_p = torch.ones(1, device=self.device)
+        self.min_p = torch.zeros(1, device=self.device)
         self.uniforms = torch.zeros(block_size, device=self.device)
         # Verified sampling: the distribution each draft token was drawn from (speculative.py)
         self.draft_probs = torch.zeros(block_size, model.config.vocab_size, device=self.device)
@@ -248,6 +249,7 @@ class MaxTurboGraphDecoder:
             self.temperature.fill_(params.temperature)
             self.top_k.fill_(params.top_k)
             self.top_p.fill_(params.top_p)
+            self.min_p.fill_(params.min_p)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
@@ -270,11 +272,11 @@ class MaxTurboGraphDecoder:
                 logits = self.token_mask.apply(logits)
             if record:  # a draft of verified sampling: keep the distribution it drew from
                 token, probs = sample_with_probs(logits, self.temperature, self.top_k,
-                                                 self.top_p, self.uniforms[i:i + 1])
+                                                 self.top_p, self.uniforms[i:i + 1], self.min_p)
                 self.draft_probs[i:i + 1].copy_(probs)
             elif sampled:
                 token = sample_from_logits(logits, self.temperature, self.top_k, self.top_p,
-                                           self.uniforms[i:i + 1])
+                                           self.uniforms[i:i + 1], self.min_p)
             else:
                 token = logits.argmax(dim=-1, keepdim=True)
             self.out_tokens[:, i:i + 1].copy_(token)

@@ -120,6 +120,7 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
         temperature = torch.tensor([sampling.temperature], device=device)
         top_k = torch.tensor([sampling.top_k], device=device)
         top_p = torch.tensor([sampling.top_p], device=device)
+        min_p = torch.tensor([sampling.min_p], device=device)
     entries: list[TokenLogprob] = []
     for step in range(max_new):
         scores = logits if constraint is None else constraint.masked(logits)
@@ -127,7 +128,7 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
             token = scores.argmax().view(1, 1)
         else:
             uniform = torch.rand(1, generator=generator).to(device)
-            token = sample_from_logits(scores[None], temperature, top_k, top_p, uniform)
+            token = sample_from_logits(scores[None], temperature, top_k, top_p, uniform, min_p)
         if constraint is not None:
             constraint.accept(int(token))
         if int(token) in stops:

@@ -1,9 +1,11 @@
-"""Choosing the next token on the device: greedy, or sampled with temperature / top-k / top-p.
+"""Choosing the next token on the device: greedy, or sampled with temperature / top-k / top-p /
+min-p (in that order, as transformers' warpers apply them: min-p keeps the tokens at least
+``min_p`` times as likely as the most likely one).
 
 Sampling reads its randomness from a uniform number the caller supplies (drawn from a seeded
 generator outside any graph), so a captured graph and an eager run draw the same tokens, and a
-seed reproduces a reply. Top-k and top-p are device tensors, so one captured graph serves every
-setting. ``sample_reference`` is the plain twin the tests hold it to.
+seed reproduces a reply. Top-k, top-p and min-p are device tensors, so one captured graph serves
+every setting. ``sample_reference`` is the plain twin the tests hold it to.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -29,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
 
     @property
     def is_greedy(self) -> bool:
@@ -36,9 +41,11 @@ class SamplingParams:
 
 
 def _warp_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p over logits (N, V): the kept probabilities in descending order
-    (not renormalized; zeros for filtered tokens) and the order (token ids)."""
+                 top_p: torch.Tensor, min_p: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p, min-p over logits (N, V): the kept probabilities in
+    descending order (not renormalized; zeros for filtered tokens) and the order (token ids).
+    ``min_p`` None: off (no kernel for it)."""
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -48,7 +55,10 @@ def _warp_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     probs = sorted_logits.softmax(dim=-1)
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
     before = probs.cumsum(dim=-1) - probs
-    return probs.masked_fill(before >= top_p, 0.0), order
+    probs = probs.masked_fill(before >= top_p, 0.0)
+    if min_p is not None:  # against the most likely token, which every filter keeps
+        probs = probs.masked_fill(probs < min_p * probs[..., :1], 0.0)
+    return probs, order
 
 
 def _draw_sorted(probs: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -59,16 +69,17 @@ def _draw_sorted(probs: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """logits (1, V); temperature, top_p (1,) float; top_k (1,) long (0 = off); uniform (1,)
-    in [0, 1). Returns the token (1, 1). No host sync, fixed shapes: graph-safe."""
-    return _draw_sorted(*_warp_sorted(logits, temperature, top_k, top_p), uniform)
+                       top_p: torch.Tensor, uniform: torch.Tensor,
+                       min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (1, V); temperature, top_p, min_p (1,) float; top_k (1,) long (0 = off);
+    uniform (1,) in [0, 1). Returns the token (1, 1). No host sync, fixed shapes: graph-safe."""
+    return _draw_sorted(*_warp_sorted(logits, temperature, top_k, top_p, min_p), uniform)
 
 
 def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
+                 top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution ``sample_from_logits`` draws from, in token order: (N, V) -> (N, V)."""
-    return _in_token_order(*_warp_sorted(logits, temperature, top_k, top_p))
+    return _in_token_order(*_warp_sorted(logits, temperature, top_k, top_p, min_p))
 
 
 def _in_token_order(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -77,11 +88,11 @@ def _in_token_order(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def sample_with_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, uniform: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      top_p: torch.Tensor, uniform: torch.Tensor,
+                      min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_from_logits`` (the same token for the same uniform) and the ``warped_probs`` it
     drew from, with one sort: what a draft of verified sampling records."""
-    probs, order = _warp_sorted(logits, temperature, top_k, top_p)
+    probs, order = _warp_sorted(logits, temperature, top_k, top_p, min_p)
     return _draw_sorted(probs, order, uniform), _in_token_order(probs, order)
 
 
@@ -99,7 +110,8 @@ def _kept_reference(logits: torch.Tensor, params: SamplingParams
             break
         kept.append(i)
         mass += float(probs[i])
-    return kept, probs
+    top = float(probs[kept[0]])
+    return [i for i in kept if float(probs[i]) >= params.min_p * top], probs
 
 
 def warped_probs_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -37,6 +37,7 @@ class GenerationSettings:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     thinking: bool | None = None  # the chat template's thinking switch; None: the preset's
+    min_p: float = 0.0  # 0 = off; else keep tokens at least min_p times the likeliest's chance
 
     def __post_init__(self) -> None:
         checks = (
@@ -46,6 +47,8 @@ class GenerationSettings:
              "a finite number >= 0 (0 = greedy)"),
             ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1,
+             "a number in [0, 1] (0 = off)"),
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
              f"empty, or an integer in 0..{MAX_SEED}"),
             ("thinking", self.thinking in (None, True, False), "true, false or empty"),
@@ -55,4 +58,5 @@ class GenerationSettings:
                 raise SettingsError(field, getattr(self, field), allowed)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(float(self.temperature), self.top_k, float(self.top_p), self.seed)
+        return SamplingParams(float(self.temperature), self.top_k, float(self.top_p), self.seed,
+                              float(self.min_p))

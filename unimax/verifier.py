@@ -259,7 +259,7 @@ class Verifier:
         logits = logits[:, :k + 1]  # (a padded forward's later rows are not this block's)
         if sampled:
             d = self.decoder
-            p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p)
+            p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p, d.min_p)
             m, token = speculative_step(p, d.draft_probs[:k], draft[0], self.u_accept[:k],
                                         self.u_final)
             self.num_accepted.copy_(m)
@@ -299,7 +299,8 @@ class Verifier:
                 logits = d.token_mask.apply(logits)
             if sampled:  # no drafts to check: a plain draw from the exact model
                 self.predictions[:, i:i + 1].copy_(sample_from_logits(
-                    logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1]))
+                    logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1],
+                    d.min_p))
             else:
                 self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
             self.current.copy_(self.predictions[:, i:i + 1])
