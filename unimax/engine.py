@@ -383,18 +383,17 @@ class UniMaxEngine:
             result.prefill_seconds = time.perf_counter() - start
             return result
         first, out, result.bridge = prefilled
+        logits = out.logits[:, -1]
         if constraint is not None:  # the first token keeps to the grammar too
-            mask = self.decode_graph.token_mask
-            mask.load(constraint)
-            logits = mask.apply(out.logits[:, -1])
+            self.decode_graph.token_mask.load(constraint)
+            logits = self.decode_graph.token_mask.apply(logits)
             first = logits.argmax(dim=-1, keepdim=True)
-            self.decode_graph.static_token.copy_(first)
         if not sampling.is_greedy:  # the first token is sampled from the exact logits too
             self.decode_graph.set_sampling(sampling)
-            first = self._sample_first(out.logits[:, -1] if constraint is None else logits)
-            self.decode_graph.static_token.copy_(first)
+            first = self._sample_first(logits)
         else:
             self.decode_graph.set_sampling(None)
+        self.decode_graph.static_token.copy_(first)  # (prefill_exact's argmax, or this choice)
         if constraint is not None:
             constraint.accept(int(first))
         result.prefill_seconds = time.perf_counter() - start - result.bridge.seconds

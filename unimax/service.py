@@ -539,9 +539,8 @@ class EngineService:
             handle.prompt
         constraint = self._constraint(handle)
         cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
-        reused = 0
         started = time.perf_counter()
-        handle.emit("started", prefill_tokens=len(prompt) - reused, reused_tokens=reused,
+        handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0,
                     thinking_open=handle.thinking_open)
         # every position's logits only when the prompt is scored; else the prefill's chunks
         chunk = score_chunk(self.model.config.vocab_size, self.preset.prefill_chunk) \
@@ -582,11 +581,10 @@ class EngineService:
             handle.emit("delta", tail)
         stats = {"mode": "exact", "requested_mode": handle.mode,
                  "conversation_id": handle.conversation_id,
-                 "prefilled_tokens": len(prompt) - reused, "reused_tokens": reused,
+                 "prefilled_tokens": len(prompt), "reused_tokens": 0,
                  "generated_tokens": len(tokens), "bridge_mib": None,
                  "bridge_ms": None, "acceptance_rate": None, "device": str(self.device),
-                 "prefill_tok_s": round((len(prompt) - reused) / max(prefilled - started, 1e-9),
-                                        1),
+                 "prefill_tok_s": round(len(prompt) / max(prefilled - started, 1e-9), 1),
                  "ttft_ms": round((times[0] - started) * 1e3, 2) if times else None,
                  "decode_tok_s": round((len(times) - 1) / max(times[-1] - times[0], 1e-9), 2)
                  if len(times) > 1 else None, "stopped": stopped,
