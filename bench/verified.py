@@ -7,7 +7,8 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-apart] [--probe-every 64 128] [--kernels] [--json FILE]
+       [--ab-fold-blocks] [--ab-tape-apart] [--ab-span-4] [--probe-every 64 128] [--kernels]
+       [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
 are often within rounding of each other, so two correct BF16 computations soon part ways and no
@@ -120,6 +121,14 @@ SWITCH_ABS = (
              "DECODE_KERNEL_TOKENS at 1; 17 by default: ops.decode_attention's block form reads "
              "only the stored entries): forced rows and verify block side by side",
              verify=True),
+    SwitchAB("--ab-span-4", unimax.verifier, "SHORTEST_SPAN_BLOCK", 4, "span4",
+             "a second verified engine with a compiled verify forward of 5 rows for blocks of "
+             "up to 4 drafts as well (unimax.verifier.SHORTEST_SPAN_BLOCK 4; 8 by default: "
+             "such blocks run the 9-row forward, padded). Under the app's policy at forced 0.95 "
+             "it drafts 4-5 a block (mean k 4.49 at 4B, fifty-sixth session), where a forward "
+             "costs about its rows; the policy's cost model gives +1.8% if 5 rows cost 1.15 "
+             "BF16 steps against 9 rows' 1.227. Use with --adaptive-only: its policy costs "
+             "(policy_costs_ms_span4) hold the 5-row block's time"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
              "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
