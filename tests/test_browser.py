@@ -318,3 +318,27 @@ def test_thinking_folds_away_above_the_answer(playwright, tmp_path):
         wait_for(lambda: " ".join(reasoning.split()) in " ".join(
             page.inner_text("#chatbot").split()))
         browser.close()
+
+
+def test_min_p_slider_reaches_the_sampler(page):
+    """Min-p 1 keeps only the likeliest token: an A/B at temperature 2 then shows the greedy
+    texts (temperature 0), and at min-p 0 it does not."""
+    def compare(temperature, min_p) -> tuple[str, str]:
+        for elem, value in (("#temperature", temperature), ("#min-p", min_p)):
+            box = page.locator(f"{elem} input[type=number]")
+            box.fill(str(value))
+            box.press("Enter")
+        page.fill("#ab-prompt textarea", "What does json.loads do?")
+        page.click("#ab-run")
+        status = lambda: page.inner_text("#ab-status")  # noqa: E731
+        wait_for(lambda: "Running" in status(), timeout=60, show=status)
+        wait_for(lambda: "Running" not in status(), timeout=120, show=status)
+        return page.inner_text("#ab-a"), page.inner_text("#ab-b")
+
+    page.get_by_role("tab", name="A/B").click()
+    if not page.locator("#min-p").is_visible():
+        page.get_by_text("Generation").click()  # (the accordion starts closed)
+    greedy = compare(0, 0)
+    assert compare(2, 1) == greedy
+    assert compare(2, 0) != greedy
+    compare(0, 0)  # (the module's later tests find the settings as they were)

@@ -57,6 +57,19 @@ class Service:
         return handle
 
 
+def test_the_min_p_slider_reaches_the_request():
+    """The page's settings, min-p among them (the slider after top-k), are the request's."""
+    service = Service()
+    seen = []
+    submit = service.submit
+    service.submit = lambda *args: seen.append(args[3]) or submit(*args)
+    chat = ChatTab(service, Sessions(), preset=None)
+    gen = Gen("c", "bf16", "", 0.9, 1.0, 0, 16, None, None, 0.25)
+    list(chat.reply([{"role": "user", "content": "hi"}], gen, "s", sent="hi"))
+    assert seen[0].min_p == 0.25 and seen[0].sampling().min_p == 0.25
+    assert Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None).settings().min_p == 0.0
+
+
 def test_clear_after_the_last_event_still_wins():
     """Clear between the stream's last event and the reply's end: the reply's last update is
     already on its way and may land after Clear's, so the reply ends on Clear's page."""

@@ -35,10 +35,11 @@ class Gen(NamedTuple):
     max_new: int
     seed: float | None
     thinking: bool | None
+    min_p: float = 0.0
 
     def settings(self) -> GenerationSettings:
         return settings_from(self.temperature, self.top_p, self.top_k, self.max_new, self.seed,
-                             self.thinking)
+                             self.thinking, self.min_p)
 
 
 def done_status(stopped: str | None) -> str:
@@ -49,11 +50,12 @@ def done_status(stopped: str | None) -> str:
 
 
 def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
-                  thinking=None) -> GenerationSettings:
+                  thinking=None, min_p=0.0) -> GenerationSettings:
     seed = None if seed in (None, "") else int(seed)
     return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                               top_p=float(top_p), top_k=int(top_k), seed=seed,
-                              thinking=None if thinking is None else bool(thinking))
+                              thinking=None if thinking is None else bool(thinking),
+                              min_p=float(min_p))
 
 
 class Exports:
@@ -82,25 +84,25 @@ class ChatTab:
         self.exports = Exports()
 
     def send(self, message, history, conversation_id, mode, system, temperature, top_p, top_k,
-             max_new, seed, thinking, request: gr.Request):
+             max_new, seed, thinking, min_p, request: gr.Request):
         history = list(history or [])
         if not message or not message.strip():
             yield history, message, "⚠️ Empty message: type something to send."
             return
         history.append({"role": "user", "content": message})
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking)
+                  thinking, min_p)
         yield from self.reply(history, gen, request.session_hash, sent=message)
 
     def example(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-                max_new, seed, thinking, picked: gr.SelectData, request: gr.Request):
+                max_new, seed, thinking, min_p, picked: gr.SelectData, request: gr.Request):
         """One of the preset's examples clicked on the empty chat: sent as if typed."""
         text = picked.value["text"] if isinstance(picked.value, dict) else str(picked.value)
         yield from self.send(text, history, conversation_id, mode, system, temperature, top_p,
-                             top_k, max_new, seed, thinking, request)
+                             top_k, max_new, seed, thinking, min_p, request)
 
     def regenerate(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-                   max_new, seed, thinking, request: gr.Request):
+                   max_new, seed, thinking, min_p, request: gr.Request):
         history = list(history or [])
         while history and history[-1]["role"] == "assistant":
             history.pop()
@@ -108,15 +110,15 @@ class ChatTab:
             yield history, gr.update(), "Nothing to regenerate yet."
             return
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking)
+                  thinking, min_p)
         yield from self.reply(history, gen, request.session_hash)
 
     def edited(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-               max_new, seed, thinking, edit: gr.EditData, request: gr.Request):
+               max_new, seed, thinking, min_p, edit: gr.EditData, request: gr.Request):
         history = list(history or [])[: edit.index + 1]
         history[-1] = {"role": "user", "content": edit.value}
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking)
+                  thinking, min_p)
         yield from self.reply(history, gen, request.session_hash)
 
     def reply(self, history: list[dict], gen: Gen, session: str, sent: str | None = None):

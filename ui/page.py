@@ -62,9 +62,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 system = gr.Textbox(preset.system_prompt, label="System prompt", lines=2)
                 with gr.Accordion("Generation", open=False):
                     temperature = gr.Slider(0, 2, value=g.temperature, step=0.05,
-                                            label="Temperature (0 = greedy)")
+                                            label="Temperature (0 = greedy)",
+                                            elem_id="temperature")
                     top_p = gr.Slider(0.05, 1, value=g.top_p, step=0.05, label="Top-p")
                     top_k = gr.Slider(0, 200, value=g.top_k, step=1, label="Top-k (0 = off)")
+                    min_p = gr.Slider(0, 1, value=g.min_p, step=0.01, label="Min-p (0 = off)",
+                                      elem_id="min-p")
                     max_new = gr.Slider(1, min(4096, preset.max_context),
                                         value=min(g.max_new_tokens, preset.max_context), step=1,
                                         label="Max new tokens")
@@ -116,7 +119,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 plot = gr.HTML("", elem_id="plot")  # the tok/s curve (panels.curve_svg)
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                      thinking]
+                      thinking, min_p]
         chat_outputs = [chatbot, message, status]
         # Stop and Clear cancel through the service (the reply ends within one block and its
         # generator finishes normally), not through Gradio's cancels=, which can leave the
@@ -146,7 +149,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
         for compare in (ab_btn.click, ab_prompt.submit):  # the button, or Enter in the prompt
             compare(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
-                             seed, thinking],
+                             seed, thinking, min_p],
                     [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
                     concurrency_limit=None, **page)
         timer = gr.Timer(0.5)
