@@ -26,19 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from helpers import DOC_SCHEMA  # noqa: E402  (the structured-output tests' schema)
 from unimax.logprobs import LogprobsRequest  # noqa: E402
 from unimax.presets import load_preset  # noqa: E402
 from unimax.service import EngineService, GenerationSettings  # noqa: E402
 from unimax.structured import response_format  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
-SCHEMA = {"type": "object", "additionalProperties": False,
-          "required": ["module", "kind", "stable"],
-          "properties": {"module": {"enum": ["json", "os", "re", "sys"]},
-                         "kind": {"enum": ["function", "class", "constant"]},
-                         "stable": {"type": "boolean"}}}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "doc", "schema": DOC_SCHEMA}}
 
 
 def reply(service, conversation: str, mode: str, tokens: int, held: bool, eager: bool) -> dict:

@@ -102,7 +102,7 @@ class Subsets:
             keep = torch.zeros(out.shape[1] * 32, dtype=torch.bool)
             keep[:self.vocab] = self.allowed(self.taken)
             bits = keep.view(-1, 32).long() << torch.arange(32)
-            out.copy_(bits.sum(1).to(torch.int64).remainder(2**32).to(torch.int32)[None])
+            out.copy_(bits.sum(1).remainder(2**32).to(torch.int32)[None])
 
     def accept(self, token: int):
         self.taken.append(int(token))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RequestError
+from .token_mask import ALL
 
 # The longest run of blanks the grammar allows between tokens of the JSON (xgrammar's
 # max_whitespace_cnt; within strings it does not apply). A model held to a grammar whose likely
@@ -223,7 +224,7 @@ class Constraint:
         if self.active:
             self.matcher.fill_next_token_bitmask(out)
         else:
-            out.fill_(-1)
+            out.fill_(ALL)
 
     def accept(self, token: int) -> None:
         if self.active and not self.matcher.accept_token(int(token)):
