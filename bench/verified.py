@@ -126,7 +126,7 @@ SWITCH_ABS = (
              "up to 4 drafts as well (unimax.verifier.SHORTEST_SPAN_BLOCK 4; 8 by default: "
              "such blocks run the 9-row forward, padded). Under the app's policy at forced 0.95 "
              "it drafts 4-5 a block (mean k 4.49 at 4B, fifty-sixth session), where a forward "
-             "costs about its rows; the policy's cost model gives +1.8% if 5 rows cost 1.15 "
+             "costs about its rows; the policy's cost model gives +1.8%% if 5 rows cost 1.15 "
              "BF16 steps against 9 rows' 1.227. Use with --adaptive-only: its policy costs "
              "(policy_costs_ms_span4) hold the 5-row block's time"),
     SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
