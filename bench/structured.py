@@ -1,17 +1,21 @@
 """Decode speed of a reply held to a JSON schema, through the app's engine service, per mode,
 side by side with the same mode's plain reply and with the exact model's eager per-token path
-(what served every structured reply before the masked graphs; a request with logprobs still
+(what served every structured reply before the held steps' graphs; a request with logprobs still
 runs there): decode tok/s, the service's own stat (the panel's).
 
 usage: python bench/structured.py [--preset presets/demo.yaml] [--shape qwen3.5-0.8b]
        [--modes bf16 verified] [--repeats 3] [--tokens 96] [--json FILE]
 
 Each mode is warmed up first as the app does (graphs captured), then one held reply captures
-the masked one-token graphs (captured at first use); the figures are the medians of --repeats
-fresh conversations. Runs on the CPU too, where the figures are the CPU's. ``--shape``: the
-preset served with random weights of a bench/shapes.py hybrid shape (as bench/service_ttft.py
-serves them): where a step is bandwidth-bound, as on an L4, the per-token host work of a held
-reply (the grammar's mask, the sync) weighs less than on the launch-bound demo model.
+the held steps' graphs (forward and choice, captured at first use); the figures are the medians
+of --repeats fresh conversations. Held replies run twice through the graphs: each token's
+forward queued before the host reads the token (the engine's ``held_ahead``, the default:
+unimax.held) and after it ("one at a time": the host's turn between the GPU's steps, as
+before the fifty-eighth session). Runs on the CPU too, where the figures are the CPU's.
+``--shape``: the preset served with random weights of a bench/shapes.py hybrid shape (as
+bench/service_ttft.py serves them): where a step is bandwidth-bound, as on an L4, the
+per-token host work of a held reply (the grammar's mask, the sync) weighs less than on the
+launch-bound demo model.
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ def main() -> None:
                 preset, model=stack.enter_context(random_model_folder(args.shape)))
         rows = run(EngineService(preset).start(), args)
     print(f"\n{args.preset}" + (f" with {args.shape}" if args.shape else ""))
-    print(f"{'mode':9} {'reply':18} {'tok/s':>9} {'x plain':>8}  served by")
+    print(f"{'mode':9} {'reply':20} {'tok/s':>9} {'x plain':>8}  served by")
     for row in rows:
         plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
-        print(f"{row['mode']:9} {row['reply']:18} {row['decode_tok_s']:9.1f} "
+        print(f"{row['mode']:9} {row['reply']:20} {row['decode_tok_s']:9.1f} "
               f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -83,14 +87,17 @@ def run(service, args) -> list[dict]:
         for mode in args.modes:
             service.warm_up((mode,))
             reply(service, "warm", mode, args.tokens, held=True, eager=False)
+            engine = service.engines[mode]
             for name, held, eager in [("plain", False, False), ("held, graphs", True, False),
+                                      ("held, one at a time", True, False),
                                       ("held, eager exact", True, True)]:
+                engine.held_ahead = name != "held, one at a time"
                 runs = [reply(service, f"{mode}-{name}-{i}", mode, args.tokens, held, eager)
                         for i in range(args.repeats)]
                 rate = statistics.median(r["tok_s"] for r in runs)
                 rows.append({"mode": mode, "reply": name, "decode_tok_s": rate,
                              "tokens": runs[0]["tokens"], "served": runs[0]["served"]})
-                print(f"{mode:9} {name:18} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
+                print(f"{mode:9} {name:20} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
                       f"{runs[0]['reply'][:60]!r}", flush=True)
     finally:
         service.stop()

@@ -3,8 +3,8 @@
 The reference is the naive twin: the demo model's full forward over the whole text at every
 step (no cache), its logits masked by xgrammar's own transformers logits processor
 (``xgrammar.contrib.hf.LogitsProcessor``), greedy, up to a stop token. The service serves such a
-reply on the mode's engine, one masked step at a time: bf16 and verified must give the twin's
-tokens, fp8 those of the twin whose steps after the first run the FP8 tail's forward (the
+reply on the mode's engine, one token at a time (unimax.held): bf16 and verified must give
+the twin's tokens, fp8 those of the twin whose steps after the first run the FP8 tail's forward (the
 mode's decoder), behind a thinking block too; over HTTP the ``openai`` client's
 structured-output helper (``chat.completions.parse`` with a pydantic model) must get its object.
 """

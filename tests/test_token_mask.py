@@ -1,5 +1,5 @@
 """The grammar's mask inside the engines' graphs (unimax.token_mask) against its naive twin,
-xgrammar's own ``apply_token_bitmask_inplace``, on random bitmasks, and the masked steps' guards.
+xgrammar's own ``apply_token_bitmask_inplace``, on random bitmasks, and the held steps' guards.
 The replies it serves are tested against the twin decoder in tests/test_structured.py."""
 
 import pytest
@@ -70,18 +70,20 @@ def test_structured_constraint_fills_every_token_while_inactive():
     assert 0 < len(texts) < vocab // 10 and all(t.strip() in ("{", "") for t in texts), texts
 
 
-def test_masked_steps_are_single_steps():
+def test_a_held_choice_needs_its_mask_and_forward():
     import unimax
     from helpers import ROOT
     from unimax.graph import MaxTurboGraphDecoder
 
     model = unimax.load_model(str(ROOT / "models" / "unimax-demo"), device="cpu")
     decoder = MaxTurboGraphDecoder(model, block_size=4, use_graphs=False)
-    with pytest.raises(ValueError, match="masked block is one step"):
-        decoder.run_block(1, masked=True)  # no token_mask set
+    decoder.held_forward()
+    with pytest.raises(ValueError, match="needs token_mask set"):
+        decoder.held_choice()  # no token_mask set
+    decoder = MaxTurboGraphDecoder(model, block_size=4, use_graphs=False)
     decoder.token_mask = TokenMask(model.config.vocab_size, torch.device("cpu"))
-    with pytest.raises(ValueError, match="masked block is one step"):
-        decoder.run_block(2, masked=True)
+    with pytest.raises(ValueError, match="a held_forward before it"):
+        decoder.held_choice()
 
 
 class Subsets:
@@ -108,14 +110,17 @@ class Subsets:
         self.taken.append(int(token))
 
 
+@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("decode, mode", [("bf16", "fast"), ("fp8", "fast"),
                                           ("fp8", "verified")])
-def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode):
-    """The engine's masked steps (the decoder's in fast mode, the verifier's exact step in
+def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode, ahead):
+    """The engine's held steps (the decoder's in fast mode, the verifier's exact step in
     verified mode) against full forwards without a cache, each step's logits masked by the same
     sets; the fp8 twin takes its steps after the first from the FP8 tail's forward, as fp8 mode
-    does. Pure GDN and a hybrid with attention; a stop id inside the reply ends it."""
+    does. Pure GDN and a hybrid with attention; a stop id inside the reply ends it. Each
+    token's forward queued before the host reads the token (``held_ahead``, the engine's
+    default) and after."""
     import unimax
     from helpers import write_qwen_checkpoint
     from unimax.build import build_engine
@@ -126,6 +131,7 @@ def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode):
     model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
     vocab = model.config.vocab_size
     engine = build_engine(model, decode=decode, block_size=4, use_graphs=False)
+    engine.held_ahead = ahead
     decoder = quantize_view(model, "tail") if decode == "fp8" and mode == "fast" else model
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
     grammar = Subsets(vocab)
@@ -142,12 +148,16 @@ def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode):
     assert grammar.taken == expected
     # without the mask the reply is another
     assert engine.generate(prompt, 12, mode=mode).tokens[:len(expected)] != expected
-    # and the next turn goes on from the state after the reply, as for any reply
-    engine.generate(prompt, 12, mode=mode, stop_ids=[stop], constraint=Subsets(vocab))
+    # and the next turn goes on from the state after the reply, as for any reply: one ended
+    # by its stop id, one by its length
     second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
-    turn = engine.generate(second, 6, mode=mode, keep_state=True)
-    whole = torch.cat([prompt, torch.tensor([expected]), second], 1)
-    if decode == "bf16" or mode == "verified":
-        assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
-    else:  # fp8: its first token is the exact model's
-        assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]
+    for limit in (12, 3):
+        held = engine.generate(prompt, limit, mode=mode, stop_ids=[stop],
+                               constraint=Subsets(vocab))
+        assert held.tokens == expected[:limit]
+        turn = engine.generate(second, 6, mode=mode, keep_state=True)
+        whole = torch.cat([prompt, torch.tensor([expected[:limit]]), second], 1)
+        if decode == "bf16" or mode == "verified":
+            assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
+        else:  # fp8: its first token is the exact model's
+            assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]

@@ -6,8 +6,9 @@ Modes:
   checks them with one exact forward, keeps the agreeing prefix and the exact token after it;
   the exact cache stays authoritative and the draft's cache is resynced from it after a
   rejection (after every block for the ``full`` draft).
-A reply held to a grammar (``generate``'s ``constraint``) decodes one masked step at a time:
-the decoder's in fast mode, the exact model's in verified mode (``_held_loop``).
+A reply held to a grammar (``generate``'s ``constraint``) decodes one token at a time, its mask
+applied before each choice, the host's turn behind the next forward (unimax.held): the
+decoder's in fast mode, the exact model's in verified mode (``_held_loop``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class UniMaxEngine:
         # A reply held to a grammar: its mask, applied inside the decoder's and the verifier's
         # one-token graphs (generate's ``constraint``)
         decode_graph.token_mask = TokenMask(self.exact_model.config.vocab_size, self.device)
+        # Queue each held token's forward before the host reads the token (unimax.held); False:
+        # forward after reading it, the host's turn between the GPU's steps (the A/B in
+        # bench/structured.py)
+        self.held_ahead = True
         # Short prompts through captured graphs (with graphs only: eager, it is only slower)
         self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
                               if decode_graph.use_graphs else None)
@@ -353,7 +358,8 @@ class UniMaxEngine:
         prefill, before any reply token) for ``keep()`` to copy the exact cache there, then goes
         on (the service keeps a chat's state where the chat template's later turns stop
         matching this prompt). ``constraint``: a ``structured.Constraint`` every token keeps
-        to (``_held_loop``: one masked step at a time, no drafts)."""
+        to (``_held_loop``: one token at a time, each masked before it is chosen, no
+        drafts)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -480,28 +486,35 @@ class UniMaxEngine:
             result.verify = _report(len(result.tokens), counts)
 
     def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
-        """A reply held to a grammar, one token per graph: load the grammar's mask for the next
-        token, run one masked step, read the token, feed it to the grammar. Fast mode steps
-        the decoder; verified mode steps the exact model through the verifier (a masked k = 0
-        block: exact, no drafts, since each draft would need the mask its predecessor
-        decides). One host sync per token, as the exact eager path had, but each step is one
-        graph instead of hundreds of launches."""
+        """A reply held to a grammar, one token at a time (unimax.held): load the grammar's
+        mask for the next token, queue the choice, queue the forward that feeds the chosen
+        token, and only then read the token and feed it to the grammar, so the host's turn
+        runs while the GPU runs the next forward. Fast mode steps the decoder; verified mode
+        the exact model through the verifier (exact, no drafts, since each draft would need
+        the mask its predecessor decides). One host sync per token, as the exact eager path
+        had, but each step is two graphs instead of hundreds of launches."""
         mask = self.decode_graph.token_mask
         counts = VerifyCounts() if mode == "verified" else None
-        sampled = not self.decode_graph.sampling.is_greedy
+        steps = self.decode_graph if counts is None else self.verifier
         if counts is not None:
             self.verifier.current.fill_(result.tokens[-1])
         try:
-            while len(result.tokens) < n:
+            steps.held_forward()  # (the first token's: it came from the prefill)
+            while True:
                 mask.load(constraint)
-                if counts is None:
-                    token = int(self.decode_graph.run_block(1, masked=True)[0, 0])
-                else:
-                    token = self.verifier.collect(self.verifier.launch(0, sampled, masked=True),
-                                                  counts)[0]
+                steps.held_choice()
+                # Verified mode feeds the last token too: that is the finish's feed. Fast mode
+                # skips it where the count ends the reply (its decoder's cache is dropped).
+                if self.held_ahead and (counts is not None or len(result.tokens) + 1 < n):
+                    steps.held_forward()
+                token = steps.held_token.receive()
+                if counts is not None:
+                    counts.verifier_blocks += 1
                 constraint.accept(token)
                 if not self._emit(result, [token], stops, n, on_block):
                     return
+                if not self.held_ahead:
+                    steps.held_forward()
         finally:
             if counts is not None:
                 result.verify = _report(len(result.tokens), counts)
@@ -514,8 +527,8 @@ class UniMaxEngine:
         over the reply brings it there (the same state a fresh prefill of prompt + reply
         gives). Verified mode kept it exact block by block: restore the last block's snapshot
         and feed that block's emitted tokens. A reply ``held`` to a grammar in verified mode
-        stepped the exact cache through every token but the last (its masked steps keep no
-        snapshot): feed what it has not."""
+        fed the exact cache every token, the last one too (its held steps keep no snapshot):
+        feed what it has not, if anything."""
         if not result.tokens:
             return
         prompt_state = state_before + result.prefill_tokens
@@ -528,6 +541,8 @@ class UniMaxEngine:
             if not held and result.verify is not None and result.verify.verifier_blocks > 0:
                 self.verifier.restore_snapshot()
             fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
+            if not fed:
+                return
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         with self.exact_cache.attending(self.exact_cache.seen_tokens + len(fed)):
             self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import RecurrentCache, copy_cache_
+from .held import TokenToHost, choose, logits_buffer
 from .ops import fused_gemv
 from .ops.gated_delta import fla_ops
 from .ops.timing import gc_paused, median_replay_ms
@@ -215,9 +216,12 @@ class MaxTurboGraphDecoder:
         self.draft_probs = torch.zeros(block_size, model.config.vocab_size, device=self.device)
         self.sampling = SamplingParams()
         self.generator = torch.Generator(device=self.device)
-        # A grammar's mask over the logits of a masked step (run_block(1, masked=True)); the
-        # engine sets it, one for its decoder and verifier (unimax.token_mask)
+        # A reply held to a grammar (unimax.held): the grammar's mask over a held step's
+        # choice, set by the engine (one for its decoder and verifier: unimax.token_mask); the
+        # held forward's logits (allocated at its first run) and the chosen token's way out
         self.token_mask = None
+        self.held_logits: torch.Tensor | None = None
+        self.held_token = TokenToHost(self.device)
         self.runner = GraphRunner(self.device, use_graphs, timed=True)
         # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where
         # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
@@ -260,16 +264,14 @@ class MaxTurboGraphDecoder:
     def _step_eager(self, token: torch.Tensor) -> torch.Tensor:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
-    def _block(self, n: int, sampled: bool, record: bool = False, masked: bool = False) -> None:
+    def _block(self, n: int, sampled: bool, record: bool = False) -> None:
         with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
-            self._block_steps(n, sampled, record, masked)
+            self._block_steps(n, sampled, record)
 
-    def _block_steps(self, n: int, sampled: bool, record: bool, masked: bool = False) -> None:
+    def _block_steps(self, n: int, sampled: bool, record: bool) -> None:
         token = self.static_token
         for i in range(n):
             logits = self._step(token)
-            if masked:  # a grammar's step: its forbidden tokens at -inf before the choice
-                logits = self.token_mask.apply(logits)
             if record:  # a draft of verified sampling: keep the distribution it drew from
                 token, probs = sample_with_probs(logits, self.temperature, self.top_k,
                                                  self.top_p, self.uniforms[i:i + 1], self.min_p)
@@ -288,9 +290,7 @@ class MaxTurboGraphDecoder:
         return written + [self.draft_probs] if record else written
 
     @staticmethod
-    def _key(n: int, sampled: bool, record: bool, masked: bool = False):
-        if masked:  # (not a draft block: the draft-length policy's costs never read it)
-            return (n, sampled, "masked")
+    def _key(n: int, sampled: bool, record: bool):
         return (n, "record") if record else (n, sampled)
 
     @torch.inference_mode()
@@ -333,27 +333,58 @@ class MaxTurboGraphDecoder:
                                 writes=[self.cache], buffers=self._buffers(record))
 
     @torch.inference_mode()
-    def run_block(self, n: int, record: bool = False, masked: bool = False) -> torch.Tensor:
+    def run_block(self, n: int, record: bool = False) -> torch.Tensor:
         """Feed ``static_token`` and n - 1 produced tokens; returns a view of the n produced
         tokens (valid until the next block). No host sync. ``record`` (sampling only): also
-        write each token's warped distribution to ``draft_probs``. ``masked``: one step whose
-        choice keeps to ``token_mask`` (loaded by the caller; its graph is captured at first
-        use)."""
+        write each token's warped distribution to ``draft_probs``."""
         if not 1 <= n <= self.block_size:
             raise ValueError(f"a block has 1..{self.block_size} steps, got {n}")
-        if masked and (n != 1 or record or self.token_mask is None):
-            raise ValueError("a masked block is one step, not a draft, with token_mask set")
         sampled = not self.sampling.is_greedy
         record = record and sampled
         if sampled:
             self.uniforms[:n].uniform_(generator=self.generator)
         self.choose_pdl()  # (before this decoder's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
-        self.runner.run(self._key(n, sampled, record, masked),
-                        lambda: self._block(n, sampled, record, masked),
+        self.runner.run(self._key(n, sampled, record),
+                        lambda: self._block(n, sampled, record),
                         writes=[self.cache], buffers=self._buffers(record))
         self.cache.seen_tokens = seen + n  # Python-side bookkeeping is not part of a graph
         return self.out_tokens[:, :n]
+
+    # --- a reply held to a grammar (unimax.held): forward and choice, two graphs ------------
+
+    def _held_forward(self) -> None:
+        with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
+            logits = self._step(self.static_token)
+        self.held_logits = logits_buffer(logits, self.held_logits)
+        self.held_logits.copy_(logits)
+
+    def _held_choice(self, sampled: bool) -> None:
+        token = choose(self.held_logits, self, self.uniforms[:1], sampled)
+        self.out_tokens[:, :1].copy_(token)
+        self.static_token.copy_(token)
+
+    @torch.inference_mode()
+    def held_forward(self) -> None:
+        """Feed ``static_token``; its logits wait in ``held_logits`` for ``held_choice``. No
+        host sync (its graph is captured at first use)."""
+        self.choose_pdl()  # (the setting the blocks took: one choice per decoder)
+        self.runner.run(("held", "forward"), self._held_forward, writes=[self.cache])
+        self.cache.seen_tokens += 1
+
+    @torch.inference_mode()
+    def held_choice(self) -> None:
+        """The next token from the last held forward's logits, kept to ``token_mask`` (loaded
+        by the caller), into ``static_token``, and its copy to the host queued
+        (``held_token.receive()`` reads it). No host sync."""
+        if self.token_mask is None or self.held_logits is None:
+            raise ValueError("a held choice needs token_mask set and a held_forward before it")
+        sampled = not self.sampling.is_greedy
+        if sampled:
+            self.uniforms[:1].uniform_(generator=self.generator)
+        self.runner.run(("held", "choice", sampled), lambda: self._held_choice(sampled),
+                        writes=[], buffers=self._buffers(False))
+        self.held_token.send(self.static_token)
 
     @torch.inference_mode()
     def decode_tokens(self, first_token: torch.Tensor, n: int) -> torch.Tensor:

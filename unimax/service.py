@@ -266,9 +266,9 @@ class EngineService:
         OpenAI's function list, rendered by the chat template (tool_calls.py reads the calls).
         ``response_format``: the reply held to JSON, a JSON schema or a tool call in the model's
         call format (structured.py), after the thinking block when the prompt opens one; the
-        mode's engine serves it one masked step at a time (UniMaxEngine.generate's
-        ``constraint``). The "done" event carries the reply's text and its token ids (no stop
-        id)."""
+        mode's engine serves it one token at a time, each masked before it is chosen
+        (UniMaxEngine.generate's ``constraint``, unimax.held). The "done" event carries the
+        reply's text and its token ids (no stop id)."""
         mode = mode or self.preset.mode
         settings = settings if settings is not None else self.default_settings()
         handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,

@@ -39,6 +39,7 @@ import torch
 from .attention import kernel_attends
 from .cache import CacheCopier, RecurrentCache
 from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
+from .held import TokenToHost, choose, logits_buffer
 from .ops import fused_gemv
 from .ops.gated_delta import fla_ops
 from .ops.gemv import GEMV_ROWS
@@ -174,6 +175,10 @@ class Verifier:
         cuda = exact_cache.device.type == "cuda"
         self.result_host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
         self.result_ready = torch.cuda.Event() if cuda else None
+        # A reply held to a grammar (unimax.held): the held forward's logits (allocated at its
+        # first run) and the chosen token's way out
+        self.held_logits: torch.Tensor | None = None
+        self.held_token = TokenToHost(exact_cache.device)
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
         # Programmatic dependent launch of the compiled forwards' Triton GEMMs and GEMVs
         # (ops.fused_gemv.PDL "auto"), chosen by timing as each decoder chooses its own
@@ -233,11 +238,11 @@ class Verifier:
         with fused_gemv.auto_pdl(setting or False, trigger):
             self._check(k, sampled, span)
 
-    def _exact_steps(self, n: int, sampled: bool = False, masked: bool = False) -> None:
+    def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
         for one-token forwards."""
         with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
-            self._exact_run(n, sampled, masked)
+            self._exact_run(n, sampled)
 
     def _check(self, k: int, sampled: bool, span: int | None) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
@@ -276,27 +281,19 @@ class Verifier:
         (self.resync_draft_conv if one_pass else self.resync_draft)()
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
 
-    def _exact_run(self, n: int, sampled: bool, masked: bool = False) -> None:
+    def _exact_run(self, n: int, sampled: bool) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
         pay) in one graph and one host sync instead of n, as BF16-only decoding does its
         blocks. Each step feeds the token the step before predicted (``sampled``: drew from
         the exact model's warped distribution with the run's own uniforms); the snapshot is the
         state before the run (a stop inside it: the engine restores it and feeds what was
-        kept). ``masked`` (n = 1): the step's choice keeps to the decoder's ``token_mask``, a
-        grammar's (the engine loads it before each step), with no snapshot and no resync of the
-        draft's cache: a reply held to a grammar never drafts, and it emits each token as it is
-        chosen, so the engine's finish feeds the last one on top of this cache (two copies of
-        the state a token saved: at 4B 67 MB each, read and written, ~0.9 ms on an L4's
-        300 GB/s against a ~28 ms step)."""
-        if not masked:
-            self.take_snapshot()
+        kept)."""
+        self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
         d = self.decoder
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
             logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
-            if masked:
-                logits = d.token_mask.apply(logits)
             if sampled:  # no drafts to check: a plain draw from the exact model
                 self.predictions[:, i:i + 1].copy_(sample_from_logits(
                     logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1],
@@ -304,8 +301,52 @@ class Verifier:
             else:
                 self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
             self.current.copy_(self.predictions[:, i:i + 1])
-        if not masked:
-            self.resync_draft()
+        self.resync_draft()
+
+    # --- a reply held to a grammar (unimax.held): the exact model's forward and choice ------
+    # No snapshot and no resync of the draft's cache: a held reply never drafts, and each
+    # token it emits is fed as the next forward (the finish's feed of the last one included),
+    # so the exact cache is never rolled back. (Two copies of the state a token saved: at 4B
+    # 67 MB each, read and written, ~0.9 ms on an L4's 300 GB/s against a ~28 ms step.)
+
+    def _held_forward(self) -> None:
+        with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
+            self.inputs[:, :1].copy_(self.current)
+            forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
+            logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)[:, 0]
+        self.held_logits = logits_buffer(logits, self.held_logits)
+        self.held_logits.copy_(logits)
+
+    def _held_choice(self, sampled: bool) -> None:
+        token = choose(self.held_logits, self.decoder, self.u_run[:1], sampled)
+        self.predictions[:, :1].copy_(token)
+        self.current.copy_(token)
+
+    @torch.inference_mode()
+    def held_forward(self) -> None:
+        """Feed ``current`` to the exact model; its logits wait in ``held_logits`` for
+        ``held_choice``. No host sync (its graph is captured at first use)."""
+        self.choose_pdl()  # (the one-token forwards' setting: exact runs')
+        seen = self.cache.seen_tokens
+        window = self.window_for(seen + 1)
+        with self.cache.attending(window):
+            self.runner.run(("held", "forward", window), self._held_forward, writes=[self.cache])
+        self.cache.seen_tokens = seen + 1
+
+    @torch.inference_mode()
+    def held_choice(self) -> None:
+        """The exact model's next token from the last held forward's logits, kept to the
+        decoder's ``token_mask`` (loaded by the caller), into ``current``, and its copy to the
+        host queued (``held_token.receive()`` reads it). No host sync."""
+        if self.decoder.token_mask is None or self.held_logits is None:
+            raise ValueError("a held choice needs the decoder's token_mask set and a "
+                             "held_forward before it")
+        sampled = not self.decoder.sampling.is_greedy
+        if sampled:
+            self.u_run[:1].uniform_(generator=self.decoder.generator)
+        self.runner.run(("held", "choice", sampled), lambda: self._held_choice(sampled),
+                        writes=[], buffers=self._buffers())
+        self.held_token.send(self.current)
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
@@ -391,9 +432,7 @@ class Verifier:
         return ("verify", k, span, window) + (("sampled",) if sampled else ())
 
     @staticmethod
-    def run_key(steps: int, window, sampled: bool, masked: bool = False):
-        if masked:  # (not an exact run's key: block_costs_ms never reads it)
-            return ("masked", window, sampled)
+    def run_key(steps: int, window, sampled: bool):
         return ("exact", steps, window) + (("sampled",) if sampled else ())
 
     def block_costs_ms(self) -> dict[int, float]:
@@ -414,23 +453,18 @@ class Verifier:
             costs[0] = runs
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
-    def launch(self, k: int, sampled: bool = False, steps: int = 1,
-               masked: bool = False) -> tuple[int, int, int]:
+    def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
         """Queue the graph that checks the k drafts the decoder just wrote (k = 0: none;
         ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
-        distributions; its sampling settings and seeded generator are the reply's).
-        ``masked`` (k = 0, one step): an exact step held to the decoder's ``token_mask`` (its
-        graph captured at first use). Returns what ``collect`` needs."""
+        distributions; its sampling settings and seeded generator are the reply's). Returns
+        what ``collect`` needs."""
         self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
                              f"k={k}, steps={steps}")
-        if masked and (k or steps != 1 or self.decoder.token_mask is None):
-            raise ValueError("a masked block is one exact step, no drafts, with the decoder's "
-                             "token_mask set")
-        run = steps > 1 or masked  # an exact run's form: its tokens are the predictions
+        run = steps > 1  # an exact run's form: its tokens are the predictions
         if sampled and run:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_run[:steps].uniform_(generator=self.decoder.generator)
         elif sampled:
@@ -440,8 +474,8 @@ class Verifier:
         if run:
             window = self.window_for(seen + steps)
             with self.cache.attending(window):
-                self.runner.run(self.run_key(steps, window, sampled, masked),
-                                lambda: self._exact_steps(steps, sampled, masked),
+                self.runner.run(self.run_key(steps, window, sampled),
+                                lambda: self._exact_steps(steps, sampled),
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.predictions[0, :steps]]
         else:
@@ -467,7 +501,7 @@ class Verifier:
         """Wait for a launched block's result (not for work queued after it), account for it
         (an exact run as that many k = 0 blocks) and return the tokens it emits: the kept
         drafts and the exact model's token after them, or the run's tokens. One host sync."""
-        seen, k, steps = launched  # (steps 0: a block; else an exact run's, or a masked step)
+        seen, k, steps = launched  # (steps 0: a block; else an exact run's)
         if self.result_ready is not None:
             self.result_ready.synchronize()
         if steps:

@@ -1,0 +1,68 @@
+"""A reply held to a grammar, one token per step, with the host's turn behind the GPU's work.
+
+Every token of a held reply passes through the host: xgrammar's matcher takes it and only then
+fills the mask of the token after it (unimax.structured, unimax.token_mask). Run as one graph
+per token, that turn (the token's trip to the host, the matcher, the mask's fill and copy, the
+next launch) leaves the GPU idle: at the Qwen3.5-0.8B shape on an H100 a held token took 1.495
+ms against a plain one's 1.073 (bench/RESULTS.md, fifty-eighth session). But only the choice
+needs the mask, not the forward before it. So each step is two graphs: the forward (feed the
+last token, its logits to a static buffer) and the choice (the mask, then argmax or a draw).
+The engine queues choice(t), then forward(t + 1) right behind it, which reads token t on the
+device, and only then waits for token t (an event after its copy to pinned memory, not for the
+forward queued after it): the matcher and the next mask's fill run while the GPU runs the next
+forward.
+
+The forward after the last token is not wasted in verified mode: the engine's finish feeds
+every emitted token, the last one too, to the exact cache, and this is that feed. (In fast mode
+the decoder's cache is dropped after a reply: the engine skips the forward after a reply's last
+token by count; after a stop id it costs one step.)
+
+The naive twin of a held reply is a full forward per token without a cache, its logits masked
+alike (tests/test_token_mask.py); this file holds what the decoder and the verifier share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample_from_logits
+
+
+def choose(logits: torch.Tensor, decoder, uniform: torch.Tensor, sampled: bool) -> torch.Tensor:
+    """The held step's token (1, 1) from ``logits`` (1, vocab): the grammar's mask
+    (``decoder.token_mask``) applied, then argmax, or a draw with the decoder's sampling
+    settings and ``uniform`` (1,). Graph-safe."""
+    logits = decoder.token_mask.apply(logits)
+    if sampled:
+        return sample_from_logits(logits, decoder.temperature, decoder.top_k, decoder.top_p,
+                                  uniform, decoder.min_p)
+    return logits.argmax(dim=-1, keepdim=True)
+
+
+class TokenToHost:
+    """A chosen token's copy to pinned host memory, and its arrival as an event: ``receive``
+    waits for the choice only, not for the forward the engine queued after it."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+
+    def send(self, token: torch.Tensor) -> None:
+        self.host.copy_(token.reshape(1), non_blocking=True)
+        if self.ready is not None:
+            self.ready.record()
+
+    def receive(self) -> int:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return int(self.host[0])
+
+
+def logits_buffer(logits: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+    """The static buffer a held forward writes its logits (1, vocab) to: ``held``, or a new
+    one on the first (eager) run. A graph's warm-ups run before its capture, so the buffer
+    exists before any capture and the graph writes the same memory every replay."""
+    if held is None or held.shape != logits.shape or held.dtype != logits.dtype:
+        held = torch.empty_like(logits)
+    return held
