@@ -11,6 +11,17 @@
 #   bash bench/compile_cache.sh save   # at the end of a call: $OUT/compile-cache.tar.xz.NN
 #                                      (.gz where the machine has no xz)
 #   bash bench/compile_cache.sh load   # at the start of a call, .gpucache carried
+#   bash bench/compile_cache.sh clear  # empty this machine's caches (before a load)
+#
+# A cache per kind of call (GPUCACHE names the folder, as .gitignore's .gpucache*/): the GPU
+# suite's kernels are the tests' tiny shapes, of no use to a 4B bench, whose own (fla's and
+# our kernels at the 4B shapes, inductor's 4B graphs) a cold call spends minutes on (fifty-
+# eighth session: the reference 139 s, each engine's warm-up 134-141 s, on an H100 with the
+# suite's cache loaded). Both together pass the carry's 64 MiB. So a 4B bench call clears, loads
+# its own and saves after the bench, even one cut by its timeout, into .gpucache-4b:
+#   bash bench/compile_cache.sh clear; GPUCACHE=.gpucache-4b bash bench/compile_cache.sh load
+#   timeout 440 python3 bench/verified.py ...; bash bench/compile_cache.sh save
+# with carry [".whl", ".gpucache-4b"].
 #
 # Between the two, on this machine: mkdir -p .gpucache && cp /work/.device/N/compile-cache.*
 # .gpucache/ (ignored in .gitignore: name it in carry, [".whl", ".gpucache"]).
@@ -78,6 +89,11 @@ case "${1:-}" in
     done
     echo "compile_cache: nothing in $DIR to load (a cold start)"
     ;;
+  clear)
+    mapfile -t paths < <(dirs)
+    [ ${#paths[@]} -eq 0 ] || rm -rf "${paths[@]}"
+    echo "compile_cache: cleared ${paths[*]:-nothing}"
+    ;;
   *)
-    echo "usage: bash bench/compile_cache.sh save|load" >&2; exit 2 ;;
+    echo "usage: bash bench/compile_cache.sh save|load|clear" >&2; exit 2 ;;
 esac
