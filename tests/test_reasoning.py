@@ -6,7 +6,7 @@ import random
 import pytest
 
 from helpers import reference_chat_reply
-from unimax.reasoning import ThinkSplitter, opens_thinking
+from unimax.reasoning import ThinkingEnd, ThinkSplitter, opens_thinking
 
 
 def whole(text: str, opened: bool, ends: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -95,6 +95,24 @@ def test_a_tool_call_inside_the_block_ends_it():
 def test_no_block_passes_through_unchanged():
     for text in ("Hello", " Serialize ``obj``", "\n\nx", "a <think> b", "<b>bold</b>"):
         assert streamed(list(text), False) == ("", text)
+
+
+@pytest.mark.parametrize("text", ["the os module is useful </think> {\"a\": 1}",
+                                  "plain</think>{", "</think>  x", "no end here < /think>"])
+def test_thinking_end_fires_at_the_token_that_completes_the_tag(text):
+    """ThinkingEnd against the plain check on the whole decoded prefix: True at exactly the
+    first token after which the reply's text holds </think> (the demo tokenizer spells the
+    tag in several pieces)."""
+    import unimax
+    from helpers import ROOT
+
+    tokenizer = unimax.load_tokenizer(str(ROOT / "models" / "unimax-demo"))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    watch = ThinkingEnd(tokenizer)
+    fired = [i for i, token in enumerate(tokens) if watch(token)]
+    want = [next(i for i in range(len(tokens))
+                 if "</think>" in tokenizer.decode(tokens[:i + 1]))] if "</think>" in text else []
+    assert len(tokens) > 3 and fired[:1] == want
 
 
 def test_opens_thinking():

@@ -108,13 +108,16 @@ def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, 
     assert not list(plain.events(timeout=300))[-1].data["reply"].startswith("{")
 
 
-def test_the_grammar_starts_after_the_thinking_block(tmp_path):
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
+def test_the_grammar_starts_after_the_thinking_block(tmp_path, mode):
+    """The thinking decodes in the mode's blocks (verified: drafted), the grammar holds from
+    the token after </think>: each mode's twin (fp8: the FP8 tail's tokens after the first)."""
     # the demo's reply behind an open <think> uses "▁object": renamed, it closes the block
     folder = thinking_demo_model(tmp_path / "thinking", {"▁object": "▁</think>"})
     service = EngineService(Preset(model=str(folder), device="cpu")).start()
     try:
         prompt = service.render(QUESTION)
-        handle = service.submit("c", QUESTION, "verified", GenerationSettings(max_new_tokens=96),
+        handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(FORMATS["json_schema"]))
         events = list(handle.events(timeout=300))
         stops = service.stop_ids
@@ -122,7 +125,11 @@ def test_the_grammar_starts_after_the_thinking_block(tmp_path):
         service.stop()
     assert events[0].kind == "queued" and events[-1].kind == "done", events[-1].text
     assert events[-1].data["tokens"] == reference(folder, prompt, SCHEMA, 96, stops,
-                                                  after="</think>")
+                                                  after="</think>",
+                                                  decode=APP_MODES[mode].decode
+                                                  if mode != "verified" else "bf16")
+    if mode == "verified":
+        assert events[-1].data["stats"]["drafted_tokens"] > 0  # (the thinking: drafted)
     reasoning, answer = events[-1].data["reply"].split("</think>")
     assert reasoning and not reasoning.lstrip().startswith("{")
     assert set(json.loads(answer)) == {"module", "kind", "stable"}

@@ -2,6 +2,8 @@
 xgrammar's own ``apply_token_bitmask_inplace``, on random bitmasks, and the held steps' guards.
 The replies it serves are tested against the twin decoder in tests/test_structured.py."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -161,3 +163,89 @@ def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode, ahe
             assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
         else:  # fp8: its first token is the exact model's
             assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]
+
+
+class Thinking(Subsets):
+    """Subsets behind a thinking block: every token allowed and none fed to the grammar until
+    ``close`` is taken (structured.Constraint's ``opens``), then the grammar's sets."""
+
+    def __init__(self, vocab: int, close: int):
+        super().__init__(vocab)
+        self.active, self.close, self.thought = False, close, []
+
+    def accept(self, token: int):
+        if self.active:
+            super().accept(token)
+        else:
+            self.thought.append(int(token))
+            self.active = int(token) == self.close
+
+
+def first_new(tokens: list[int], start: int) -> int:
+    """The first index from ``start`` whose token is not among those before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("decode, mode", [("bf16", "fast"), ("fp8", "fast"),
+                                          ("fp8", "verified")])
+def test_a_thinking_block_decodes_in_blocks_before_the_grammar(tmp_path, hybrid, decode, mode):
+    """A grammar behind an open thinking block: the thinking decodes as any reply does, in
+    blocks (verified mode: drafted and checked), the block that holds its closing token ends
+    there (the close falls inside a 4-token block), and the grammar holds from the next
+    token, one held step at a time. Against the twin: full forwards without a cache, no mask
+    up to the close, the grammar's sets after it; the next turn goes on from the kept
+    state."""
+    import unimax
+    from helpers import write_qwen_checkpoint
+    from unimax.build import build_engine
+    from unimax.fp8 import quantize_view
+
+    types = ["linear_attention", "full_attention"] if hybrid else ["linear_attention"] * 2
+    write_qwen_checkpoint(tmp_path, seed=3, num_layers=2, layer_types=types)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
+    vocab = model.config.vocab_size
+    engine = build_engine(model, decode=decode, block_size=4, use_graphs=False)
+    decoder = quantize_view(model, "tail") if decode == "fp8" and mode == "fast" else model
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+
+    def twin(close: int | None, n: int = 16) -> list[int]:
+        grammar, reply = Thinking(vocab, close), []
+        with torch.no_grad():
+            for _ in range(n):
+                ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
+                logits = (decoder if reply else model)(input_ids=ids).logits[0, -1]
+                if grammar.active:
+                    logits = logits.masked_fill(~grammar.allowed(grammar.taken), -torch.inf)
+                reply.append(int(logits.argmax()))
+                grammar.accept(reply[-1])
+        return reply
+
+    free = twin(None)
+    at = first_new(free, 6)  # (inside the second 4-token block: tokens 5..8)
+    close = free[at]
+    reply = twin(close)
+    assert reply[:at + 1] == free[:at + 1] and reply != free  # the grammar made a difference
+    stop = reply[first_new(reply, at + 3)]
+    expected = reply[:reply.index(stop) + 1]
+    blocks = []
+    engine.decode_graph.run_block = mock.Mock(wraps=engine.decode_graph.run_block)
+    grammar = Thinking(vocab, close)
+    result = engine.generate(prompt, 16, mode=mode, stop_ids=[stop], constraint=grammar,
+                             on_block=lambda tokens: blocks.append(list(tokens)) is None)
+    assert result.tokens == expected and result.stopped == "stop"
+    assert grammar.thought == expected[:at + 1] and grammar.taken == expected[at + 1:]
+    # the thinking ran the mode's blocks, the reply after it one token a block
+    assert engine.decode_graph.run_block.called
+    assert any(len(b) > 1 for b in blocks) and blocks[-1] == [stop]
+    assert sum(blocks, []) == expected
+    if mode == "verified":
+        assert result.verify.drafted_tokens > 0
+        assert result.verify.verifier_blocks >= len(expected) - at - 1  # (+ the held steps)
+    second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
+    turn = engine.generate(second, 6, mode=mode, keep_state=True)
+    whole = torch.cat([prompt, torch.tensor([expected]), second], 1)
+    if decode == "bf16" or mode == "verified":
+        assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
+    else:  # fp8: its first token is the exact model's
+        assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]

@@ -389,33 +389,34 @@ class UniMaxEngine:
             result.prefill_seconds = time.perf_counter() - start
             return result
         first, out, result.bridge = prefilled
-        logits = out.logits[:, -1]
-        if constraint is not None:  # the first token keeps to the grammar too
-            self.decode_graph.token_mask.load(constraint)
-            logits = self.decode_graph.token_mask.apply(logits)
-            first = logits.argmax(dim=-1, keepdim=True)
-        if not sampling.is_greedy:  # the first token is sampled from the exact logits too
-            self.decode_graph.set_sampling(sampling)
-            first = self._sample_first(logits)
-        else:
-            self.decode_graph.set_sampling(None)
-        self.decode_graph.static_token.copy_(first)  # (prefill_exact's argmax, or this choice)
-        if constraint is not None:
-            constraint.accept(int(first))
+        self.decode_graph.set_sampling(None if sampling.is_greedy else sampling)
+        if constraint is not None or not sampling.is_greedy:  # (else prefill_exact's argmax)
+            first = self._first_token(out.logits[:, -1], constraint)
+        self.decode_graph.static_token.copy_(first)
         result.prefill_seconds = time.perf_counter() - start - result.bridge.seconds
         start = time.perf_counter()
-        keep_going = self._emit(result, [int(first)], stops, n, on_block)
-        if keep_going and len(result.tokens) < n:
-            if constraint is not None:
+        # A grammar behind an open thinking block (``constraint`` not yet active) holds from
+        # the token after the block's end: until then the reply decodes as any other, in
+        # blocks (verified mode: drafted and checked), and ``_emit`` ends a block at the token
+        # that closes the thinking (the constraint's ``opens``).
+        thinking = constraint is not None and not constraint.active
+        held = constraint is not None and constraint.active
+        if self._emit(result, [int(first)], stops, n, on_block, constraint):
+            if held:
                 self._held_loop(result, stops, n, on_block, mode, constraint)
             elif mode == "fast":
-                self._fast_loop(result, stops, n, on_block)
+                self._fast_loop(result, stops, n, on_block, constraint)
             else:
-                self._verified_loop(result, stops, n, draft_block, on_block)
+                self._verified_loop(result, stops, n, draft_block, on_block, constraint)
+        if thinking and constraint.active and result.stopped == "length" and \
+                len(result.tokens) < n:
+            held = True
+            self._hold_after_thinking(result, mode, state_before, stops, n, on_block,
+                                      constraint)
         _sync(self.device)
         result.decode_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        self._finish(result, mode, state_before, held=constraint is not None)
+        self._finish(result, mode, state_before, held=held)
         _sync(self.device)
         result.finish_seconds = time.perf_counter() - start
         return result
@@ -443,47 +444,77 @@ class UniMaxEngine:
         progress = None if on_prefill is None else (lambda done, _: on_prefill(k + done, total))
         return self.prefill_exact(input_ids[:, k:], keep_state=True, on_progress=progress)
 
-    def _sample_first(self, logits: torch.Tensor) -> torch.Tensor:
+    def _first_token(self, logits: torch.Tensor, constraint) -> torch.Tensor:
+        """The token (1, 1) the exact ``logits`` (1, vocab) choose: held to ``constraint``'s
+        grammar where it is active, drawn where the decoder samples (set_sampling), else
+        argmax."""
+        if constraint is not None:
+            self.decode_graph.token_mask.load(constraint)
+            logits = self.decode_graph.token_mask.apply(logits)
         graph = self.decode_graph
+        if graph.sampling.is_greedy:
+            return logits.argmax(dim=-1, keepdim=True)
         uniform = torch.rand(1, generator=graph.generator, device=self.device)
         return sample_from_logits(logits, graph.temperature, graph.top_k, graph.top_p, uniform,
                                   graph.min_p)
 
     @staticmethod
     def _emit(result: Generation, tokens: list[int], stops: set[int], n: int,
-              on_block) -> bool:
-        """Append a block's tokens up to a stop id or the length limit; False when done."""
+              on_block, constraint=None) -> bool:
+        """Append a block's tokens up to a stop id or the length limit, each fed to
+        ``constraint`` (a grammar's, or its thinking block's watch) first; False when done, or
+        when the constraint became active at one of them (the thinking block closed: the
+        block ends there, the grammar holds from the next token)."""
         tokens = tokens[: n - len(result.tokens)]
+        opened = False
         for i, token in enumerate(tokens):
-            if token in stops:
+            if constraint is not None:
+                was = constraint.active
+                constraint.accept(token)
+                opened = constraint.active and not was
+            if token in stops or opened:
                 tokens = tokens[: i + 1]
-                result.stopped = "stop"
+                if token in stops:
+                    result.stopped = "stop"
                 break
         result.tokens.extend(tokens)
         if on_block is not None and tokens and on_block(tokens) is False:
             if result.stopped != "stop":
                 result.stopped = "cancelled"
             return False
-        return result.stopped != "stop" and len(result.tokens) < n
+        return not opened and result.stopped != "stop" and len(result.tokens) < n
 
-    def _fast_loop(self, result, stops, n, on_block) -> None:
+    def _fast_loop(self, result, stops, n, on_block, constraint=None) -> None:
         graph = self.decode_graph
         while len(result.tokens) < n:
             k = min(self.block_size, n - len(result.tokens))
             block = graph.run_block(k).tolist()[0]  # the block's one host sync
-            if not self._emit(result, block, stops, n, on_block):
+            if not self._emit(result, block, stops, n, on_block, constraint):
                 return
 
-    def _verified_loop(self, result, stops, n, draft_block, on_block) -> None:
+    def _verified_loop(self, result, stops, n, draft_block, on_block, constraint=None) -> None:
         self.verifier.current.fill_(result.tokens[-1])
         counts = VerifyCounts()
         k_max = _block_arg(draft_block, self.block_size)
         try:
             for emitted in self._verified_blocks(n - len(result.tokens), k_max, counts):
-                if not self._emit(result, emitted, stops, n, on_block):
+                if not self._emit(result, emitted, stops, n, on_block, constraint):
                     break
         finally:
             result.verify = _report(len(result.tokens), counts)
+
+    def _hold_after_thinking(self, result, mode, state_before, stops, n, on_block,
+                             constraint) -> None:
+        """The thinking block closed at the reply's last token, maybe inside a block whose
+        later tokens were dropped (``_emit``): bring the exact cache to the reply so far but
+        that token (the finish's feed), and go on held from it, as from any last token not
+        yet fed (fast mode: the exact state bridged to the decoder, whose held step feeds
+        it)."""
+        self._finish(result, mode, state_before, last_unfed=True)
+        if mode == "fast":
+            self.bridge_copy()
+            self.decode_graph.static_token.fill_(result.tokens[-1])
+        self._held_loop(result, stops, n, on_block, mode, constraint)
 
     def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
         """A reply held to a grammar, one token at a time (unimax.held): load the grammar's
@@ -494,7 +525,7 @@ class UniMaxEngine:
         the mask its predecessor decides). One host sync per token, as the exact eager path
         had, but each step is two graphs instead of hundreds of launches."""
         mask = self.decode_graph.token_mask
-        counts = VerifyCounts() if mode == "verified" else None
+        counts = None if mode == "fast" else _counts(result.verify)
         steps = self.decode_graph if counts is None else self.verifier
         if counts is not None:
             self.verifier.current.fill_(result.tokens[-1])
@@ -510,8 +541,7 @@ class UniMaxEngine:
                 token = steps.held_token.receive()
                 if counts is not None:
                     counts.verifier_blocks += 1
-                constraint.accept(token)
-                if not self._emit(result, [token], stops, n, on_block):
+                if not self._emit(result, [token], stops, n, on_block, constraint):
                     return
                 if not self.held_ahead:
                     steps.held_forward()
@@ -520,7 +550,7 @@ class UniMaxEngine:
                 result.verify = _report(len(result.tokens), counts)
 
     def _finish(self, result: Generation, mode: str, state_before: int,
-                held: bool = False) -> None:
+                held: bool = False, last_unfed: bool = False) -> None:
         """Leave the exact cache at input + every emitted token (the last one fed too).
 
         Fast mode never touched the exact cache after the prefill: one exact chunked forward
@@ -528,21 +558,25 @@ class UniMaxEngine:
         gives). Verified mode kept it exact block by block: restore the last block's snapshot
         and feed that block's emitted tokens. A reply ``held`` to a grammar in verified mode
         fed the exact cache every token, the last one too (its held steps keep no snapshot):
-        feed what it has not, if anything."""
+        feed what it has not, if anything. ``last_unfed``: all but the last token (a held
+        reply's steps after its thinking block feed it)."""
         if not result.tokens:
             return
         prompt_state = state_before + result.prefill_tokens
         if mode == "fast":
-            # The exact cache still holds the prompt state; feed the whole reply.
-            fed = result.tokens
+            # The exact cache still holds the prompt state (or, where a grammar's held steps
+            # followed a thinking block, the reply up to them): feed the rest.
+            fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
         else:
             # Roll back to the start of the last verified block (or the prompt state when no
             # block ran) and feed what was emitted since.
             if not held and result.verify is not None and result.verify.verifier_blocks > 0:
                 self.verifier.restore_snapshot()
             fed = result.tokens[self.exact_cache.seen_tokens - prompt_state:]
-            if not fed:
-                return
+        if last_unfed:
+            fed = fed[:-1]
+        if not fed:
+            return
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         with self.exact_cache.attending(self.exact_cache.seen_tokens + len(fed)):
             self.exact_model.forward_unchecked(ids, self.exact_cache, logits_to_keep=1)
@@ -552,6 +586,14 @@ class UniMaxEngine:
 def _report(generated: int, counts: VerifyCounts) -> VerifyReport:
     return VerifyReport(generated, counts.drafted, counts.accepted, counts.rejected_blocks,
                         counts.verifier_blocks)
+
+
+def _counts(report: VerifyReport | None) -> VerifyCounts:
+    """Counts that go on from ``report`` (a thinking block's verified blocks), or new ones."""
+    if report is None:
+        return VerifyCounts()
+    return VerifyCounts(report.drafted_tokens, report.accepted_draft_tokens,
+                        report.rejected_blocks, report.verifier_blocks)
 
 
 def _count(n) -> int:

@@ -19,6 +19,22 @@ def opens_thinking(prompt_tail: str) -> bool:
     return at >= 0 and CLOSE not in prompt_tail[at:]
 
 
+class ThinkingEnd:
+    """Watches a reply's tokens for the end of its thinking block: called with each token in
+    turn, True at the one whose text completes ``</think>`` (a grammar holds the reply from
+    the next token: structured.Constraint's ``opens``). The text is the stream's own
+    (detokenize.IncrementalDetokenizer, ``previous`` as there)."""
+
+    def __init__(self, tokenizer, previous: int | None = None):
+        from .detokenize import IncrementalDetokenizer
+
+        self.text = IncrementalDetokenizer(tokenizer, previous)
+
+    def __call__(self, token: int) -> bool:
+        delta = self.text.add([int(token)])
+        return bool(delta) and CLOSE in self.text.text[-len(delta) - len(CLOSE):]
+
+
 def _partial(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):

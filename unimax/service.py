@@ -30,7 +30,7 @@ from .errors import RequestError
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
 from .presets import Preset, PresetError
-from .reasoning import CLOSE, opens_thinking
+from .reasoning import ThinkingEnd, opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
 from .structured import Constraint, Grammars, ResponseFormat, ToolCallFormat
@@ -475,7 +475,6 @@ class EngineService:
             delta = detok.add(tokens)
             if delta:
                 handle.emit("delta", delta)
-            self._gate(constraint, detok.text, delta)
             self._publish(handle, engine, None, len(new_tokens), len(prompt), detok, curve,
                           started, timing)
             return not handle.cancelled.is_set()
@@ -515,16 +514,13 @@ class EngineService:
                     tokens=result.tokens[:-1] if result.stopped == "stop" else result.tokens)
 
     def _constraint(self, handle: RequestHandle) -> Constraint | None:
-        """The reply's grammar state; off behind an open thinking block (``_gate``)."""
-        return None if handle.grammar is None else Constraint(
-            handle.grammar, self.model.config.vocab_size, active=not handle.thinking_open)
-
-    @staticmethod
-    def _gate(constraint: Constraint | None, text: str, delta: str) -> None:
-        """Hold the reply to its grammar from the token after the thinking block's end."""
-        if constraint is not None and not constraint.active and \
-                CLOSE in text[-len(delta) - len(CLOSE):]:
-            constraint.active = True
+        """The reply's grammar state; behind an open thinking block, off until the token
+        after the block's end (reasoning.ThinkingEnd)."""
+        if handle.grammar is None:
+            return None
+        opens = ThinkingEnd(self.tokenizer, handle.prompt[-1] if self._raw(handle) else None)
+        return Constraint(handle.grammar, self.model.config.vocab_size,
+                          active=not handle.thinking_open, opens=opens)
 
     def _serve_exact(self, handle: RequestHandle) -> None:
         """A request for log-probabilities, on the exact model's eager forward (logprobs.py):
@@ -561,7 +557,6 @@ class EngineService:
             times.append(time.perf_counter())
             item, delta = reply.add(entry)
             handle.emit("delta", delta, logprobs=[item])
-            self._gate(constraint, reply.text, delta)
             return not handle.cancelled.is_set()
 
         max_new = min(settings.max_new_tokens, self.preset.max_context - len(prompt))

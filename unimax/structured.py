@@ -192,16 +192,18 @@ def _why(err: Exception) -> str:
 
 class Constraint:
     """One reply's grammar state, for the engines (``fill``: the mask their graphs apply) and
-    for ``logprobs.generate`` (``masked``). ``active`` False: tokens pass
-    unmasked and unfed (a thinking block before the constrained answer: the service turns it
-    on at ``</think>``)."""
+    for ``logprobs.generate`` (``masked``). ``active`` False: tokens pass unmasked and unfed
+    to the grammar (a thinking block before the constrained answer); ``opens`` (a
+    reasoning.ThinkingEnd) sees each of them and turns the grammar on after the token that
+    ends the block."""
 
-    def __init__(self, compiled, vocab_size: int, active: bool = True):
+    def __init__(self, compiled, vocab_size: int, active: bool = True, opens=None):
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         self.active = active
+        self.opens = opens
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of ``logits`` (V,) with every token the grammar forbids at -inf."""
@@ -227,5 +229,8 @@ class Constraint:
             out.fill_(ALL)
 
     def accept(self, token: int) -> None:
-        if self.active and not self.matcher.accept_token(int(token)):
+        """Feed a chosen token: to the grammar, or (not ``active``) to ``opens``."""
+        if not self.active:
+            self.active = self.opens is not None and bool(self.opens(token))
+        elif not self.matcher.accept_token(int(token)):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
