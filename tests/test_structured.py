@@ -20,6 +20,7 @@ from helpers import DOC_SCHEMA as SCHEMA
 from helpers import ROOT, grammar_processor, thinking_demo_model
 from unimax.errors import RequestError
 from unimax.fp8 import quantize_view
+from unimax.logprobs import LogprobsRequest
 from unimax.modes import APP_MODES
 from unimax.presets import Preset
 from unimax.service import EngineService
@@ -121,6 +122,12 @@ def test_the_grammar_starts_after_the_thinking_block(tmp_path, mode):
                                 response_format=response_format(FORMATS["json_schema"]))
         events = list(handle.events(timeout=300))
         stops = service.stop_ids
+        exact = None
+        if mode == "verified":  # and with logprobs, on the exact eager path (logprobs.py)
+            exact = service.submit("e", QUESTION, mode, GenerationSettings(max_new_tokens=96),
+                                   response_format=response_format(FORMATS["json_schema"]),
+                                   logprobs=LogprobsRequest())
+            exact = list(exact.events(timeout=300))[-1]
     finally:
         service.stop()
     assert events[0].kind == "queued" and events[-1].kind == "done", events[-1].text
@@ -130,6 +137,8 @@ def test_the_grammar_starts_after_the_thinking_block(tmp_path, mode):
                                                   if mode != "verified" else "bf16")
     if mode == "verified":
         assert events[-1].data["stats"]["drafted_tokens"] > 0  # (the thinking: drafted)
+        assert exact.data["stats"]["mode"] == "exact"
+        assert exact.data["tokens"] == events[-1].data["tokens"]
     reasoning, answer = events[-1].data["reply"].split("</think>")
     assert reasoning and not reasoning.lstrip().startswith("{")
     assert set(json.loads(answer)) == {"module", "kind", "stable"}
