@@ -6,9 +6,9 @@ runs there): decode tok/s, the service's own stat (the panel's).
 usage: python bench/structured.py [--preset presets/demo.yaml] [--shape qwen3.5-0.8b]
        [--modes bf16 verified] [--repeats 3] [--tokens 96] [--json FILE]
 
-Each mode is warmed up first as the app does (graphs captured), then one held reply captures
-the held steps' graphs (forward and choice, captured at first use); the figures are the medians
-of --repeats fresh conversations. Held replies run twice through the graphs: each token's
+Each mode is warmed up first as the app does (graphs captured, the held steps' forward and
+choice among them), then one held reply (the grammar compiled); the figures are the medians of
+--repeats fresh conversations. Held replies run twice through the graphs: each token's
 forward queued before the host reads the token (the engine's ``held_ahead``, the default:
 unimax.held) and after it ("one at a time": the host's turn between the GPU's steps, as
 before the fifty-eighth session). Runs on the CPU too, where the figures are the CPU's.

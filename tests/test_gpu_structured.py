@@ -28,6 +28,10 @@ def test_structured_output_on_gpu(mode):
 
     service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
     try:
+        # the held step's graphs captured up front, as the app's warm-up does (capture_graphs),
+        # before this test thread hands the service its request
+        engine = service._engine(mode)
+        (engine.verifier if mode == "verified" else engine.decode_graph).capture_held()
         fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
         handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(fmt))

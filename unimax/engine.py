@@ -248,9 +248,9 @@ class UniMaxEngine:
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
-        mode the verifier of each block size and the rewind of each length; ``sampled``: the
-        sampling variants too) at start-up. The caches are left as they were. A no-op without
-        graphs."""
+        mode the verifier of each block size and the rewind of each length; the held steps of
+        a reply held to a grammar, the mode's; ``sampled``: the sampling variants too) at
+        start-up. The caches are left as they were. A no-op without graphs."""
         self.decode_graph.capture_blocks()  # greedy blocks: every reply may meet them
         if sampled:
             self.decode_graph.capture_blocks(sampled=True)
@@ -262,6 +262,7 @@ class UniMaxEngine:
             self.verifier.capture(sampled=sampled)
             if self.decode_graph.use_graphs:
                 self._calibrate_draft_length()
+        (self.verifier if verified else self.decode_graph).capture_held(sampled)
 
     def _calibrate_draft_length(self) -> None:
         """The draft-length policy's costs: the captured graphs' own replay times."""

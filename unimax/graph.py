@@ -365,6 +365,16 @@ class MaxTurboGraphDecoder:
         self.static_token.copy_(token)
 
     @torch.inference_mode()
+    def capture_held(self, sampled: bool = False) -> None:
+        """Capture the held step's graphs now (start-up), not at a held reply's first token:
+        the forward, then the greedy choice (``sampled``: the sampled one too)."""
+        self.choose_pdl()
+        self.runner.prepare(("held", "forward"), self._held_forward, writes=[self.cache])
+        for s in (False, True) if sampled else (False,):
+            self.runner.prepare(("held", "choice", s), lambda s=s: self._held_choice(s),
+                                writes=[], buffers=self._buffers(False))
+
+    @torch.inference_mode()
     def held_forward(self) -> None:
         """Feed ``static_token``; its logits wait in ``held_logits`` for ``held_choice``. No
         host sync (its graph is captured at first use)."""

@@ -323,6 +323,19 @@ class Verifier:
         self.current.copy_(token)
 
     @torch.inference_mode()
+    def capture_held(self, sampled: bool = False) -> None:
+        """Capture the held step's graphs now (start-up): the forward in each KV window, then
+        the greedy choice (``sampled``: the sampled one too)."""
+        self.choose_pdl()
+        for window in self.windows():
+            with self.cache.attending(window):
+                self.runner.prepare(("held", "forward", window), self._held_forward,
+                                    writes=[self.cache])
+        for s in (False, True) if sampled else (False,):
+            self.runner.prepare(("held", "choice", s), lambda s=s: self._held_choice(s),
+                                writes=[], buffers=self._buffers())
+
+    @torch.inference_mode()
     def held_forward(self) -> None:
         """Feed ``current`` to the exact model; its logits wait in ``held_logits`` for
         ``held_choice``. No host sync (its graph is captured at first use)."""
