@@ -8,10 +8,12 @@ usage: python bench/structured.py [--preset presets/demo.yaml] [--shape qwen3.5-
 
 Each mode is warmed up first as the app does (graphs captured, the held steps' forward and
 choice among them), then one held reply (the grammar compiled); the figures are the medians of
---repeats fresh conversations. Held replies run twice through the graphs: each token's
-forward queued before the host reads the token (the engine's ``held_ahead``, the default:
-unimax.held) and after it ("one at a time": the host's turn between the GPU's steps, as
-before the fifty-eighth session). Runs on the CPU too, where the figures are the CPU's.
+--repeats fresh conversations. Held replies run through the graphs with the engine's defaults,
+then with each switch off: ``held_ahead`` (each token's forward queued before the host reads
+the token, unimax.held; off, "one at a time": the host's turn between the GPU's steps, as
+before the fifty-eighth session) and in verified mode ``held_drafts`` (drafts under the
+grammar, each block verified against its masks; off, "exact steps": one exact step a token,
+as before). Runs on the CPU too, where the figures are the CPU's.
 ``--shape``: the preset served with random weights of a bench/shapes.py hybrid shape (as
 bench/service_ttft.py serves them): where a step is bandwidth-bound, as on an L4, the
 per-token host work of a held reply (the grammar's mask, the sync) weighs less than on the
@@ -72,13 +74,25 @@ def main() -> None:
                 preset, model=stack.enter_context(random_model_folder(args.shape)))
         rows = run(EngineService(preset).start(), args)
     print(f"\n{args.preset}" + (f" with {args.shape}" if args.shape else ""))
-    print(f"{'mode':9} {'reply':20} {'tok/s':>9} {'x plain':>8}  served by")
+    print(f"{'mode':9} {'reply':26} {'tok/s':>9} {'x plain':>8}  served by")
     for row in rows:
         plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
-        print(f"{row['mode']:9} {row['reply']:20} {row['decode_tok_s']:9.1f} "
+        print(f"{row['mode']:9} {row['reply']:26} {row['decode_tok_s']:9.1f} "
               f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def variants(mode: str) -> list[tuple[str, bool, bool, bool, bool]]:
+    """Each row's (name, held to the schema, on the eager exact path, the engine's
+    held_drafts, its held_ahead): the defaults, then each switch off."""
+    rows = [("plain", False, False, True, True), ("held, graphs", True, False, True, True)]
+    if mode == "verified":  # (its default drafts under the grammar; held_ahead is for steps)
+        rows += [("held, exact steps", True, False, False, True),
+                 ("held, steps one at a time", True, False, False, False)]
+    else:
+        rows += [("held, one at a time", True, False, True, False)]
+    return rows + [("held, eager exact", True, True, True, True)]
 
 
 def run(service, args) -> list[dict]:
@@ -88,16 +102,14 @@ def run(service, args) -> list[dict]:
             service.warm_up((mode,))
             reply(service, "warm", mode, args.tokens, held=True, eager=False)
             engine = service.engines[mode]
-            for name, held, eager in [("plain", False, False), ("held, graphs", True, False),
-                                      ("held, one at a time", True, False),
-                                      ("held, eager exact", True, True)]:
-                engine.held_ahead = name != "held, one at a time"
+            for name, held, eager, drafts, ahead in variants(mode):
+                engine.held_drafts, engine.held_ahead = drafts, ahead
                 runs = [reply(service, f"{mode}-{name}-{i}", mode, args.tokens, held, eager)
                         for i in range(args.repeats)]
                 rate = statistics.median(r["tok_s"] for r in runs)
                 rows.append({"mode": mode, "reply": name, "decode_tok_s": rate,
                              "tokens": runs[0]["tokens"], "served": runs[0]["served"]})
-                print(f"{mode:9} {name:20} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
+                print(f"{mode:9} {name:26} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
                       f"{runs[0]['reply'][:60]!r}", flush=True)
     finally:
         service.stop()

@@ -1,6 +1,7 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): structured output on CUDA, where the grammar's mask
-is applied inside the mode's captured one-token graphs (unimax/token_mask.py): BF16-only's
-decoder, verified mode's exact step. The reply must be the schema's JSON and follow the naive
+is applied inside the mode's captured graphs (unimax/token_mask.py, unimax/held.py):
+BF16-only's held steps, verified mode's drafts under the grammar and its blocks checked against
+the grammar's masks. The reply must be the schema's JSON and follow the naive
 twin (full forwards without a cache, xgrammar's transformers logits processor): a divergence
 only where that reference's top two allowed logits are within BF16 rounding."""
 
@@ -28,10 +29,12 @@ def test_structured_output_on_gpu(mode):
 
     service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
     try:
-        # the held step's graphs captured up front, as the app's warm-up does (capture_graphs),
-        # before this test thread hands the service its request
+        # the held replies' graphs captured up front, as the app's warm-up does
+        # (capture_graphs), before this test thread hands the service its request
         engine = service._engine(mode)
-        (engine.verifier if mode == "verified" else engine.decode_graph).capture_held()
+        engine.decode_graph.capture_held()  # (verified mode's drafts under the grammar)
+        if mode == "verified":
+            engine.verifier.capture_held()  # (its blocks checked against the grammar's masks)
         fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
         handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(fmt))
@@ -39,6 +42,8 @@ def test_structured_output_on_gpu(mode):
         done = events[-1]
         assert done.kind == "done", done.text
         assert done.data["stats"]["mode"] == mode  # the mode's engine, its captured graphs
+        if mode == "verified":  # drafted under the grammar, each block checked by its masks
+            assert done.data["stats"]["drafted_tokens"] > 0
         tokens = done.data["tokens"]
         prompt, stops = service.render(QUESTION), service.stop_ids
         processor = grammar_processor(

@@ -96,6 +96,8 @@ def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, 
     assert done.data["reply"] == demo_service.tokenizer.decode(expected)
     assert done.data["stats"]["mode"] == mode  # the mode's engine served it
     assert done.data["stats"]["response_format"] == name
+    if mode == "verified":  # drafted under the grammar, checked against its masks
+        assert done.data["stats"]["drafted_tokens"] > 0
     text = done.data["reply"]
     assert text.startswith("{")
     if name == "json_schema":  # finished: valid JSON, of the schema

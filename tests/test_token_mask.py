@@ -111,6 +111,9 @@ class Subsets:
     def accept(self, token: int):
         self.taken.append(int(token))
 
+    def rollback(self, count: int):
+        del self.taken[len(self.taken) - count:]
+
 
 @pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -235,13 +238,14 @@ def test_a_thinking_block_decodes_in_blocks_before_the_grammar(tmp_path, hybrid,
                              on_block=lambda tokens: blocks.append(list(tokens)) is None)
     assert result.tokens == expected and result.stopped == "stop"
     assert grammar.thought == expected[:at + 1] and grammar.taken == expected[at + 1:]
-    # the thinking ran the mode's blocks, the reply after it one token a block
+    # the thinking ran the mode's blocks; after it fast modes step one token a block, verified
+    # mode drafts under the grammar (_held_verified_loop)
     assert engine.decode_graph.run_block.called
-    assert any(len(b) > 1 for b in blocks) and blocks[-1] == [stop]
-    assert sum(blocks, []) == expected
-    if mode == "verified":
+    assert any(len(b) > 1 for b in blocks) and sum(blocks, []) == expected
+    if mode == "fast":
+        assert blocks[-1] == [stop]
+    else:
         assert result.verify.drafted_tokens > 0
-        assert result.verify.verifier_blocks >= len(expected) - at - 1  # (+ the held steps)
     second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
     turn = engine.generate(second, 6, mode=mode, keep_state=True)
     whole = torch.cat([prompt, torch.tensor([expected]), second], 1)
@@ -249,3 +253,51 @@ def test_a_thinking_block_decodes_in_blocks_before_the_grammar(tmp_path, hybrid,
         assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
     else:  # fp8: its first token is the exact model's
         assert turn.tokens[0] == unimax.exact_greedy_tokens(model, whole, 1)[0, 0]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("draft", ["tail", "full"])
+def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid, draft):
+    """Verified mode drafts under the grammar and checks each block against the grammar's
+    masks (engine._held_verified_loop): with the draft made to take the second-best allowed
+    token every third draft (so rejections fall at every position of the 4-token blocks),
+    the reply is still the masked twin's (exact greedy under the grammar), the grammar took
+    back every rejected draft, and the next turn goes on from the kept state."""
+    import itertools
+
+    import unimax
+    from helpers import write_qwen_checkpoint
+    from unimax.build import build_engine
+
+    types = ["linear_attention", "full_attention"] if hybrid else ["linear_attention"] * 2
+    write_qwen_checkpoint(tmp_path, seed=3, num_layers=2, layer_types=types)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
+    vocab = model.config.vocab_size
+    engine = build_engine(model, decode="fp8", draft=draft, block_size=4, use_graphs=False)
+    graph, calls = engine.decode_graph, itertools.count()
+    original = graph._held_choice
+
+    def wrong(sampled):
+        original(sampled)
+        if next(calls) % 3 == 1:
+            allowed = graph.token_mask.apply(graph.held_logits)
+            graph.static_token.copy_(allowed.topk(2, dim=-1).indices[:, 1:])
+
+    graph._held_choice = wrong
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    grammar = Subsets(vocab)
+    reply: list[int] = []
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
+            logits = model(input_ids=ids).logits[0, -1]
+            reply.append(int(logits.masked_fill(~grammar.allowed(reply), -torch.inf).argmax()))
+    result = engine.generate(prompt, 20, mode="verified", constraint=grammar)
+    assert result.tokens == reply and grammar.taken == reply
+    verify = result.verify
+    assert verify.drafted_tokens > 0 and verify.rejected_blocks >= 3
+    assert verify.accepted_draft_tokens < verify.drafted_tokens
+    second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
+    turn = engine.generate(second, 6, mode="verified", keep_state=True)
+    whole = torch.cat([prompt, torch.tensor([reply]), second], 1)
+    assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()

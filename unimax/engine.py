@@ -8,7 +8,8 @@ Modes:
   rejection (after every block for the ``full`` draft).
 A reply held to a grammar (``generate``'s ``constraint``) decodes one token at a time, its mask
 applied before each choice, the host's turn behind the next forward (unimax.held): the
-decoder's in fast mode, the exact model's in verified mode (``_held_loop``).
+decoder's in fast mode (``_held_loop``); in verified mode the draft's, under the grammar, each
+block checked against the grammar's masks (``_held_verified_loop``).
 """
 
 from __future__ import annotations
@@ -115,11 +116,15 @@ class UniMaxEngine:
         self.prefill_chunk = PREFILL_CHUNK
         # A reply held to a grammar: its mask, applied inside the decoder's and the verifier's
         # one-token graphs (generate's ``constraint``)
-        decode_graph.token_mask = TokenMask(self.exact_model.config.vocab_size, self.device)
+        decode_graph.token_mask = TokenMask(self.exact_model.config.vocab_size, self.device,
+                                            rows=decode_graph.block_size + 1)
         # Queue each held token's forward before the host reads the token (unimax.held); False:
         # forward after reading it, the host's turn between the GPU's steps (the A/B in
         # bench/structured.py)
         self.held_ahead = True
+        # Verified mode's greedy replies held to a grammar draft under it and verify each
+        # block with the grammar's masks (``_held_verified_loop``); False: exact steps only
+        self.held_drafts = True
         # Short prompts through captured graphs (with graphs only: eager, it is only slower)
         self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
                               if decode_graph.use_graphs else None)
@@ -248,8 +253,8 @@ class UniMaxEngine:
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
-        mode the verifier of each block size and the rewind of each length; the held steps of
-        a reply held to a grammar, the mode's; ``sampled``: the sampling variants too) at
+        mode the verifier of each block size and the rewind of each length; the held steps and
+        masked blocks of a reply held to a grammar; ``sampled``: the sampling variants too) at
         start-up. The caches are left as they were. A no-op without graphs."""
         self.decode_graph.capture_blocks()  # greedy blocks: every reply may meet them
         if sampled:
@@ -262,7 +267,10 @@ class UniMaxEngine:
             self.verifier.capture(sampled=sampled)
             if self.decode_graph.use_graphs:
                 self._calibrate_draft_length()
-        (self.verifier if verified else self.decode_graph).capture_held(sampled)
+        # held replies: fast mode's steps, verified mode's drafts (greedy) and its verifier's
+        self.decode_graph.capture_held(sampled and not verified)
+        if verified:
+            self.verifier.capture_held(sampled)
 
     def _calibrate_draft_length(self) -> None:
         """The draft-length policy's costs: the captured graphs' own replay times."""
@@ -359,8 +367,8 @@ class UniMaxEngine:
         prefill, before any reply token) for ``keep()`` to copy the exact cache there, then goes
         on (the service keeps a chat's state where the chat template's later turns stop
         matching this prompt). ``constraint``: a ``structured.Constraint`` every token keeps
-        to (``_held_loop``: one token at a time, each masked before it is chosen, no
-        drafts)."""
+        to (``_held``: each token masked before it is chosen; behind an open thinking block,
+        from the token after it)."""
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -404,7 +412,7 @@ class UniMaxEngine:
         held = constraint is not None and constraint.active
         if self._emit(result, [int(first)], stops, n, on_block, constraint):
             if held:
-                self._held_loop(result, stops, n, on_block, mode, constraint)
+                self._held(result, stops, n, on_block, mode, constraint)
             elif mode == "fast":
                 self._fast_loop(result, stops, n, on_block, constraint)
             else:
@@ -417,7 +425,8 @@ class UniMaxEngine:
         _sync(self.device)
         result.decode_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        self._finish(result, mode, state_before, held=held)
+        # (verified blocks under a grammar keep snapshots as any verified block does)
+        self._finish(result, mode, state_before, held=held and not self._drafts_held(mode))
         _sync(self.device)
         result.finish_seconds = time.perf_counter() - start
         return result
@@ -512,18 +521,72 @@ class UniMaxEngine:
         yet fed (fast mode: the exact state bridged to the decoder, whose held step feeds
         it)."""
         self._finish(result, mode, state_before, last_unfed=True)
-        if mode == "fast":
-            self.bridge_copy()
-            self.decode_graph.static_token.fill_(result.tokens[-1])
-        self._held_loop(result, stops, n, on_block, mode, constraint)
+        self.bridge_copy()  # (verified mode's drafts go on from it too)
+        self.decode_graph.static_token.fill_(result.tokens[-1])
+        self._held(result, stops, n, on_block, mode, constraint)
+
+    def _drafts_held(self, mode: str) -> bool:
+        """Whether a held reply in ``mode`` drafts under its grammar (verified, greedy)."""
+        return mode == "verified" and self.held_drafts and \
+            self.decode_graph.sampling.is_greedy
+
+    def _held(self, result, stops, n, on_block, mode, constraint) -> None:
+        if self._drafts_held(mode):
+            self._held_verified_loop(result, stops, n, on_block, constraint)
+        else:
+            self._held_loop(result, stops, n, on_block, mode, constraint)
+
+    def _held_verified_loop(self, result, stops, n, on_block, constraint) -> None:
+        """Verified mode's greedy reply held to a grammar, in blocks: the draft proposes k
+        tokens one held step at a time, each chosen under the grammar's mask for it (the
+        matcher takes each draft before it fills the next mask; the next draft's forward is
+        queued before the host reads the draft, as in ``_held_loop``), every mask also a row
+        of the mask table; the verifier checks the block with each position's exact
+        prediction held to its row (``Verifier.launch(k, masked=True)``), so the block emits
+        the exact model's greedy tokens under the grammar; the matcher takes back the drafts
+        not kept and takes the exact token after them. k from the draft-length policy, as any
+        verified block's (k = 0: one exact step, masked). One host sync per draft and per
+        block: where a step is long (a 4B model, an L4) the drafts pay as in a plain reply."""
+        graph, verifier, mask = self.decode_graph, self.verifier, self.decode_graph.token_mask
+        policy = self.draft_length
+        counts = _counts(result.verify)
+        verifier.current.fill_(result.tokens[-1])
+        try:
+            while len(result.tokens) < n:
+                k = policy.choose(n - len(result.tokens))
+                drafts: list[int] = []
+                if k:
+                    graph.static_token.copy_(verifier.current)
+                    graph.held_forward()
+                for i in range(k):
+                    mask.load(constraint, row=i)
+                    graph.held_choice()
+                    graph.keep_draft(i)
+                    if i + 1 < k:
+                        graph.held_forward()
+                    drafts.append(graph.held_token.receive())
+                    constraint.accept(drafts[-1])
+                    if drafts[-1] in stops:  # (a finished grammar takes no more)
+                        break
+                k = len(drafts)
+                mask.load(None if drafts and drafts[-1] in stops else constraint, row=k)
+                emitted = verifier.collect(verifier.launch(k, masked=True), counts)
+                policy.observe(k, len(emitted) - 1)
+                constraint.rollback(k - (len(emitted) - 1))
+                if not any(t in stops for t in emitted[:-1]):
+                    constraint.accept(emitted[-1])
+                if not self._emit(result, emitted, stops, n, on_block):
+                    return
+        finally:
+            result.verify = _report(len(result.tokens), counts)
 
     def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
         """A reply held to a grammar, one token at a time (unimax.held): load the grammar's
         mask for the next token, queue the choice, queue the forward that feeds the chosen
         token, and only then read the token and feed it to the grammar, so the host's turn
         runs while the GPU runs the next forward. Fast mode steps the decoder; verified mode
-        the exact model through the verifier (exact, no drafts, since each draft would need
-        the mask its predecessor decides). One host sync per token, as the exact eager path
+        (sampled, or ``held_drafts`` off; else ``_held_verified_loop``) the exact model
+        through the verifier, no drafts. One host sync per token, as the exact eager path
         had, but each step is two graphs instead of hundreds of launches."""
         mask = self.decode_graph.token_mask
         counts = None if mode == "fast" else _counts(result.verify)

@@ -360,9 +360,7 @@ class MaxTurboGraphDecoder:
         self.held_logits.copy_(logits)
 
     def _held_choice(self, sampled: bool) -> None:
-        token = choose(self.held_logits, self, self.uniforms[:1], sampled)
-        self.out_tokens[:, :1].copy_(token)
-        self.static_token.copy_(token)
+        self.static_token.copy_(choose(self.held_logits, self, self.uniforms[:1], sampled))
 
     @torch.inference_mode()
     def capture_held(self, sampled: bool = False) -> None:
@@ -395,6 +393,11 @@ class MaxTurboGraphDecoder:
         self.runner.run(("held", "choice", sampled), lambda: self._held_choice(sampled),
                         writes=[], buffers=self._buffers(False))
         self.held_token.send(self.static_token)
+
+    def keep_draft(self, i: int) -> None:
+        """The last held choice as the block's draft i (``out_tokens``, where the verifier
+        reads a block's drafts): a draft held to a grammar. No host sync."""
+        self.out_tokens[:, i:i + 1].copy_(self.static_token)
 
     @torch.inference_mode()
     def decode_tokens(self, first_token: torch.Tensor, n: int) -> torch.Tensor:

@@ -11,8 +11,10 @@ text is complete, only the stop tokens are allowed: the reply ends there.
 A grammar is compiled once per request on the caller's thread (xgrammar caches compiled
 schemas), against the tokenizer's vocabulary padded to the model's: ids the tokenizer lacks are
 never allowed. The mask needs each token's logits before the token is chosen, so a constrained
-reply runs one token per captured graph of the mode's engine, the mask applied inside it
-(unimax.token_mask, ``Constraint.fill``; verified mode: the exact model's step, no drafts); with
+reply runs one token at a time through captured graphs of the mode's engine, the mask applied
+inside them (unimax.token_mask, ``Constraint.fill``; verified mode: drafts under the grammar,
+each block checked against its masks, ``Constraint.rollback`` taking back the drafts not
+kept); with
 log-probabilities asked as well, on the exact model's eager per-token path (logprobs.generate,
 ``Constraint.masked``).
 """
@@ -227,6 +229,12 @@ class Constraint:
             self.matcher.fill_next_token_bitmask(out)
         else:
             out.fill_(ALL)
+
+    def rollback(self, count: int) -> None:
+        """Take back the last ``count`` tokens fed to the grammar (drafts the exact model did
+        not keep)."""
+        if count and self.active:
+            self.matcher.rollback(count)
 
     def accept(self, token: int) -> None:
         """Feed a chosen token: to the grammar, or (not ``active``) to ``opens``."""

@@ -18,25 +18,43 @@ ALL = -1  # every bit set: every token allowed (a thinking block before the held
 
 
 class TokenMask:
-    def __init__(self, vocab_size: int, device: torch.device):
+    """The next token's mask (``bits``, for a one-token choice), and with ``rows`` > 1 a table
+    of masks, one per position of a verify block held to a grammar (``table``: row i the mask
+    after the block's first i drafts)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, rows: int = 1):
         words = (vocab_size + 31) // 32
         self.vocab_size = vocab_size
-        self.host = torch.full((1, words), ALL, dtype=torch.int32,
+        self.host = torch.full((rows, words), ALL, dtype=torch.int32,
                                pin_memory=device.type == "cuda")
         self.bits = torch.full((1, words), ALL, dtype=torch.int32, device=device)
+        self.table = torch.full((rows, words), ALL, dtype=torch.int32, device=device)
         index = torch.arange(vocab_size, device=device)
         self.word = index // 32
         self.shift = (index % 32).to(torch.int32)
 
-    def load(self, constraint) -> None:
-        """The next token's mask from ``constraint`` (structured.Constraint), queued to the
-        device. The step that reads it must follow on the same stream; the host refills only
-        after that step's token came back, so the pinned copy is never overwritten early."""
-        constraint.fill(self.host)
-        self.bits.copy_(self.host, non_blocking=True)
+    def load(self, constraint, row: int | None = None) -> None:
+        """The next token's mask from ``constraint`` (structured.Constraint; None: every
+        token), queued to the device (``row``: to that row of the table as well). The graph
+        that reads it must follow on the same stream; the host refills a row only after that
+        graph's result came back, so the pinned copy is never overwritten early."""
+        at = 0 if row is None else row
+        host = self.host[at:at + 1]
+        if constraint is None:  # (after a stop id a finished grammar has no next mask)
+            host.fill_(ALL)
+        else:
+            constraint.fill(host)
+        self.bits.copy_(host, non_blocking=True)
+        if row is not None:
+            self.table[row:row + 1].copy_(host, non_blocking=True)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (..., vocab_size) with every token the mask forbids at -inf (a new
         tensor; graph-safe)."""
         allowed = (self.bits[0, self.word] >> self.shift) & 1
+        return logits.masked_fill(allowed == 0, float("-inf"))
+
+    def apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (R, vocab_size), row i masked by the table's row i (graph-safe)."""
+        allowed = (self.table[:logits.shape[0], self.word] >> self.shift) & 1
         return logits.masked_fill(allowed == 0, float("-inf"))

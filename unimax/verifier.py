@@ -230,13 +230,14 @@ class Verifier:
         room = not self.cache.has_attention or seen + b + 1 <= self.cache.max_kv_length
         return b + 1 if room else k + 1
 
-    def _verify(self, k: int, sampled: bool = False, span: int | None = None) -> None:
+    def _verify(self, k: int, sampled: bool = False, span: int | None = None,
+                masked: bool = False) -> None:
         """A block of k drafts (``_check``), its launches in the PDL setting chosen (k = 0,
         one exact step: the one-token forwards' setting)."""
         setting, trigger = (self.pdl_run, self.pdl_run_trigger) if k == 0 else (
             self.pdl, self.pdl_trigger)
         with fused_gemv.auto_pdl(setting or False, trigger):
-            self._check(k, sampled, span)
+            self._check(k, sampled, span, masked)
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
@@ -244,12 +245,15 @@ class Verifier:
         with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
             self._exact_run(n, sampled)
 
-    def _check(self, k: int, sampled: bool, span: int | None) -> None:
+    def _check(self, k: int, sampled: bool, span: int | None, masked: bool = False) -> None:
         """Snapshot, score [current, draft] exactly (recording the tape), then greedy: count
         the agreeing prefix; sampled: the speculative rule, its token in every prediction
         slot. Reads the draft (and its distributions) from the decoder's static buffers.
         ``span``: the forward's inputs (k + 1, or padded: see ``span``); inputs past k + 1
-        are whatever the buffers hold (earlier tokens: valid ids)."""
+        are whatever the buffers hold (earlier tokens: valid ids). ``masked`` (greedy): each
+        position's prediction keeps to its row of the decoder's ``token_mask`` table (a
+        grammar's mask after that many drafts), so the block emits the exact model's greedy
+        tokens under the grammar."""
         span = k + 1 if span is None else span
         one_pass = self.one_pass and k > 0
         (self.take_snapshot_conv if one_pass else self.take_snapshot)()
@@ -262,6 +266,8 @@ class Verifier:
         with self.cache.recording(self.tape) if k else contextlib.nullcontext():
             logits = forward(self.inputs[:, :span], self.cache, logits_to_keep=span)
         logits = logits[:, :k + 1]  # (a padded forward's later rows are not this block's)
+        if masked:
+            logits = self.decoder.token_mask.apply_rows(logits[0])[None]
         if sampled:
             d = self.decoder
             p = warped_probs(logits[0], d.temperature, d.top_k, d.top_p, d.min_p)
@@ -324,11 +330,25 @@ class Verifier:
 
     @torch.inference_mode()
     def capture_held(self, sampled: bool = False) -> None:
-        """Capture the held step's graphs now (start-up): the forward in each KV window, then
-        the greedy choice (``sampled``: the sampled one too)."""
+        """Capture the graphs of replies held to a grammar now (start-up), as ``capture``
+        does the plain ones: the greedy blocks of every k checked against the grammar's masks
+        (``launch(k, masked=True)``; no new compilation: the blocks' forwards), and the held
+        step's forward in each KV window, then its greedy choice (``sampled``: the sampled
+        one too)."""
         self.choose_pdl()
-        for window in self.windows():
+        writes = [self.cache, self.snapshot, self.decoder.cache]
+        windows = self.windows()
+        for window in windows:
             with self.cache.attending(window):
+                for k in range(self.block_size + 1):
+                    spans = {self.span(k, 0)}
+                    if window == windows[-1] and self.cache.has_attention:
+                        spans.add(k + 1)
+                    for span in sorted(spans):
+                        self.runner.prepare(
+                            self.graph_key(k, span, window, False, masked=True),
+                            lambda k=k, span=span: self._verify(k, False, span, masked=True),
+                            writes=writes, buffers=self._buffers())
                 self.runner.prepare(("held", "forward", window), self._held_forward,
                                     writes=[self.cache])
         for s in (False, True) if sampled else (False,):
@@ -441,8 +461,10 @@ class Verifier:
                 self.runner, self.run_key(k, window, False), True, capture_run)
 
     @staticmethod
-    def graph_key(k: int, span: int, window, sampled: bool):
-        return ("verify", k, span, window) + (("sampled",) if sampled else ())
+    def graph_key(k: int, span: int, window, sampled: bool, masked: bool = False):
+        """(block_costs_ms reads the plain greedy blocks' keys: four items)"""
+        return ("verify", k, span, window) + (("sampled",) if sampled else ()) + \
+            (("masked",) if masked else ())
 
     @staticmethod
     def run_key(steps: int, window, sampled: bool):
@@ -466,18 +488,23 @@ class Verifier:
             costs[0] = runs
         return {k: sum(v) / len(v) for k, v in costs.items()}
 
-    def launch(self, k: int, sampled: bool = False, steps: int = 1) -> tuple[int, int, int]:
+    def launch(self, k: int, sampled: bool = False, steps: int = 1,
+               masked: bool = False) -> tuple[int, int, int]:
         """Queue the graph that checks the k drafts the decoder just wrote (k = 0: none;
         ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
-        distributions; its sampling settings and seeded generator are the reply's). Returns
-        what ``collect`` needs."""
+        distributions; its sampling settings and seeded generator are the reply's).
+        ``masked`` (greedy, a block): held to the grammar's masks in the decoder's
+        ``token_mask`` table, loaded by the caller (its graphs captured at first use).
+        Returns what ``collect`` needs."""
         self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
         if steps > 1 and (k or steps > self.block_size):
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
                              f"k={k}, steps={steps}")
         run = steps > 1  # an exact run's form: its tokens are the predictions
+        if masked and (run or sampled):
+            raise ValueError("a masked block is greedy and not an exact run")
         if sampled and run:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_run[:steps].uniform_(generator=self.decoder.generator)
         elif sampled:
@@ -497,8 +524,8 @@ class Verifier:
             span = self.span(k, seen)
             window = self.window_for(seen + span)
             with self.cache.attending(window):
-                self.runner.run(self.graph_key(k, span, window, sampled),
-                                lambda: self._verify(k, sampled, span),
+                self.runner.run(self.graph_key(k, span, window, sampled, masked),
+                                lambda: self._verify(k, sampled, span, masked),
                                 writes=writes, buffers=self._buffers())
             parts = [self.num_accepted[None], self.decoder.out_tokens[0, :k],
                      self.predictions[0, :k + 1]]
