@@ -17,6 +17,10 @@ every emitted token, the last one too, to the exact cache, and this is that feed
 the decoder's cache is dropped after a reply: the engine skips the forward after a reply's last
 token by count; after a stop id it costs one step.)
 
+Verified mode's greedy held replies draft through the draft decoder's held steps, each draft
+masked by the grammar after the drafts before it, and verify each block against those masks
+(engine._held_verified_loop); its sampled ones take the verifier's held steps, exact.
+
 The naive twin of a held reply is a full forward per token without a cache, its logits masked
 alike (tests/test_token_mask.py); this file holds what the decoder and the verifier share.
 """
