@@ -115,6 +115,22 @@ class Subsets:
         del self.taken[len(self.taken) - count:]
 
 
+def masked_twin(model, decoder, prompt: torch.Tensor, n: int, grammar) -> list[int]:
+    """The naive twin of a held reply: full forwards without a cache (the first token the exact
+    model's, later ones ``decoder``'s), each step's logits masked by ``grammar``'s sets while it
+    is active, greedy; ``grammar`` takes each token (a Thinking one opens at its close)."""
+    reply: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
+            logits = (decoder if reply else model)(input_ids=ids).logits[0, -1]
+            if grammar.active:
+                logits = logits.masked_fill(~grammar.allowed(grammar.taken), -torch.inf)
+            reply.append(int(logits.argmax()))
+            grammar.accept(reply[-1])
+    return reply
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("decode, mode", [("bf16", "fast"), ("fp8", "fast"),
@@ -139,13 +155,8 @@ def test_held_replies_follow_the_masked_twin(tmp_path, hybrid, decode, mode, ahe
     engine.held_ahead = ahead
     decoder = quantize_view(model, "tail") if decode == "fp8" and mode == "fast" else model
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    reply = masked_twin(model, decoder, prompt, 12, Subsets(vocab))
     grammar = Subsets(vocab)
-    reply: list[int] = []
-    with torch.no_grad():
-        for _ in range(12):
-            ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
-            logits = (decoder if reply else model)(input_ids=ids).logits[0, -1]
-            reply.append(int(logits.masked_fill(~grammar.allowed(reply), -torch.inf).argmax()))
     stop = reply[7]
     expected = reply[:reply.index(stop) + 1]
     result = engine.generate(prompt, 12, mode=mode, stop_ids=[stop], constraint=grammar)
@@ -212,17 +223,8 @@ def test_a_thinking_block_decodes_in_blocks_before_the_grammar(tmp_path, hybrid,
     decoder = quantize_view(model, "tail") if decode == "fp8" and mode == "fast" else model
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
 
-    def twin(close: int | None, n: int = 16) -> list[int]:
-        grammar, reply = Thinking(vocab, close), []
-        with torch.no_grad():
-            for _ in range(n):
-                ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
-                logits = (decoder if reply else model)(input_ids=ids).logits[0, -1]
-                if grammar.active:
-                    logits = logits.masked_fill(~grammar.allowed(grammar.taken), -torch.inf)
-                reply.append(int(logits.argmax()))
-                grammar.accept(reply[-1])
-        return reply
+    def twin(close: int | None) -> list[int]:
+        return masked_twin(model, decoder, prompt, 16, Thinking(vocab, close))
 
     free = twin(None)
     at = first_new(free, 6)  # (inside the second 4-token block: tokens 5..8)
@@ -285,13 +287,8 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
 
     graph._held_choice = wrong
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    reply = masked_twin(model, model, prompt, 20, Subsets(vocab))
     grammar = Subsets(vocab)
-    reply: list[int] = []
-    with torch.no_grad():
-        for _ in range(20):
-            ids = torch.cat([prompt, torch.tensor([reply], dtype=torch.long)], 1)
-            logits = model(input_ids=ids).logits[0, -1]
-            reply.append(int(logits.masked_fill(~grammar.allowed(reply), -torch.inf).argmax()))
     result = engine.generate(prompt, 20, mode="verified", constraint=grammar)
     assert result.tokens == reply and grammar.taken == reply
     verify = result.verify
