@@ -375,7 +375,7 @@ class MaxTurboGraphDecoder:
     @torch.inference_mode()
     def held_forward(self) -> None:
         """Feed ``static_token``; its logits wait in ``held_logits`` for ``held_choice``. No
-        host sync (its graph is captured at first use)."""
+        host sync (its graph captured by capture_held, else at first use)."""
         self.choose_pdl()  # (the setting the blocks took: one choice per decoder)
         self.runner.run(("held", "forward"), self._held_forward, writes=[self.cache])
         self.cache.seen_tokens += 1

@@ -310,10 +310,12 @@ class Verifier:
         self.resync_draft()
 
     # --- a reply held to a grammar (unimax.held): the exact model's forward and choice ------
-    # No snapshot and no resync of the draft's cache: a held reply never drafts, and each
-    # token it emits is fed as the next forward (the finish's feed of the last one included),
-    # so the exact cache is never rolled back. (Two copies of the state a token saved: at 4B
-    # 67 MB each, read and written, ~0.9 ms on an L4's 300 GB/s against a ~28 ms step.)
+    # (the steps of a sampled held reply, or with the engine's held_drafts off: greedy ones
+    # draft, checked by masked blocks.) No snapshot and no resync of the draft's cache: these
+    # steps never draft, and each token they emit is fed as the next forward (the finish's
+    # feed of the last one included), so the exact cache is never rolled back. (Two copies
+    # of the state a token saved: at 4B 67 MB each, read and written, ~0.9 ms on an L4's
+    # 300 GB/s against a ~28 ms step.)
 
     def _held_forward(self) -> None:
         with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
@@ -358,7 +360,8 @@ class Verifier:
     @torch.inference_mode()
     def held_forward(self) -> None:
         """Feed ``current`` to the exact model; its logits wait in ``held_logits`` for
-        ``held_choice``. No host sync (its graph is captured at first use)."""
+        ``held_choice``. No host sync (its graph captured by capture_held, else at first
+        use)."""
         self.choose_pdl()  # (the one-token forwards' setting: exact runs')
         seen = self.cache.seen_tokens
         window = self.window_for(seen + 1)
@@ -495,7 +498,8 @@ class Verifier:
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
         distributions; its sampling settings and seeded generator are the reply's).
         ``masked`` (greedy, a block): held to the grammar's masks in the decoder's
-        ``token_mask`` table, loaded by the caller (its graphs captured at first use).
+        ``token_mask`` table, loaded by the caller (its graphs captured by capture_held, else
+        at first use).
         Returns what ``collect`` needs."""
         self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
