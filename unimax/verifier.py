@@ -326,9 +326,7 @@ class Verifier:
         self.held_logits.copy_(logits)
 
     def _held_choice(self, sampled: bool) -> None:
-        token = choose(self.held_logits, self.decoder, self.u_run[:1], sampled)
-        self.predictions[:, :1].copy_(token)
-        self.current.copy_(token)
+        self.current.copy_(choose(self.held_logits, self.decoder, self.u_run[:1], sampled))
 
     @torch.inference_mode()
     def capture_held(self, sampled: bool = False) -> None:
@@ -342,15 +340,11 @@ class Verifier:
         windows = self.windows()
         for window in windows:
             with self.cache.attending(window):
-                for k in range(self.block_size + 1):
-                    spans = {self.span(k, 0)}
-                    if window == windows[-1] and self.cache.has_attention:
-                        spans.add(k + 1)
-                    for span in sorted(spans):
-                        self.runner.prepare(
-                            self.graph_key(k, span, window, False, masked=True),
-                            lambda k=k, span=span: self._verify(k, False, span, masked=True),
-                            writes=writes, buffers=self._buffers())
+                for k, span in self._spans_met(window, windows):
+                    self.runner.prepare(
+                        self.graph_key(k, span, window, False, masked=True),
+                        lambda k=k, span=span: self._verify(k, False, span, masked=True),
+                        writes=writes, buffers=self._buffers())
                 self.runner.prepare(("held", "forward", window), self._held_forward,
                                     writes=[self.cache])
         for s in (False, True) if sampled else (False,):
@@ -400,21 +394,25 @@ class Verifier:
         windows = self.windows()
         writes = [self.cache, self.snapshot, self.decoder.cache]
         for window in windows:  # hybrid models: one set per KV bucket
-            spans = {k: {self.span(k, 0)} for k in range(self.block_size + 1)}
-            if window == windows[-1] and self.cache.has_attention:
-                for k in spans:
-                    spans[k].add(k + 1)
             with self.cache.attending(window):
                 for n, s in itertools.product(range(2, self.block_size + 1),
                                               (False, True) if sampled else (False,)):
                     self.runner.prepare(self.run_key(n, window, s),
                                         lambda n=n, s=s: self._exact_steps(n, s),
                                         writes=writes, buffers=self._buffers())
-                for k, s in itertools.product(spans, (False, True) if sampled else (False,)):
-                    for span in sorted(spans[k]):
-                        self.runner.prepare(self.graph_key(k, span, window, s),
-                                            lambda k=k, s=s, span=span: self._verify(k, s, span),
-                                            writes=writes, buffers=self._buffers())
+                for (k, span), s in itertools.product(self._spans_met(window, windows),
+                                                      (False, True) if sampled else (False,)):
+                    self.runner.prepare(self.graph_key(k, span, window, s),
+                                        lambda k=k, s=s, span=span: self._verify(k, s, span),
+                                        writes=writes, buffers=self._buffers())
+
+    def _spans_met(self, window, windows) -> list[tuple[int, int]]:
+        """(k, span) of every block a reply can meet in ``window``: each k padded (``span``),
+        and on hybrids unpadded too in the last window, where the buffers' end can leave no
+        room for the padding."""
+        last = window == windows[-1] and self.cache.has_attention
+        return [(k, span) for k in range(self.block_size + 1)
+                for span in sorted({self.span(k, 0)} | ({k + 1} if last else set()))]
 
     @torch.inference_mode()
     def choose_pdl(self) -> None:
