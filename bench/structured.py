@@ -13,7 +13,10 @@ then with each switch off: ``held_ahead`` (each token's forward queued before th
 the token, unimax.held; off, "one at a time": the host's turn between the GPU's steps, as
 before the fifty-eighth session) and in verified mode ``held_drafts`` (drafts under the
 grammar, each block verified against its masks; off, "exact steps": one exact step a token,
-as before). Runs on the CPU too, where the figures are the CPU's.
+as before), and ``held_host`` ("drafts unpriced": the draft-length policy without the host's
+turns, unimax.held.HostTurns, as before the fifty-ninth session, which drafted where exact
+steps were faster). Verified rows say how many tokens were drafted and what the held host
+turns had learned (ms a draft / a step). Runs on the CPU too, where the figures are the CPU's.
 ``--shape``: the preset served with random weights of a bench/shapes.py hybrid shape (as
 bench/service_ttft.py serves them): where a step is bandwidth-bound, as on an L4, the
 per-token host work of a held reply (the grammar's mask, the sync) weighs less than on the
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import DOC_SCHEMA  # noqa: E402  (the structured-output tests' schema)
+from unimax.held import HostTurns  # noqa: E402
 from unimax.logprobs import LogprobsRequest  # noqa: E402
 from unimax.presets import load_preset  # noqa: E402
 from unimax.service import EngineService, GenerationSettings  # noqa: E402
@@ -53,7 +57,8 @@ def reply(service, conversation: str, mode: str, tokens: int, held: bool, eager:
         raise SystemExit(f"{mode}: {done.text}")
     stats = done.data["stats"]
     return {"tok_s": stats["decode_tok_s"], "tokens": len(done.data["tokens"]),
-            "served": stats["mode"], "reply": done.data["reply"]}
+            "served": stats["mode"], "reply": done.data["reply"],
+            "drafted": stats.get("drafted_tokens")}
 
 
 def main() -> None:
@@ -74,25 +79,32 @@ def main() -> None:
                 preset, model=stack.enter_context(random_model_folder(args.shape)))
         rows = run(EngineService(preset).start(), args)
     print(f"\n{args.preset}" + (f" with {args.shape}" if args.shape else ""))
-    print(f"{'mode':9} {'reply':26} {'tok/s':>9} {'x plain':>8}  served by")
+    print(f"{'mode':9} {'reply':26} {'tok/s':>9} {'x plain':>8}  {'served by':9} "
+          f"{'drafted':>7}  host ms draft/step")
     for row in rows:
         plain = next(r for r in rows if r["mode"] == row["mode"] and r["reply"] == "plain")
+        turns = row["host_turns"]
         print(f"{row['mode']:9} {row['reply']:26} {row['decode_tok_s']:9.1f} "
-              f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']}")
+              f"{row['decode_tok_s'] / plain['decode_tok_s']:8.2f}  {row['served']:9} "
+              f"{'' if row['drafted'] is None else row['drafted']:>7}  "
+              + ("" if turns is None else f"{turns[0]:.3f} / {turns[1]:.3f}"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def variants(mode: str) -> list[tuple[str, bool, bool, bool, bool]]:
+def variants(mode: str) -> list[tuple[str, bool, bool, bool, bool, bool]]:
     """Each row's (name, held to the schema, on the eager exact path, the engine's
-    held_drafts, its held_ahead): the defaults, then each switch off."""
-    rows = [("plain", False, False, True, True), ("held, graphs", True, False, True, True)]
-    if mode == "verified":  # (its default drafts under the grammar; held_ahead is for steps)
-        rows += [("held, exact steps", True, False, False, True),
-                 ("held, steps one at a time", True, False, False, False)]
+    held_drafts, its held_ahead, its held_host learned): the defaults, then each switch
+    off."""
+    rows = [("plain", False, False, True, True, True),
+            ("held, graphs", True, False, True, True, True)]
+    if mode == "verified":  # (its default drafts under the grammar where they pay)
+        rows += [("held, drafts unpriced", True, False, True, True, False),
+                 ("held, exact steps", True, False, False, True, True),
+                 ("held, steps one at a time", True, False, False, False, True)]
     else:
-        rows += [("held, one at a time", True, False, True, False)]
-    return rows + [("held, eager exact", True, True, True, True)]
+        rows += [("held, one at a time", True, False, True, False, True)]
+    return rows + [("held, eager exact", True, True, True, True, True)]
 
 
 def run(service, args) -> list[dict]:
@@ -102,15 +114,21 @@ def run(service, args) -> list[dict]:
             service.warm_up((mode,))
             reply(service, "warm", mode, args.tokens, held=True, eager=False)
             engine = service.engines[mode]
-            for name, held, eager, drafts, ahead in variants(mode):
+            learned = engine.held_host
+            for name, held, eager, drafts, ahead, priced in variants(mode):
                 engine.held_drafts, engine.held_ahead = drafts, ahead
+                engine.held_host = learned if priced else HostTurns(learn=False)
                 runs = [reply(service, f"{mode}-{name}-{i}", mode, args.tokens, held, eager)
                         for i in range(args.repeats)]
                 rate = statistics.median(r["tok_s"] for r in runs)
+                turns = (engine.held_host.draft_ms, engine.held_host.step_ms) \
+                    if mode == "verified" and held and not eager else None
                 rows.append({"mode": mode, "reply": name, "decode_tok_s": rate,
-                             "tokens": runs[0]["tokens"], "served": runs[0]["served"]})
+                             "tokens": runs[0]["tokens"], "served": runs[0]["served"],
+                             "drafted": runs[0]["drafted"], "host_turns": turns})
                 print(f"{mode:9} {name:26} {rate:9.1f} tok/s  {runs[0]['tokens']:3} tokens  "
-                      f"{runs[0]['reply'][:60]!r}", flush=True)
+                      f"drafted {runs[0]['drafted']}  {runs[0]['reply'][:60]!r}", flush=True)
+            engine.held_host = learned
     finally:
         service.stop()
     return rows

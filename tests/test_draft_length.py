@@ -200,6 +200,43 @@ def test_exact_runs_pay_a_share_of_the_host_cost():
     assert large.best(K, 0.95) > 0
 
 
+def test_a_held_replys_host_turns_price_its_drafts():
+    """A reply held to a grammar pays a host sync per draft that the graphs' costs do not hold
+    (fifty-ninth session, Qwen3.5-0.8B on an H100: drafted 802 tok/s, exact steps 977). Priced
+    per draft (``extra``, unimax.held.HostTurns), it tips the choice to exact steps where it
+    costs more than the drafts save, and not where it is small; k = 0 pays the per-step one."""
+    from unimax.held import HostTurns
+
+    p = policy()
+    assert p.best(K, 1.0) == K
+    assert p.best(K, 1.0, extra=HostTurns(draft_ms=0.05)) == K
+    assert p.best(K, 1.0, extra=HostTurns(draft_ms=1.0)) == 0
+    turns = HostTurns(draft_ms=0.3, step_ms=0.2)
+    assert p.expected_ms(4, 1.0, turns) == pytest.approx(p.expected_ms(4, 1.0) + 1.2)
+    assert p.expected_ms(0, 1.0, turns) == pytest.approx(p.expected_ms(0, 1.0) + 0.2)
+    # choose takes it too, and learns nothing from it
+    assert p.choose(100, extra=HostTurns(draft_ms=1.0)) == 0
+    assert p.choose(100) == p.best(K) > 0
+
+
+def test_host_turns_are_a_running_mean_of_what_the_graphs_do_not_hold():
+    from unimax.held import HostTurns
+
+    turns = HostTurns(weight=0.5)
+    turns.observe(4, 4, wall_ms=6.0, graphs_ms=4.0)  # 0.5 ms a draft
+    assert (turns.draft_ms, turns.step_ms) == (0.25, 0.0)
+    turns.observe(4, 4, wall_ms=6.0, graphs_ms=4.0)
+    assert turns.draft_ms == pytest.approx(0.375)
+    turns.observe(0, 3, wall_ms=3.3, graphs_ms=3.0)  # an exact run: 0.1 ms a step
+    assert turns.step_ms == pytest.approx(0.05) and turns.draft_ms == pytest.approx(0.375)
+    turns.observe(2, 2, wall_ms=1.0, graphs_ms=3.0)  # faster than its graphs: counts as 0
+    assert turns.draft_ms == pytest.approx(0.1875)
+    assert turns(3) == pytest.approx(3 * 0.1875) and turns(0) == pytest.approx(0.05)
+    fixed = HostTurns(draft_ms=2.0, learn=False)
+    fixed.observe(1, 1, wall_ms=9.0, graphs_ms=1.0)
+    assert fixed.draft_ms == 2.0
+
+
 def test_observe_checks_its_input():
     with pytest.raises(ValueError, match="accepted must be in 0..3"):
         policy().observe(3, 4)

@@ -22,8 +22,11 @@ DEMO = ROOT / "models" / "unimax-demo"
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "verified"])
-def test_structured_output_on_gpu(mode):
+@pytest.mark.parametrize("mode, runs", [("bf16", False), ("verified", False),
+                                        ("verified", True)])
+def test_structured_output_on_gpu(mode, runs):
+    """``runs``: verified mode's policy calibrated with a host turn per draft dearer than a
+    step (engine.held_host), so the reply takes exact runs of held steps, no drafts."""
     require_fla()
     pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
 
@@ -35,6 +38,12 @@ def test_structured_output_on_gpu(mode):
         engine.decode_graph.capture_held()  # (verified mode's drafts under the grammar)
         if mode == "verified":
             engine.verifier.capture_held()  # (its blocks checked against the grammar's masks)
+        if runs:
+            from unimax.held import HostTurns
+
+            engine.draft_length.calibrate({k: 0.5 * k for k in range(1, engine.block_size + 1)},
+                                          {k: 1.0 for k in range(engine.block_size + 1)}, 0.0)
+            engine.held_host = HostTurns(draft_ms=1e3, learn=False)
         fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
         handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(fmt))
@@ -42,7 +51,10 @@ def test_structured_output_on_gpu(mode):
         done = events[-1]
         assert done.kind == "done", done.text
         assert done.data["stats"]["mode"] == mode  # the mode's engine, its captured graphs
-        if mode == "verified":  # drafted under the grammar, each block checked by its masks
+        if mode == "verified" and runs:  # exact runs of held steps only
+            assert done.data["stats"]["drafted_tokens"] == 0
+            assert done.data["stats"]["verifier_blocks"] > 0
+        elif mode == "verified":  # drafted under the grammar, each block checked by its masks
             assert done.data["stats"]["drafted_tokens"] > 0
         tokens = done.data["tokens"]
         prompt, stops = service.render(QUESTION), service.stop_ids

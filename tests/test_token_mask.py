@@ -298,3 +298,107 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
     turn = engine.generate(second, 6, mode="verified", keep_state=True)
     whole = torch.cat([prompt, torch.tensor([reply]), second], 1)
     assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_verified_held_replies_mix_exact_runs_and_drafted_blocks(tmp_path, hybrid):
+    """Where drafts do not pay, a verified held reply runs exact held steps (k = 0 as an exact
+    run, engine._held_exact_run) between drafted blocks. With the policy's choices scripted so
+    that runs of 1-3 exact steps and blocks of 1-3 drafts alternate: the reply is the masked
+    twin's, the grammar took exactly the reply, every drafted block starts from a draft cache
+    equal to the exact one (an exact run advanced only the exact cache: the engine bridges it
+    first), a stop id inside the reply ends it, and the next turn goes on from the kept state."""
+    import itertools
+
+    import unimax
+    from helpers import write_qwen_checkpoint
+    from unimax.build import build_engine
+
+    types = ["linear_attention", "full_attention"] if hybrid else ["linear_attention"] * 2
+    write_qwen_checkpoint(tmp_path, seed=3, num_layers=2, layer_types=types)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
+    vocab = model.config.vocab_size
+    engine = build_engine(model, decode="fp8", draft="tail", block_size=4, use_graphs=False)
+    policy, draft, exact = engine.draft_length, engine.decode_graph.cache, engine.exact_cache
+    shapes = []  # ("run", steps) / ("block", drafts), as they ran
+
+    def scripted():
+        ks, runs = itertools.cycle([0, 2, 0, 3, 1, 0, 1]), itertools.cycle([3, 1, 2])
+
+        def choose(remaining, extra=None):
+            policy.probe = 0
+            return min(next(ks), remaining - 1)
+
+        def exact_run(limit):
+            return min(next(runs), limit)
+
+        policy.choose, policy.exact_run = choose, exact_run
+
+    real_block, real_run = engine._held_block, engine._held_exact_run
+
+    def block(k, *args):
+        assert draft.seen_tokens == exact.seen_tokens
+        assert torch.equal(draft.recurrent_buffer, exact.recurrent_buffer)
+        assert torch.equal(draft.conv_buffer, exact.conv_buffer)
+        emitted, k = real_block(k, *args)
+        shapes.append(("block", k, len(emitted)))
+        return emitted, k
+
+    def run(steps, *args):
+        tokens = real_run(steps, *args)
+        shapes.append(("run", len(tokens), len(tokens)))
+        return tokens
+
+    engine._held_block, engine._held_exact_run = block, run
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    reply = masked_twin(model, model, prompt, 20, Subsets(vocab))
+    scripted()
+    grammar = Subsets(vocab)
+    result = engine.generate(prompt, 20, mode="verified", constraint=grammar)
+    assert result.tokens == reply and grammar.taken == reply
+    assert ("run", 3, 3) in shapes and any(s[:2] == ("block", 3) for s in shapes)
+    assert any(a[0] == "run" and b[0] == "block" for a, b in itertools.pairwise(shapes))
+    assert 0 < result.verify.drafted_tokens < 20
+    # a stop id inside an exact run, before its last step (the first token is the prefill's)
+    starts = list(itertools.accumulate([1] + [s[2] for s in shapes]))
+    inside = [i for start, s in zip(starts, shapes, strict=False) if s[0] == "run"
+              for i in range(start, start + s[2] - 1) if reply.index(reply[i]) == i]
+    assert inside, (shapes, reply)
+    second = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(6))
+    for stop in (None, reply[inside[0]]):
+        stops = [] if stop is None else [stop]
+        expected = reply if stop is None else reply[:reply.index(stop) + 1]
+        scripted()
+        held = engine.generate(prompt, 20, mode="verified", stop_ids=stops,
+                               constraint=Subsets(vocab))
+        assert held.tokens == expected
+        turn = engine.generate(second, 6, mode="verified", keep_state=True)
+        whole = torch.cat([prompt, torch.tensor([expected]), second], 1)
+        assert turn.tokens == unimax.exact_greedy_tokens(model, whole, 6)[0].tolist()
+
+
+def test_a_verified_held_reply_takes_exact_runs_where_its_host_turns_cost_more(tmp_path):
+    """The policy prices a held reply's host turns (engine.held_host): calibrated with costs
+    under which drafting pays, a held reply drafts; with a host turn per draft dearer than a
+    step it takes exact runs (k = 0) only, and its tokens are the masked twin's either way."""
+    import unimax
+    from helpers import write_qwen_checkpoint
+    from unimax.build import build_engine
+    from unimax.held import HostTurns
+
+    write_qwen_checkpoint(tmp_path, seed=3, num_layers=2)
+    model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
+    vocab = model.config.vocab_size
+    engine = build_engine(model, decode="fp8", block_size=4, use_graphs=False)
+    engine.draft_length.calibrate({k: 0.5 * k for k in range(1, 5)},
+                                  {k: 1.0 + 0.02 * k for k in range(5)}, rewind_ms=0.0)
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
+    reply = masked_twin(model, model, prompt, 16, Subsets(vocab))
+    drafted = {}
+    for cost in (0.0, 5.0):
+        engine.held_host = HostTurns(draft_ms=cost, learn=False)
+        engine.draft_length.forget()
+        result = engine.generate(prompt, 16, mode="verified", constraint=Subsets(vocab))
+        assert result.tokens == reply
+        drafted[cost] = result.verify.drafted_tokens
+    assert drafted[0.0] > 0 and drafted[5.0] == 0

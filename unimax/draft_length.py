@@ -28,7 +28,10 @@ that turn good after a long poor stretch are found up to probe_every_max exact s
 session, Qwen3.5-0.8B shape, forced acceptance): 0.93 -> 0.98x at 0.95, 0.96-0.97x at 0.5-0.9.
 
 The costs come from the engine's captured graphs (GraphRunner.replay_ms); without them (no CUDA
-graphs, or before capture) the policy is not calibrated and every block drafts k_max.
+graphs, or before capture) the policy is not calibrated and every block drafts k_max. A reply held
+to a grammar adds the host's turn per draft (each draft's mask is filled after the draft before
+it): its blocks pass ``extra``, the host time a block of k adds to its graphs' (unimax.held.
+HostTurns, learned from the reply's own blocks).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class DraftLength:
         a = self.acceptance if a is None else a
         return sum(a ** i for i in range(k + 1))
 
-    def expected_ms(self, k: int, a: float | None = None) -> float:
+    def expected_ms(self, k: int, a: float | None = None, extra=None) -> float:
         """A block of k drafts' expected time; for k = 0 one exact step's. k = 0 runs as exact
         runs (``exact_run``: up to k_max steps in one graph, one host sync), so its step pays
         a share of the host's cost, not all of it. Charged whole, it tipped the model's choice
@@ -103,26 +106,28 @@ class DraftLength:
         host 0.1 ms on a 0.756 ms step; at acceptance 0.95 the model put 4 drafts at 0.840 ms
         a token against exact runs' 0.768). In bench/draft_policy.py's simulation that choice
         was not what held the policy at ~0.93x there (0.929 -> 0.931 with this): the probes'
-        doubling chains are, see docs/design.md."""
+        doubling chains are, see docs/design.md. ``extra(k)``: ms a block of k adds beyond
+        the graphs' and this host cost (a held reply's host turns; k = 0: one exact step's)."""
         a = self.acceptance if a is None else a
         host = self.host_ms if k else self.host_ms / min(self.k_max, self.probe_every)
+        host += 0.0 if extra is None else extra(k)
         return self.draft_ms[k] + self.verify_ms[k] + (1.0 - a ** k) * self.rewind_ms + host
 
-    def best(self, limit: int, a: float | None = None) -> int:
+    def best(self, limit: int, a: float | None = None, extra=None) -> int:
         """The k in 0..limit with the most expected tokens per millisecond."""
         return max(range(limit + 1),
-                   key=lambda k: self.expected_tokens(k, a) / self.expected_ms(k, a))
+                   key=lambda k: self.expected_tokens(k, a) / self.expected_ms(k, a, extra))
 
-    def choose(self, remaining: int) -> int:
+    def choose(self, remaining: int, extra=None) -> int:
         """The next block's draft length; ``remaining`` tokens are left to emit (a block emits
-        at most k + 1)."""
+        at most k + 1). ``extra``: as in ``expected_ms``."""
         limit = max(0, min(self.k_max, remaining - 1))
         self.probe = 0
         if not self.calibrated:
             return limit
         if limit == 0:  # (no choice: the last token; the run of exact steps goes on)
             return 0
-        k = self.best(limit)
+        k = self.best(limit, extra=extra)
         if k > 0:
             self.zero_run = self.next_probe = self.probe_gap = 0
             return k

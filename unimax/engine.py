@@ -23,6 +23,7 @@ import torch
 from .cache import CacheCopier, cache_payload_bytes
 from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
+from .held import HostTurns
 from .sampling import SamplingParams, sample_from_logits
 from .short_prefill import ShortPrefill
 from .token_mask import TokenMask
@@ -125,6 +126,8 @@ class UniMaxEngine:
         # Verified mode's greedy replies held to a grammar draft under it and verify each
         # block with the grammar's masks (``_held_verified_loop``); False: exact steps only
         self.held_drafts = True
+        # what such blocks' host turns add to their graphs' time, learned (unimax.held)
+        self.held_host = HostTurns()
         # Short prompts through captured graphs (with graphs only: eager, it is only slower)
         self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
                               if decode_graph.use_graphs else None)
@@ -425,8 +428,9 @@ class UniMaxEngine:
         _sync(self.device)
         result.decode_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        # (verified blocks under a grammar keep snapshots as any verified block does)
-        self._finish(result, mode, state_before, held=held and not self._drafts_held(mode))
+        # (a held reply's verified blocks and exact runs leave the exact cache fed but the
+        # last token, as its held steps do: the finish feeds what it has not)
+        self._finish(result, mode, state_before, held=held)
         _sync(self.device)
         result.finish_seconds = time.perf_counter() - start
         return result
@@ -544,41 +548,92 @@ class UniMaxEngine:
         of the mask table; the verifier checks the block with each position's exact
         prediction held to its row (``Verifier.launch(k, masked=True)``), so the block emits
         the exact model's greedy tokens under the grammar; the matcher takes back the drafts
-        not kept and takes the exact token after them. k from the draft-length policy, as any
-        verified block's (k = 0: one exact step, masked). One host sync per draft and per
-        block: where a step is long (a 4B model, an L4) the drafts pay as in a plain reply."""
-        graph, verifier, mask = self.decode_graph, self.verifier, self.decode_graph.token_mask
-        policy = self.draft_length
+        not kept and takes the exact token after them. k from the draft-length policy, its
+        costs plus the host's turns (``held_host``, learned from these blocks' wall time):
+        where drafts do not pay (a short step: the demo model, 0.8B on an H100), k = 0 runs
+        as an exact run of held steps (``_held_exact_run``) until the policy's next probe."""
+        policy, host = self.draft_length, self.held_host
         counts = _counts(result.verify)
-        verifier.current.fill_(result.tokens[-1])
+        self.verifier.current.fill_(result.tokens[-1])
+        stale = False  # the draft's cache behind the exact one (after an exact run)
         try:
             while len(result.tokens) < n:
-                k = policy.choose(n - len(result.tokens))
-                drafts: list[int] = []
-                if k:
-                    graph.static_token.copy_(verifier.current)
-                    graph.held_forward()
-                for i in range(k):
-                    mask.load(constraint, row=i)
-                    graph.held_choice()
-                    graph.keep_draft(i)
-                    if i + 1 < k:
-                        graph.held_forward()
-                    drafts.append(graph.held_token.receive())
-                    constraint.accept(drafts[-1])
-                    if drafts[-1] in stops:  # (a finished grammar takes no more)
-                        break
-                k = len(drafts)
-                mask.load(None if drafts and drafts[-1] in stops else constraint, row=k)
-                emitted = verifier.collect(verifier.launch(k, masked=True), counts)
-                policy.observe(k, len(emitted) - 1)
-                constraint.rollback(k - (len(emitted) - 1))
-                if not any(t in stops for t in emitted[:-1]):
-                    constraint.accept(emitted[-1])
+                left = n - len(result.tokens)
+                k = policy.choose(left, extra=host)
+                began = time.perf_counter()
+                if k == 0 and not policy.probe:
+                    emitted = self._held_exact_run(policy.exact_run(min(left, self.block_size)),
+                                                   stops, constraint, counts)
+                    for _ in emitted:  # (each step a k = 0 block to the policy)
+                        policy.observe(0, 0)
+                    if policy.calibrated:
+                        host.observe(0, len(emitted), 1e3 * (time.perf_counter() - began),
+                                     len(emitted) * policy.verify_ms[0])
+                    stale = True
+                else:
+                    if stale:  # (the exact cache fed the run's tokens, the draft's did not)
+                        self.bridge_copy()
+                        stale = False
+                    emitted, k = self._held_block(k, stops, constraint, counts)
+                    policy.observe(k, len(emitted) - 1)
+                    if policy.calibrated and k:
+                        host.observe(k, k, 1e3 * (time.perf_counter() - began),
+                                     policy.draft_ms[k] + policy.verify_ms[k] + policy.host_ms)
                 if not self._emit(result, emitted, stops, n, on_block):
                     return
         finally:
             result.verify = _report(len(result.tokens), counts)
+
+    def _held_block(self, k: int, stops, constraint, counts) -> tuple[list[int], int]:
+        """One verified block of up to k drafts under the grammar (``_held_verified_loop``):
+        its tokens, and how many drafts ran (they end early at a stop id: a finished grammar
+        takes no more)."""
+        graph, verifier, mask = self.decode_graph, self.verifier, self.decode_graph.token_mask
+        drafts: list[int] = []
+        if k:
+            graph.static_token.copy_(verifier.current)
+            graph.held_forward()
+        for i in range(k):
+            mask.load(constraint, row=i)
+            graph.held_choice()
+            graph.keep_draft(i)
+            if i + 1 < k:
+                graph.held_forward()
+            drafts.append(graph.held_token.receive())
+            constraint.accept(drafts[-1])
+            if drafts[-1] in stops:
+                break
+        k = len(drafts)
+        mask.load(None if drafts and drafts[-1] in stops else constraint, row=k)
+        emitted = verifier.collect(verifier.launch(k, masked=True), counts)
+        constraint.rollback(k - (len(emitted) - 1))
+        if not any(t in stops for t in emitted[:-1]):
+            constraint.accept(emitted[-1])
+        return emitted, k
+
+    def _held_exact_run(self, steps: int, stops, constraint, counts) -> list[int]:
+        """Up to ``steps`` exact held steps (the verifier's, pipelined as in ``_held_loop``),
+        ending early after a stop id; their tokens, each taken by the grammar. As after a
+        verified block, the exact cache has fed every token but the last (after a stop with
+        the forward queued ahead, the stop too: the finish feeds what it has not); the
+        draft's cache is left behind (the caller bridges it before the next drafts)."""
+        verifier, mask = self.verifier, self.decode_graph.token_mask
+        tokens: list[int] = []
+        verifier.held_forward()
+        for i in range(steps):
+            more = i + 1 < steps
+            mask.load(constraint)
+            verifier.held_choice()
+            if more and self.held_ahead:
+                verifier.held_forward()
+            tokens.append(verifier.held_token.receive())
+            constraint.accept(tokens[-1])
+            if tokens[-1] in stops:
+                break
+            if more and not self.held_ahead:
+                verifier.held_forward()
+        counts.verifier_blocks += len(tokens)
+        return tokens
 
     def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
         """A reply held to a grammar, one token at a time (unimax.held): load the grammar's
@@ -621,8 +676,9 @@ class UniMaxEngine:
         over the reply brings it there (the same state a fresh prefill of prompt + reply
         gives). Verified mode kept it exact block by block: restore the last block's snapshot
         and feed that block's emitted tokens. A reply ``held`` to a grammar in verified mode
-        fed the exact cache every token, the last one too (its held steps keep no snapshot):
-        feed what it has not, if anything. ``last_unfed``: all but the last token (a held
+        (its held steps, its masked blocks and exact runs: none queued ahead of the host) left
+        the exact cache fed through its last token or the one before: feed what it has not,
+        if anything. ``last_unfed``: all but the last token (a held
         reply's steps after its thinking block feed it)."""
         if not result.tokens:
             return
