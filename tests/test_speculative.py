@@ -198,22 +198,27 @@ def priced_out(engine):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held"])
 @pytest.mark.parametrize("runs", [False, True], ids=["drafts", "exact runs"])
 @pytest.mark.parametrize("stop", [None, 2])
-def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop, runs):
+def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop, runs, held):
     """After a sampled verified reply (rejections, a stop id or the length limit; or exact runs
-    with a stop inside one) the exact cache holds the state a fresh prefill of prompt + reply
-    gives, so the next turn continues from it; a next turn on the kept state samples like one
-    from scratch with the same seed."""
+    with a stop inside one; ``held``: to a grammar, TwoBarred) the exact cache holds the state
+    a fresh prefill of prompt + reply gives, so the next turn continues from it; a next turn
+    on the kept state samples like one from scratch with the same seed."""
     engine = distorted_engine(model, block_size=4)
     if runs:
         priced_out(engine)
     params = SamplingParams(temperature=1.0, seed=5)
     x = torch.tensor([[1, 3, 2, 4, 0, 3]])
     result = engine.generate(x, 30, mode="verified", sampling=params,
-                             stop_ids=[stop] if stop is not None else [])
+                             stop_ids=[stop] if stop is not None else [],
+                             constraint=TwoBarred() if held else None)
     if runs:
-        assert result.verify.drafted_tokens == 0 and result.verify.verifier_blocks > 4
+        assert result.verify.drafted_tokens == 0
+        # (held: one step a token after the first; a plain exact run counts all its steps)
+        assert result.verify.verifier_blocks == len(result.tokens) - 1 if held else \
+            result.verify.verifier_blocks > 4
     else:
         assert result.verify.rejected_blocks > 0
     if stop is not None:
@@ -247,3 +252,84 @@ def test_a_seed_reproduces_under_the_adaptive_draft_length(model):
     engine.generate(PROMPT, 40, mode="verified")
     assert engine.draft_length.checked > 0
     assert engine.generate(PROMPT, 24, mode="verified", sampling=seeded).tokens == first
+
+
+class TwoBarred:
+    """A stand-in grammar over the 5-token vocabulary (structured.Constraint's interface): two
+    tokens barred before each token, which two from the tokens taken so far; ``allowed`` is
+    the twin's view of the same sets."""
+
+    def __init__(self):
+        self.taken, self.active = [], True
+
+    @staticmethod
+    def allowed(prefix) -> torch.Tensor:
+        barred = (len(prefix) + sum(prefix)) % VOCAB
+        keep = torch.ones(VOCAB, dtype=torch.bool)
+        keep[[barred, (barred + 2) % VOCAB]] = False
+        return keep
+
+    def fill(self, out):
+        bits = sum(1 << i for i, ok in enumerate(self.allowed(self.taken).tolist()) if ok)
+        out.fill_(0)
+        out[0, 0] = bits
+
+    def accept(self, token):
+        if not self.allowed(self.taken)[int(token)]:
+            raise AssertionError(f"token {token} is barred after {self.taken}")
+        self.taken.append(int(token))
+
+    def rollback(self, count):
+        del self.taken[len(self.taken) - count:]
+
+
+@torch.inference_mode()
+def masked_joint(model_like, params) -> dict[tuple, float]:
+    """P(the next NEW tokens) under model_like's warped distribution with each step's logits
+    masked by TwoBarred first, by enumeration."""
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        prob = 1.0
+        for i in range(NEW):
+            ids = torch.cat([PROMPT, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
+            logits = model_like.forward_unchecked(ids, None)[0, -1]
+            logits = logits.masked_fill(~TwoBarred.allowed(list(seq[:i])), -math.inf)
+            prob *= float(warped_probs_reference(logits, params)[seq[i]])
+        out[seq] = prob
+    return out
+
+
+@pytest.mark.parametrize("blocks", ["drafts", "exact runs"])
+def test_verified_samples_under_a_grammar_follow_the_masked_exact_distribution(model, blocks):
+    """A sampled verified reply held to a grammar (engine._held_verified_loop: each draft drawn
+    under its mask with its masked distribution recorded, each block checked by the
+    speculative rule on the masked exact distributions; or, where drafts do not pay, exact
+    runs of held steps): every token is distributed as sampling from the exact model's
+    logits masked by the grammar, where the masked draft's own samples are not."""
+    engine = distorted_engine(model)
+    if blocks == "exact runs":
+        priced_out(engine)
+    runs, counts, drafted, accepted = 3000, {}, 0, 0
+    for seed in range(runs):
+        params = dataclasses.replace(PARAMS, seed=seed)
+        grammar = TwoBarred()
+        result = engine.generate(PROMPT, NEW, mode="verified", sampling=params,
+                                 constraint=grammar)
+        assert grammar.taken == result.tokens
+        key = tuple(result.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += result.verify.drafted_tokens
+        accepted += result.verify.accepted_draft_tokens
+    if blocks == "drafts":
+        assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
+    else:
+        assert drafted == 0
+    exact = masked_joint(model, PARAMS)
+    stat, dof = chi_square(counts, exact, runs)
+    assert stat < chi_square_limit(dof), (stat, dof)
+    draft_joint = masked_joint(DistortedDraft(model), PARAMS)
+    stat_draft, _ = chi_square({key: p * runs for key, p in draft_joint.items()}, exact, runs)
+    assert stat_draft > 5 * chi_square_limit(dof), stat_draft
+    unmasked = joint(model, PARAMS)  # (and the grammar moves the distribution)
+    stat_free, _ = chi_square({key: p * runs for key, p in unmasked.items()}, exact, runs)
+    assert stat_free > 5 * chi_square_limit(dof), stat_free

@@ -279,8 +279,8 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
     graph, calls = engine.decode_graph, itertools.count()
     original = graph._held_choice
 
-    def wrong(sampled):
-        original(sampled)
+    def wrong(sampled, record=False):
+        original(sampled, record)
         if next(calls) % 3 == 1:
             allowed = graph.token_mask.apply(graph.held_logits)
             graph.static_token.copy_(allowed.topk(2, dim=-1).indices[:, 1:])

@@ -270,8 +270,9 @@ class UniMaxEngine:
             self.verifier.capture(sampled=sampled)
             if self.decode_graph.use_graphs:
                 self._calibrate_draft_length()
-        # held replies: fast mode's steps, verified mode's drafts (greedy) and its verifier's
-        self.decode_graph.capture_held(sampled and not verified)
+        # held replies: fast mode's steps, verified mode's drafts (sampled: recording their
+        # distributions) and its verifier's
+        self.decode_graph.capture_held(sampled and not verified, record=sampled and verified)
         if verified:
             self.verifier.capture_held(sampled)
 
@@ -530,9 +531,8 @@ class UniMaxEngine:
         self._held(result, stops, n, on_block, mode, constraint)
 
     def _drafts_held(self, mode: str) -> bool:
-        """Whether a held reply in ``mode`` drafts under its grammar (verified, greedy)."""
-        return mode == "verified" and self.held_drafts and \
-            self.decode_graph.sampling.is_greedy
+        """Whether a held reply in ``mode`` drafts under its grammar (verified)."""
+        return mode == "verified" and self.held_drafts
 
     def _held(self, result, stops, n, on_block, mode, constraint) -> None:
         if self._drafts_held(mode):
@@ -541,18 +541,28 @@ class UniMaxEngine:
             self._held_loop(result, stops, n, on_block, mode, constraint)
 
     def _held_verified_loop(self, result, stops, n, on_block, constraint) -> None:
-        """Verified mode's greedy reply held to a grammar, in blocks: the draft proposes k
-        tokens one held step at a time, each chosen under the grammar's mask for it (the
-        matcher takes each draft before it fills the next mask; the next draft's forward is
-        queued before the host reads the draft, as in ``_held_loop``), every mask also a row
-        of the mask table; the verifier checks the block with each position's exact
-        prediction held to its row (``Verifier.launch(k, masked=True)``), so the block emits
-        the exact model's greedy tokens under the grammar; the matcher takes back the drafts
-        not kept and takes the exact token after them. k from the draft-length policy, its
-        costs plus the host's turns (``held_host``, learned from these blocks' wall time):
-        where drafts do not pay (a short step: the demo model, 0.8B on an H100), k = 0 runs
-        as an exact run of held steps (``_held_exact_run``) until the policy's next probe."""
+        """Verified mode's reply held to a grammar, in blocks: the draft proposes k tokens one
+        held step at a time, each chosen under the grammar's mask for it (the matcher takes
+        each draft before it fills the next mask; the next draft's forward is queued before
+        the host reads the draft, as in ``_held_loop``), every mask also a row of the mask
+        table; the verifier checks the block with each position's exact prediction held to
+        its row (``Verifier.launch(k, masked=True)``), so the block emits the exact model's
+        greedy tokens under the grammar (sampled: each draft's masked distribution recorded,
+        the speculative rule on the masked exact ones, so each token is distributed as the
+        exact model's under the grammar); the matcher takes back the drafts not kept and takes
+        the exact token after them. k from the draft-length policy, its costs plus the host's
+        turns (``held_host``, learned from these blocks' wall time): where drafts do not pay
+        (a short step: the demo model, 0.8B on an H100), k = 0 runs as an exact run of held
+        steps (``_held_exact_run``) until the policy's next probe. A seeded sampled reply
+        starts the policy from its prior and leaves the host's turns out (their wall-clock
+        times would move where blocks are cut, so which tokens the seed draws), as
+        ``_verified_blocks`` does."""
         policy, host = self.draft_length, self.held_host
+        sampling = self.decode_graph.sampling
+        sampled = not sampling.is_greedy
+        if sampled and sampling.seed is not None:
+            policy.forget()
+            host = None
         counts = _counts(result.verify)
         self.verifier.current.fill_(result.tokens[-1])
         stale = False  # the draft's cache behind the exact one (after an exact run)
@@ -566,7 +576,7 @@ class UniMaxEngine:
                                                    stops, constraint, counts)
                     for _ in emitted:  # (each step a k = 0 block to the policy)
                         policy.observe(0, 0)
-                    if policy.calibrated:
+                    if policy.calibrated and host is not None:
                         host.observe(0, len(emitted), 1e3 * (time.perf_counter() - began),
                                      len(emitted) * policy.verify_ms[0])
                     stale = True
@@ -574,9 +584,9 @@ class UniMaxEngine:
                     if stale:  # (the exact cache fed the run's tokens, the draft's did not)
                         self.bridge_copy()
                         stale = False
-                    emitted, k = self._held_block(k, stops, constraint, counts)
+                    emitted, k = self._held_block(k, stops, constraint, counts, sampled)
                     policy.observe(k, len(emitted) - 1)
-                    if policy.calibrated and k:
+                    if policy.calibrated and k and host is not None:
                         host.observe(k, k, 1e3 * (time.perf_counter() - began),
                                      policy.draft_ms[k] + policy.verify_ms[k] + policy.host_ms)
                 if not self._emit(result, emitted, stops, n, on_block):
@@ -584,10 +594,11 @@ class UniMaxEngine:
         finally:
             result.verify = _report(len(result.tokens), counts)
 
-    def _held_block(self, k: int, stops, constraint, counts) -> tuple[list[int], int]:
+    def _held_block(self, k: int, stops, constraint, counts,
+                    sampled: bool = False) -> tuple[list[int], int]:
         """One verified block of up to k drafts under the grammar (``_held_verified_loop``):
         its tokens, and how many drafts ran (they end early at a stop id: a finished grammar
-        takes no more)."""
+        takes no more). ``sampled``: checked by the speculative rule."""
         graph, verifier, mask = self.decode_graph, self.verifier, self.decode_graph.token_mask
         drafts: list[int] = []
         if k:
@@ -595,8 +606,8 @@ class UniMaxEngine:
             graph.held_forward()
         for i in range(k):
             mask.load(constraint, row=i)
-            graph.held_choice()
-            graph.keep_draft(i)
+            graph.held_choice(record=sampled)
+            graph.keep_draft(i, record=sampled)
             if i + 1 < k:
                 graph.held_forward()
             drafts.append(graph.held_token.receive())
@@ -605,7 +616,7 @@ class UniMaxEngine:
                 break
         k = len(drafts)
         mask.load(None if drafts and drafts[-1] in stops else constraint, row=k)
-        emitted = verifier.collect(verifier.launch(k, masked=True), counts)
+        emitted = verifier.collect(verifier.launch(k, sampled, masked=True), counts)
         constraint.rollback(k - (len(emitted) - 1))
         if not any(t in stops for t in emitted[:-1]):
             constraint.accept(emitted[-1])
@@ -640,7 +651,7 @@ class UniMaxEngine:
         mask for the next token, queue the choice, queue the forward that feeds the chosen
         token, and only then read the token and feed it to the grammar, so the host's turn
         runs while the GPU runs the next forward. Fast mode steps the decoder; verified mode
-        (sampled, or ``held_drafts`` off; else ``_held_verified_loop``) the exact model
+        (``held_drafts`` off; else ``_held_verified_loop``) the exact model
         through the verifier, no drafts. One host sync per token, as the exact eager path
         had, but each step is two graphs instead of hundreds of launches."""
         mask = self.decode_graph.token_mask

@@ -222,6 +222,9 @@ class MaxTurboGraphDecoder:
         self.token_mask = None
         self.held_logits: torch.Tensor | None = None
         self.held_token = TokenToHost(self.device)
+        # a sampled held draft's masked distribution (``held_choice(record=True)``), kept as
+        # the block's draft_probs row by ``keep_draft``
+        self.held_probs = torch.zeros(1, model.config.vocab_size, device=self.device)
         self.runner = GraphRunner(self.device, use_graphs, timed=True)
         # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where
         # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
@@ -359,18 +362,28 @@ class MaxTurboGraphDecoder:
         self.held_logits = logits_buffer(logits, self.held_logits)
         self.held_logits.copy_(logits)
 
-    def _held_choice(self, sampled: bool) -> None:
-        self.static_token.copy_(choose(self.held_logits, self, self.uniforms[:1], sampled))
+    def _held_choice(self, sampled: bool, record: bool = False) -> None:
+        self.static_token.copy_(choose(self.held_logits, self, self.uniforms[:1], sampled,
+                                       self.held_probs if record else None))
+
+    def _held_key(self, sampled: bool, record: bool):
+        """A held choice's graph key and the buffers it writes."""
+        if record:
+            return ("held", "choice", "record"), self._buffers(False) + [self.held_probs]
+        return ("held", "choice", sampled), self._buffers(False)
 
     @torch.inference_mode()
-    def capture_held(self, sampled: bool = False) -> None:
+    def capture_held(self, sampled: bool = False, record: bool = False) -> None:
         """Capture the held step's graphs now (start-up), not at a held reply's first token:
-        the forward, then the greedy choice (``sampled``: the sampled one too)."""
+        the forward, then the greedy choice (``sampled``: the sampled one too; ``record``: the
+        sampled one that records its distribution, verified sampling's drafts)."""
         self.choose_pdl()
         self.runner.prepare(("held", "forward"), self._held_forward, writes=[self.cache])
-        for s in (False, True) if sampled else (False,):
-            self.runner.prepare(("held", "choice", s), lambda s=s: self._held_choice(s),
-                                writes=[], buffers=self._buffers(False))
+        kinds = [(False, False)] + [(True, False)] * sampled + [(True, True)] * record
+        for s, r in kinds:
+            key, buffers = self._held_key(s, r)
+            self.runner.prepare(key, lambda s=s, r=r: self._held_choice(s, r), writes=[],
+                                buffers=buffers)
 
     @torch.inference_mode()
     def held_forward(self) -> None:
@@ -381,23 +394,29 @@ class MaxTurboGraphDecoder:
         self.cache.seen_tokens += 1
 
     @torch.inference_mode()
-    def held_choice(self) -> None:
+    def held_choice(self, record: bool = False) -> None:
         """The next token from the last held forward's logits, kept to ``token_mask`` (loaded
         by the caller), into ``static_token``, and its copy to the host queued
-        (``held_token.receive()`` reads it). No host sync."""
+        (``held_token.receive()`` reads it). No host sync. ``record`` (sampling only): the
+        masked distribution drawn from into ``held_probs``."""
         if self.token_mask is None or self.held_logits is None:
             raise ValueError("a held choice needs token_mask set and a held_forward before it")
         sampled = not self.sampling.is_greedy
+        record = record and sampled
         if sampled:
             self.uniforms[:1].uniform_(generator=self.generator)
-        self.runner.run(("held", "choice", sampled), lambda: self._held_choice(sampled),
-                        writes=[], buffers=self._buffers(False))
+        key, buffers = self._held_key(sampled, record)
+        self.runner.run(key, lambda: self._held_choice(sampled, record), writes=[],
+                        buffers=buffers)
         self.held_token.send(self.static_token)
 
-    def keep_draft(self, i: int) -> None:
+    def keep_draft(self, i: int, record: bool = False) -> None:
         """The last held choice as the block's draft i (``out_tokens``, where the verifier
-        reads a block's drafts): a draft held to a grammar. No host sync."""
+        reads a block's drafts): a draft held to a grammar; ``record``: its distribution
+        (``held_probs``) as ``draft_probs`` row i too. No host sync."""
         self.out_tokens[:, i:i + 1].copy_(self.static_token)
+        if record:
+            self.draft_probs[i:i + 1].copy_(self.held_probs)
 
     @torch.inference_mode()
     def decode_tokens(self, first_token: torch.Tensor, n: int) -> torch.Tensor:

@@ -19,11 +19,12 @@ token by count; after a stop id it costs one step.)
 
 Verified mode's greedy held replies draft through the draft decoder's held steps, each draft
 masked by the grammar after the drafts before it, and verify each block against those masks
-(engine._held_verified_loop); its sampled ones take the verifier's held steps, exact. Drafting
+(engine._held_verified_loop); sampled ones too, each draft's masked distribution recorded and
+each block checked by the speculative rule on the masked exact distributions. Drafting
 costs a host sync per draft, which nothing hides: at the Qwen3.5-0.8B shape on an H100 drafted
 held replies ran 802 tok/s against 977 for exact steps (fifty-ninth session). So the draft-length
 policy prices it (``HostTurns``, learned from the reply's blocks), and where drafts do not pay the
-greedy reply takes exact runs of held steps, pipelined as above, between probes.
+reply takes exact runs of held steps, pipelined as above, between probes.
 
 The naive twin of a held reply is a full forward per token without a cache, its logits masked
 alike (tests/test_token_mask.py); this file holds what the decoder and the verifier share.
@@ -35,14 +36,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample_from_logits
+from .sampling import sample_from_logits, sample_with_probs
 
 
-def choose(logits: torch.Tensor, decoder, uniform: torch.Tensor, sampled: bool) -> torch.Tensor:
+def choose(logits: torch.Tensor, decoder, uniform: torch.Tensor, sampled: bool,
+           probs: torch.Tensor | None = None) -> torch.Tensor:
     """The held step's token (1, 1) from ``logits`` (1, vocab): the grammar's mask
     (``decoder.token_mask``) applied, then argmax, or a draw with the decoder's sampling
-    settings and ``uniform`` (1,). Graph-safe."""
+    settings and ``uniform`` (1,); ``probs`` (1, vocab; sampled): the distribution drawn from
+    is written there (a draft of verified sampling under a grammar). Graph-safe."""
     logits = decoder.token_mask.apply(logits)
+    if sampled and probs is not None:
+        token, drawn_from = sample_with_probs(logits, decoder.temperature, decoder.top_k,
+                                              decoder.top_p, uniform, decoder.min_p)
+        probs.copy_(drawn_from)
+        return token
     if sampled:
         return sample_from_logits(logits, decoder.temperature, decoder.top_k, decoder.top_p,
                                   uniform, decoder.min_p)

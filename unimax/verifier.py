@@ -250,10 +250,12 @@ class Verifier:
         the agreeing prefix; sampled: the speculative rule, its token in every prediction
         slot. Reads the draft (and its distributions) from the decoder's static buffers.
         ``span``: the forward's inputs (k + 1, or padded: see ``span``); inputs past k + 1
-        are whatever the buffers hold (earlier tokens: valid ids). ``masked`` (greedy): each
+        are whatever the buffers hold (earlier tokens: valid ids). ``masked``: each
         position's prediction keeps to its row of the decoder's ``token_mask`` table (a
         grammar's mask after that many drafts), so the block emits the exact model's greedy
-        tokens under the grammar."""
+        tokens under the grammar (sampled: the speculative rule on each row's masked
+        distribution, the draft's recorded under the same masks, so each token is distributed
+        as the exact model's under the grammar)."""
         span = k + 1 if span is None else span
         one_pass = self.one_pass and k > 0
         (self.take_snapshot_conv if one_pass else self.take_snapshot)()
@@ -310,10 +312,11 @@ class Verifier:
         self.resync_draft()
 
     # --- a reply held to a grammar (unimax.held): the exact model's forward and choice ------
-    # (the steps of a sampled held reply, or with the engine's held_drafts off: greedy ones
-    # draft, checked by masked blocks.) No snapshot and no resync of the draft's cache: these
-    # steps never draft, and each token they emit is fed as the next forward (the finish's
-    # feed of the last one included), so the exact cache is never rolled back. (Two copies
+    # (the exact runs of a held reply where drafts do not pay, and every step with the
+    # engine's held_drafts off; else it drafts, checked by masked blocks.) No snapshot and no
+    # resync of the draft's cache (the engine bridges it before the next drafts, if any):
+    # these steps never draft, and each token they emit is fed as the next forward (the
+    # finish's feed of the last one included), so the exact cache is never rolled back. (Two copies
     # of the state a token saved: at 4B 67 MB each, read and written, ~0.9 ms on an L4's
     # 300 GB/s against a ~28 ms step.)
 
@@ -331,19 +334,22 @@ class Verifier:
     @torch.inference_mode()
     def capture_held(self, sampled: bool = False) -> None:
         """Capture the graphs of replies held to a grammar now (start-up), as ``capture``
-        does the plain ones: the greedy blocks of every k checked against the grammar's masks
-        (``launch(k, masked=True)``; no new compilation: the blocks' forwards), and the held
-        step's forward in each KV window, then its greedy choice (``sampled``: the sampled
-        one too)."""
+        does the plain ones: the greedy blocks of every k >= 1 checked against the grammar's
+        masks (``launch(k, masked=True)``; no new compilation: the blocks' forwards; k = 0 runs
+        as held steps), and the held step's forward in each KV window, then its greedy choice
+        (``sampled``: the sampled blocks and choice too)."""
         self.choose_pdl()
         writes = [self.cache, self.snapshot, self.decoder.cache]
         windows = self.windows()
         for window in windows:
             with self.cache.attending(window):
-                for k, span in self._spans_met(window, windows):
+                for (k, span), s in itertools.product(self._spans_met(window, windows),
+                                                      (False, True) if sampled else (False,)):
+                    if k == 0:
+                        continue
                     self.runner.prepare(
-                        self.graph_key(k, span, window, False, masked=True),
-                        lambda k=k, span=span: self._verify(k, False, span, masked=True),
+                        self.graph_key(k, span, window, s, masked=True),
+                        lambda k=k, span=span, s=s: self._verify(k, s, span, masked=True),
                         writes=writes, buffers=self._buffers())
                 self.runner.prepare(("held", "forward", window), self._held_forward,
                                     writes=[self.cache])
@@ -495,9 +501,9 @@ class Verifier:
         ``steps`` > 1, k = 0: an exact run of that many steps instead) and the copy of its
         result; no host sync. ``sampled``: speculative sampling (the decoder recorded its
         distributions; its sampling settings and seeded generator are the reply's).
-        ``masked`` (greedy, a block): held to the grammar's masks in the decoder's
-        ``token_mask`` table, loaded by the caller (its graphs captured by capture_held, else
-        at first use).
+        ``masked`` (a block): held to the grammar's masks in the decoder's ``token_mask`` table,
+        loaded by the caller (sampled: the draft recorded its masked distributions; its graphs
+        captured by capture_held, else at first use).
         Returns what ``collect`` needs."""
         self.choose_pdl()  # (before this verifier's first graph; once, a no-op without graphs)
         seen = self.cache.seen_tokens
@@ -505,8 +511,8 @@ class Verifier:
             raise ValueError(f"an exact run is 2..{self.block_size} steps with no drafts; got "
                              f"k={k}, steps={steps}")
         run = steps > 1  # an exact run's form: its tokens are the predictions
-        if masked and (run or sampled):
-            raise ValueError("a masked block is greedy and not an exact run")
+        if masked and run:
+            raise ValueError("a masked block is not an exact run")
         if sampled and run:  # drawn into the graph's own buffers: no temporary, no copy
             self.u_run[:steps].uniform_(generator=self.decoder.generator)
         elif sampled:
