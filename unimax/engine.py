@@ -123,8 +123,8 @@ class UniMaxEngine:
         # forward after reading it, the host's turn between the GPU's steps (the A/B in
         # bench/structured.py)
         self.held_ahead = True
-        # Verified mode's greedy replies held to a grammar draft under it and verify each
-        # block with the grammar's masks (``_held_verified_loop``); False: exact steps only
+        # Verified mode's replies held to a grammar draft under it and verify each block with
+        # the grammar's masks (``_held_verified_loop``); False: exact steps only
         self.held_drafts = True
         # what such blocks' host turns add to their graphs' time, learned (unimax.held)
         self.held_host = HostTurns()
@@ -687,10 +687,10 @@ class UniMaxEngine:
         over the reply brings it there (the same state a fresh prefill of prompt + reply
         gives). Verified mode kept it exact block by block: restore the last block's snapshot
         and feed that block's emitted tokens. A reply ``held`` to a grammar in verified mode
-        (its held steps, its masked blocks and exact runs: none queued ahead of the host) left
-        the exact cache fed through its last token or the one before: feed what it has not,
-        if anything. ``last_unfed``: all but the last token (a held
-        reply's steps after its thinking block feed it)."""
+        (its held steps, masked blocks and exact runs) left the exact cache fed through its
+        last token or the one before, never past it: feed what it has not, if anything.
+        ``last_unfed``: all but the last token (a held reply's steps after its thinking block
+        feed it)."""
         if not result.tokens:
             return
         prompt_state = state_before + result.prefill_tokens

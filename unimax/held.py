@@ -17,7 +17,7 @@ every emitted token, the last one too, to the exact cache, and this is that feed
 the decoder's cache is dropped after a reply: the engine skips the forward after a reply's last
 token by count; after a stop id it costs one step.)
 
-Verified mode's greedy held replies draft through the draft decoder's held steps, each draft
+Verified mode's held replies draft through the draft decoder's held steps, each draft
 masked by the grammar after the drafts before it, and verify each block against those masks
 (engine._held_verified_loop); sampled ones too, each draft's masked distribution recorded and
 each block checked by the speculative rule on the masked exact distributions. Drafting
