@@ -303,8 +303,9 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_verified_held_replies_mix_exact_runs_and_drafted_blocks(tmp_path, hybrid):
     """Where drafts do not pay, a verified held reply runs exact held steps (k = 0 as an exact
-    run, engine._held_exact_run) between drafted blocks. With the policy's choices scripted so
-    that runs of 1-3 exact steps and blocks of 1-3 drafts alternate: the reply is the masked
+    run of the verifier's held steps, engine._held_steps) between drafted blocks. With the
+    policy's choices scripted so that runs of 1-3 exact steps and blocks of 1-3 drafts
+    alternate: the reply is the masked
     twin's, the grammar took exactly the reply, every drafted block starts from a draft cache
     equal to the exact one (an exact run advanced only the exact cache: the engine bridges it
     first), a stop id inside the reply ends it, and the next turn goes on from the kept state."""
@@ -334,7 +335,7 @@ def test_verified_held_replies_mix_exact_runs_and_drafted_blocks(tmp_path, hybri
 
         policy.choose, policy.exact_run = choose, exact_run
 
-    real_block, real_run = engine._held_block, engine._held_exact_run
+    real_block, real_run = engine._held_block, engine._held_steps
 
     def block(k, *args):
         assert draft.seen_tokens == exact.seen_tokens
@@ -344,12 +345,13 @@ def test_verified_held_replies_mix_exact_runs_and_drafted_blocks(tmp_path, hybri
         shapes.append(("block", k, len(emitted)))
         return emitted, k
 
-    def run(steps, *args):
-        tokens = real_run(steps, *args)
-        shapes.append(("run", len(tokens), len(tokens)))
-        return tokens
+    def run(steps, count, result, *args, **kwargs):
+        before = len(result.tokens)
+        going = real_run(steps, count, result, *args, **kwargs)
+        shapes.append(("run", len(result.tokens) - before, len(result.tokens) - before))
+        return going
 
-    engine._held_block, engine._held_exact_run = block, run
+    engine._held_block, engine._held_steps = block, run
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
     reply = masked_twin(model, model, prompt, 20, Subsets(vocab))
     scripted()

@@ -553,9 +553,9 @@ class UniMaxEngine:
         the exact token after them. k from the draft-length policy, its costs plus the host's
         turns (``held_host``, learned from these blocks' wall time): where drafts do not pay
         (a short step: the demo model, 0.8B on an H100), k = 0 runs as an exact run of held
-        steps (``_held_exact_run``) until the policy's next probe. A seeded sampled reply
-        starts the policy from its prior and leaves the host's turns out (their wall-clock
-        times would move where blocks are cut, so which tokens the seed draws), as
+        steps (``_held_steps``, the verifier's) until the policy's next probe. A seeded
+        sampled reply starts the policy from its prior and leaves the host's turns out (their
+        wall-clock times would move where blocks are cut, so which tokens the seed draws), as
         ``_verified_blocks`` does."""
         policy, host = self.draft_length, self.held_host
         sampling = self.decode_graph.sampling
@@ -572,23 +572,27 @@ class UniMaxEngine:
                 k = policy.choose(left, extra=host)
                 began = time.perf_counter()
                 if k == 0 and not policy.probe:
-                    emitted = self._held_exact_run(policy.exact_run(min(left, self.block_size)),
-                                                   stops, constraint, counts)
-                    for _ in emitted:  # (each step a k = 0 block to the policy)
+                    # an exact run up to the next probe, each token emitted as it comes
+                    going = self._held_steps(self.verifier, policy.exact_run(left), result,
+                                             stops, n, on_block, constraint, counts)
+                    ran = len(result.tokens) - (n - left)
+                    for _ in range(ran):  # (each step a k = 0 block to the policy)
                         policy.observe(0, 0)
                     if policy.calibrated and host is not None:
-                        host.observe(0, len(emitted), 1e3 * (time.perf_counter() - began),
-                                     len(emitted) * policy.verify_ms[0])
+                        host.observe(0, ran, 1e3 * (time.perf_counter() - began),
+                                     ran * policy.verify_ms[0])
                     stale = True
-                else:
-                    if stale:  # (the exact cache fed the run's tokens, the draft's did not)
-                        self.bridge_copy()
-                        stale = False
-                    emitted, k = self._held_block(k, stops, constraint, counts, sampled)
-                    policy.observe(k, len(emitted) - 1)
-                    if policy.calibrated and k and host is not None:
-                        host.observe(k, k, 1e3 * (time.perf_counter() - began),
-                                     policy.draft_ms[k] + policy.verify_ms[k] + policy.host_ms)
+                    if not going:
+                        return
+                    continue
+                if stale:  # (the exact cache fed the run's tokens, the draft's did not)
+                    self.bridge_copy()
+                    stale = False
+                emitted, k = self._held_block(k, stops, constraint, counts, sampled)
+                policy.observe(k, len(emitted) - 1)
+                if policy.calibrated and k and host is not None:
+                    host.observe(k, k, 1e3 * (time.perf_counter() - began),
+                                 policy.draft_ms[k] + policy.verify_ms[k] + policy.host_ms)
                 if not self._emit(result, emitted, stops, n, on_block):
                     return
         finally:
@@ -622,62 +626,50 @@ class UniMaxEngine:
             constraint.accept(emitted[-1])
         return emitted, k
 
-    def _held_exact_run(self, steps: int, stops, constraint, counts) -> list[int]:
-        """Up to ``steps`` exact held steps (the verifier's, pipelined as in ``_held_loop``),
-        ending early after a stop id; their tokens, each taken by the grammar. As after a
-        verified block, the exact cache has fed every token but the last (after a stop with
-        the forward queued ahead, the stop too: the finish feeds what it has not); the
-        draft's cache is left behind (the caller bridges it before the next drafts)."""
-        verifier, mask = self.verifier, self.decode_graph.token_mask
-        tokens: list[int] = []
-        verifier.held_forward()
-        for i in range(steps):
-            more = i + 1 < steps
-            mask.load(constraint)
-            verifier.held_choice()
-            if more and self.held_ahead:
-                verifier.held_forward()
-            tokens.append(verifier.held_token.receive())
-            constraint.accept(tokens[-1])
-            if tokens[-1] in stops:
-                break
-            if more and not self.held_ahead:
-                verifier.held_forward()
-        counts.verifier_blocks += len(tokens)
-        return tokens
-
     def _held_loop(self, result, stops, n, on_block, mode, constraint) -> None:
-        """A reply held to a grammar, one token at a time (unimax.held): load the grammar's
-        mask for the next token, queue the choice, queue the forward that feeds the chosen
-        token, and only then read the token and feed it to the grammar, so the host's turn
-        runs while the GPU runs the next forward. Fast mode steps the decoder; verified mode
-        (``held_drafts`` off; else ``_held_verified_loop``) the exact model
-        through the verifier, no drafts. One host sync per token, as the exact eager path
-        had, but each step is two graphs instead of hundreds of launches."""
-        mask = self.decode_graph.token_mask
+        """A reply held to a grammar, one token at a time (``_held_steps``). Fast mode steps
+        the decoder; verified mode (``held_drafts`` off; else ``_held_verified_loop``) the
+        exact model through the verifier, no drafts. One host sync per token, as the exact
+        eager path had, but each step is two graphs instead of hundreds of launches."""
         counts = None if mode == "fast" else _counts(result.verify)
         steps = self.decode_graph if counts is None else self.verifier
         if counts is not None:
             self.verifier.current.fill_(result.tokens[-1])
         try:
-            steps.held_forward()  # (the first token's: it came from the prefill)
-            while True:
-                mask.load(constraint)
-                steps.held_choice()
-                # Verified mode feeds the last token too: that is the finish's feed. Fast mode
-                # skips it where the count ends the reply (its decoder's cache is dropped).
-                if self.held_ahead and (counts is not None or len(result.tokens) + 1 < n):
-                    steps.held_forward()
-                token = steps.held_token.receive()
-                if counts is not None:
-                    counts.verifier_blocks += 1
-                if not self._emit(result, [token], stops, n, on_block, constraint):
-                    return
-                if not self.held_ahead:
-                    steps.held_forward()
+            # Verified mode feeds the last token too: that is the finish's feed. Fast mode
+            # skips it where the count ends the reply (its decoder's cache is dropped).
+            self._held_steps(steps, n - len(result.tokens), result, stops, n, on_block,
+                             constraint, counts, feed_last=counts is not None)
         finally:
             if counts is not None:
                 result.verify = _report(len(result.tokens), counts)
+
+    def _held_steps(self, steps, count: int, result, stops, n, on_block, constraint,
+                    counts=None, feed_last: bool = False) -> bool:
+        """Up to ``count`` held steps of ``steps`` (the decoder, or the verifier: exact), each
+        token emitted as it comes (unimax.held): load the grammar's mask for the next token,
+        queue the choice, queue the forward that feeds the chosen token, and only then read
+        the token and feed it to the grammar, so the host's turn runs while the GPU runs the
+        next forward. The first forward feeds the reply's last token. After the last step
+        the forward is queued only where ``feed_last``; else the last token is left unfed
+        (after a stop id with the forward queued ahead, the stop is fed). False when the
+        reply ended (``_emit``'s: a stop id, its length, a cancel)."""
+        mask = self.decode_graph.token_mask
+        steps.held_forward()
+        for i in range(count):
+            more = i + 1 < count
+            mask.load(constraint)
+            steps.held_choice()
+            if self.held_ahead and (more or feed_last):
+                steps.held_forward()
+            token = steps.held_token.receive()
+            if counts is not None:
+                counts.verifier_blocks += 1
+            if not self._emit(result, [token], stops, n, on_block, constraint):
+                return False
+            if not self.held_ahead and more:
+                steps.held_forward()
+        return True
 
     def _finish(self, result: Generation, mode: str, state_before: int,
                 held: bool = False, last_unfed: bool = False) -> None:
