@@ -101,14 +101,17 @@ NEW = 3
 
 
 @torch.inference_mode()
-def joint(model_like, params) -> dict[tuple, float]:
-    """P(the next NEW tokens) under model_like's warped distribution, by enumeration."""
+def joint(model_like, params, grammar=None) -> dict[tuple, float]:
+    """P(the next NEW tokens) under model_like's warped distribution, by enumeration;
+    ``grammar`` (TwoBarred): each step's logits masked by its ``allowed`` sets first."""
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW):
         prob = 1.0
         for i in range(NEW):
             ids = torch.cat([PROMPT, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
             logits = model_like.forward_unchecked(ids, None)[0, -1]
+            if grammar is not None:
+                logits = logits.masked_fill(~grammar.allowed(list(seq[:i])), -math.inf)
             prob *= float(warped_probs_reference(logits, params)[seq[i]])
         out[seq] = prob
     return out
@@ -283,22 +286,6 @@ class TwoBarred:
         del self.taken[len(self.taken) - count:]
 
 
-@torch.inference_mode()
-def masked_joint(model_like, params) -> dict[tuple, float]:
-    """P(the next NEW tokens) under model_like's warped distribution with each step's logits
-    masked by TwoBarred first, by enumeration."""
-    out = {}
-    for seq in itertools.product(range(VOCAB), repeat=NEW):
-        prob = 1.0
-        for i in range(NEW):
-            ids = torch.cat([PROMPT, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
-            logits = model_like.forward_unchecked(ids, None)[0, -1]
-            logits = logits.masked_fill(~TwoBarred.allowed(list(seq[:i])), -math.inf)
-            prob *= float(warped_probs_reference(logits, params)[seq[i]])
-        out[seq] = prob
-    return out
-
-
 @pytest.mark.parametrize("blocks", ["drafts", "exact runs"])
 def test_verified_samples_under_a_grammar_follow_the_masked_exact_distribution(model, blocks):
     """A sampled verified reply held to a grammar (engine._held_verified_loop: each draft drawn
@@ -324,10 +311,10 @@ def test_verified_samples_under_a_grammar_follow_the_masked_exact_distribution(m
         assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
     else:
         assert drafted == 0
-    exact = masked_joint(model, PARAMS)
+    exact = joint(model, PARAMS, TwoBarred)
     stat, dof = chi_square(counts, exact, runs)
     assert stat < chi_square_limit(dof), (stat, dof)
-    draft_joint = masked_joint(DistortedDraft(model), PARAMS)
+    draft_joint = joint(DistortedDraft(model), PARAMS, TwoBarred)
     stat_draft, _ = chi_square({key: p * runs for key, p in draft_joint.items()}, exact, runs)
     assert stat_draft > 5 * chi_square_limit(dof), stat_draft
     unmasked = joint(model, PARAMS)  # (and the grammar moves the distribution)
