@@ -44,6 +44,8 @@ def test_structured_output_on_gpu(mode, runs):
             engine.draft_length.calibrate({k: 0.5 * k for k in range(1, engine.block_size + 1)},
                                           {k: 1.0 for k in range(engine.block_size + 1)}, 0.0)
             engine.held_host = HostTurns(draft_ms=1e3, learn=False)
+            # (and no probe within the reply: one every 32 exact steps by default)
+            engine.draft_length.probe_every = engine.draft_length.probe_every_max = 1000
         fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": SCHEMA}}
         handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
                                 response_format=response_format(fmt))
