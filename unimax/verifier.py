@@ -71,7 +71,10 @@ FOLD_BLOCKS = False
 # to 17 rows cost 4.16-4.24 ms, of 1..8 padded to 9 rows 3.51-3.61), so with one padded forward
 # a longer block_size taxes every short block; each span block is one more whole-model
 # compilation at warm-up (tens of seconds at 4B), hence none below 8, where the draft-length
-# policy's simulation gained nothing (bench/RESULTS.md, twenty-sixth session).
+# policy's simulation gained nothing (bench/RESULTS.md, twenty-sixth session). Measured at 4
+# (fifty-ninth session, Qwen3.5-4B shape, H100, forced 0.95): 0.96x BF16-only against 1.23x
+# at 8, its 5-row forward rounding apart from the 9-row one (the forced drafts resynced 8-32
+# times a seed; its cleanest seed 356 tok/s against 376).
 SHORTEST_SPAN_BLOCK = 8
 
 
