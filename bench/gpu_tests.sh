@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The GPU test suite in one device call (run it first in a session), with fla's wheels carried
 # in .whl (see the device README; the device has no gradio/openai, so modules needing them are
-# skipped at collection):   run: bash bench/gpu_tests.sh   with carry [".whl"]
+# skipped at collection):   run: bash bench/gpu_tests.sh   with carry [".whl", ".gpucache"]
+# The suite's compile cache: loaded from .gpucache when it is carried (bench/compile_cache.sh),
+# and saved under $OUT after the tests with GPU_TEST_SAVE=1 (copy its parts into .gpucache for
+# the next session). Until the sixtieth session this script never loaded it: the fifty-sixth
+# session loaded it by hand (the suite 306 s, its longest file 297 s), while the fifty-eighth
+# to sixtieth carried it unused and compiled cold (511-556 s, longest files 517-546 s against
+# each file's 560 s limit).
 # Without arguments, each tests/test_gpu*.py file runs in a pytest process of its own, all at
 # once: their time is mostly Triton and inductor compiling on the host's 16 cores (one after the
 # other the two files took 340 + 311 s, past one call's 10 minutes), and these are correctness
@@ -21,9 +27,8 @@
 # their cp312 wheels in .whl as well (pip download --no-deps --only-binary=:all: --python-version
 # 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
 # -d .whl xgrammar==0.2.9 apache-tvm-ffi pydantic pydantic_core annotated-types
-# typing-inspection); with .gpucache that passes the 64 MiB carry, so run that file in a call of
-# its own: bash bench/gpu_tests.sh tests/test_gpu_structured.py (carry [".whl"]). Without the
-# wheels it is skipped.
+# typing-inspection). The repo (25.8 MB), .whl with them (8.9 MB) and .gpucache (29.0 MB) fit
+# the 64 MiB carry, narrowly (sixtieth session). Without the wheels that file is skipped.
 # Arguments go to one pytest process instead (e.g. one file, or -k to pick tests);
 # GPU_TEST_FILES picks files to run side by side as without arguments (e.g. a file that ran
 # out of time, alone: GPU_TEST_FILES="tests/test_gpu_fused.py tests/test_gpu_tma.py");
@@ -32,6 +37,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# before any process compiles: an entry that no longer matches the code is simply not used
+bash bench/compile_cache.sh load
 # each process's log here, all of them in one file under $OUT at the end: the device returns
 # at most 8 files, and there are more test files than that
 LOGS=/tmp/gpu-test-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
@@ -62,3 +69,7 @@ for log in "$LOGS"/pytest-*.log; do
   grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|s call|acceptance" "$log" | cut -c1-150 | tail -30
 done
 echo "gpu tests done at $((SECONDS - T0)) s"
+if [ -n "${GPU_TEST_SAVE:-}" ]; then
+  OUT=$OUT bash bench/compile_cache.sh save
+  echo "compile cache saved at $((SECONDS - T0)) s"
+fi
