@@ -200,6 +200,21 @@ def test_malformed_json_is_a_400(api_server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
+def test_what_is_not_served_is_answered_in_the_api_error_shape(api_client, api_server):
+    """A client calling an endpoint this server lacks learns which and what is served, in
+    OpenAI's error shape (it got Starlette's bare {"detail": "Not Found"} before)."""
+    with pytest.raises(openai.NotFoundError) as err:
+        api_client.embeddings.create(model=MODEL, input="hi")
+    assert "POST /v1/embeddings" in err.value.message, err.value.message
+    assert "POST /v1/chat/completions" in err.value.message
+    assert err.value.code == "unknown_url"
+    r = httpx.get(api_server + "v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and "takes POST" in r.json()["error"]["message"], r.text
+    r = httpx.get(api_server + "v1/models/", timeout=30, follow_redirects=True)
+    assert r.status_code == 200 and MODEL in {m["id"] for m in r.json()["data"]}
+    assert httpx.get(api_server, timeout=30).status_code == 200  # the page is still at /
+
+
 def test_resent_conversation_prefills_only_the_new_turn(api_client):
     first = api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12)
     history = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from unimax import logprobs
 from unimax.errors import RequestError
@@ -74,6 +74,9 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 # chat_template_kwargs that reach the template (Qwen's documented way to switch thinking off
 # through an OpenAI-compatible server: extra_body={"chat_template_kwargs": {...}})
 TEMPLATE_KWARGS = ("enable_thinking",)
+# the API's routes under /v1 and their methods (anything else there is answered in the API's
+# error shape, naming these)
+SERVED = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
 SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
                   "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_p": "min_p"}
 
@@ -187,6 +190,23 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
             echoed = text if text is not None else service.decode(tokens)
         return await _respond(request, handle, model, stops, stream, usage_chunk, chat=False,
                               echoed=echoed, show_logprobs=body.get("logprobs") is not None)
+
+    # Last, so that the routes above match first. Without it a client calling what is not served
+    # here (embeddings, the Responses API, a GET on a POST route) got Starlette's bare
+    # {"detail": ...}, which the openai client shows as "Error code: 404" and nothing else.
+    # (HEAD and OPTIONS are left to Starlette: a CORS preflight is the middleware's.)
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                   include_in_schema=False)
+    async def not_served(request: Request, path: str):
+        route = "/v1/" + path.rstrip("/")
+        if SERVED.get(route) == request.method:  # a trailing slash, as Starlette redirects it
+            return RedirectResponse(request.url.replace(path=route), status_code=307)
+        if route in SERVED:
+            raise APIError(405, f"{route} takes {SERVED[route]} requests, not {request.method}",
+                           code="method_not_allowed")
+        served = ", ".join(f"{method} {url}" for url, method in SERVED.items())
+        raise APIError(404, f"UNI MAX does not serve {request.method} /v1/{path}; it serves "
+                       f"{served}", code="unknown_url")
 
 
 # --- request parsing -----------------------------------------------------------------------
