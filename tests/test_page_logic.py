@@ -190,6 +190,33 @@ def test_ab_summary_when_sampling_speaks_of_distributions():
     assert "first diverge at character 2" in greedy
 
 
+def test_ab_summary_says_why_an_fp8_mode_was_slower():
+    """Where fp8 or verified mode decodes slower than BF16-only, the verdict says why from the
+    slower side's own stats (the device, whether it drafted, its acceptance); nothing where it
+    was faster or where neither side is BF16-only."""
+    bf16 = {"decode_tok_s": 100.0, "device": "cuda:0"}
+    cpu = ab_summary("bf16", "a", {**bf16, "device": "cpu"}, "verified", "a",
+                     {"decode_tok_s": 60.0, "device": "cpu", "drafted_tokens": 40,
+                      "acceptance_rate": 0.9})
+    assert "0.60x" in cpu and "On the CPU FP8 is emulated" in cpu and "verified mode" in cpu
+    drafted = ab_summary("verified", "a", {"decode_tok_s": 80.0, "device": "cuda:0",
+                                          "drafted_tokens": 40, "acceptance_rate": 0.55},
+                         "bf16", "a", bf16)
+    assert "at this reply's acceptance (55%)" in drafted, drafted
+    idle = ab_summary("bf16", "a", bf16, "verified", "a",
+                      {"decode_tok_s": 97.0, "device": "cuda:0", "drafted_tokens": 0,
+                       "acceptance_rate": None})
+    assert "drafted nothing" in idle
+    tail = ab_summary("bf16", "a", bf16, "fp8", "a", {"decode_tok_s": 90.0, "device": "cuda"})
+    assert "kernel launches" in tail
+    faster = ab_summary("bf16", "a", bf16, "verified", "a",
+                        {"decode_tok_s": 130.0, "device": "cuda:0", "drafted_tokens": 40})
+    neither = ab_summary("fp8", "a", {"decode_tok_s": 100.0, "device": "cpu"}, "verified", "a",
+                         {"decode_tok_s": 50.0, "device": "cpu"})
+    for text in (faster, neither):
+        assert text.endswith("**identical**."), text
+
+
 def test_a_thinking_block_folds_away_above_the_answer():
     """A reply that starts inside a thinking block (the prompt opened it: "started" says so)
     shows its reasoning as a folded "Thinking" message, pending until the block closes, then

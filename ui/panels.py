@@ -135,4 +135,33 @@ def ab_summary(mode_a: str, text_a: str, stats_a: dict, mode_b: str, text_b: str
                 + ("Same distribution." if exact.get(mode_a, "").startswith("the exact") and
                    exact.get(mode_b, "").startswith("the exact") else
                    "Not the same distribution."))
-    return f"{ratio} {same}"
+    why = slower_note(mode_a, stats_a, mode_b, stats_b)
+    return f"{ratio} {same}" + (f" {why}" if why else "")
+
+
+def slower_note(mode_a: str, stats_a: dict, mode_b: str, stats_b: dict) -> str:
+    """Why an FP8 mode (fp8, verified) decoded slower than BF16-only, from its own stats: a user
+    comparing the modes should not have to guess whether it is broken. Empty otherwise."""
+    speeds = {mode_a: stats_a.get("decode_tok_s"), mode_b: stats_b.get("decode_tok_s")}
+    slow = mode_b if mode_a == "bf16" else mode_a if mode_b == "bf16" else None
+    if slow not in ("fp8", "verified") or not all(speeds.values()) or \
+            speeds[slow] >= speeds["bf16"]:
+        return ""
+    stats = stats_b if slow == mode_b else stats_a
+    if str(stats.get("device", "")).startswith("cpu"):
+        return (f"On the CPU FP8 is emulated (each step dequantizes the FP8 weights and "
+                f"multiplies in float32), so an FP8 step costs more than a BF16 one and {slow} "
+                f"mode is slower here by construction; its speed needs a GPU.")
+    if slow == "fp8":
+        return ("The FP8 tail saves bytes only where a step is bound by reading weights; on "
+                "a small model a step is bound by its kernel launches instead.")
+    if not stats.get("drafted_tokens"):
+        return ("Verified mode drafted nothing: its draft-length policy ran the exact "
+                "model a token at a time, since drafts did not pay at the acceptance it had "
+                "measured, which is about BF16-only's speed.")
+    accepted = stats.get("acceptance_rate")
+    rate = f" at this reply's acceptance ({accepted:.0%})" if accepted is not None else ""
+    return (f"Verified mode pays where a draft step costs well under a BF16 step and most "
+            f"drafts are accepted: a model that reads gigabytes a token on a GPU whose step "
+            f"is bound by memory bandwidth. Here{rate} the drafts and their check cost more "
+            f"than the exact steps they replaced.")
