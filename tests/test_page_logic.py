@@ -208,7 +208,7 @@ def test_ab_summary_says_why_an_fp8_mode_was_slower():
                        "acceptance_rate": None})
     assert "drafted nothing" in idle
     tail = ab_summary("bf16", "a", bf16, "fp8", "a", {"decode_tok_s": 90.0, "device": "cuda"})
-    assert "kernel launches" in tail
+    assert "kernel launches" in tail and "LM head" in tail
     faster = ab_summary("bf16", "a", bf16, "verified", "a",
                         {"decode_tok_s": 130.0, "device": "cuda:0", "drafted_tokens": 40})
     neither = ab_summary("fp8", "a", {"decode_tok_s": 100.0, "device": "cpu"}, "verified", "a",

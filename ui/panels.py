@@ -153,8 +153,9 @@ def slower_note(mode_a: str, stats_a: dict, mode_b: str, stats_b: dict) -> str:
                 f"multiplies in float32), so an FP8 step costs more than a BF16 one and {slow} "
                 f"mode is slower here by construction; its speed needs a GPU.")
     if slow == "fp8":
-        return ("The FP8 tail saves bytes only where a step is bound by reading weights; on "
-                "a small model a step is bound by its kernel launches instead.")
+        return ("The FP8 tail saves only the final MLP's and LM head's bytes: that pays "
+                "where a step is bound by reading weights (a large model), not where its "
+                "kernel launches bound it (a small one), which its extra kernels then slow.")
     if not stats.get("drafted_tokens"):
         return ("Verified mode drafted nothing: its draft-length policy ran the exact "
                 "model a token at a time, since drafts did not pay at the acceptance it had "
