@@ -172,6 +172,25 @@ def test_state_budget_moves_to_host_then_drops():
     assert store.best_prefix("c3", [1, 2, 3, 5]) is not None
 
 
+def test_state_budget_drops_one_of_two_conversations_with_the_same_history():
+    # Two chats that sent the same first message keep states with equal token histories: the
+    # drop must remove the one it chose, by identity (comparing the two states' tensors raised
+    # "Boolean value of Tensor ... is ambiguous" and failed the request being served: found by
+    # bench/structured.py at the Qwen3.5-4B shape, sixty-first session).
+    from unimax.states import StateStore
+
+    model = unimax.load_model("tiny-random")
+    cache = model.make_recurrent_cache()
+    size = sum(t.numel() * t.element_size() for t in unimax.cache.state_tensors(cache))
+    store = StateStore(gpu_budget_bytes=0, host_budget_bytes=2 * size)
+    for conversation in ("a", "b", "c"):
+        store.save(conversation, [1, 2, 3], cache)
+    assert store.usage()["states"] == 2 and store.usage()["conversations"] == 2
+    assert store.best_prefix("a", [1, 2, 3, 4]) is None  # the oldest, and only it, dropped
+    assert store.best_prefix("b", [1, 2, 3, 4]) is not None
+    assert store.best_prefix("c", [1, 2, 3, 4]) is not None
+
+
 def test_presets_validate(tmp_path):
     assert load_preset("presets/tiny-random.yaml").model == "tiny-random"
     with pytest.raises(PresetError, match="unknown preset key 'modle'"):

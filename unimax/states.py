@@ -17,7 +17,9 @@ import torch
 from .cache import RecurrentCache, kv_tensors, state_tensors
 
 
-@dataclass
+# eq=False: a state is itself, not its fields; two conversations can keep equal token
+# histories, and comparing their tensors raises (the budget's drop finds its state by identity)
+@dataclass(eq=False)
 class KeptState:
     tokens: tuple[int, ...]  # the exact token history this state has absorbed
     tensors: list[torch.Tensor]  # the fixed-size state, then (hybrid models) KV[:len] per layer
@@ -107,8 +109,9 @@ class StateStore:
             if host <= self.host_budget:
                 break
             if not ckpt.on_gpu:
-                for cid, cs in self.conversations.items():
+                for cid, cs in list(self.conversations.items()):
                     if ckpt in cs:
                         cs.remove(ckpt)
-                        self.conversations[cid] = cs
+                        if not cs:  # the panel counts conversations with a kept state
+                            del self.conversations[cid]
                 host -= ckpt.nbytes
