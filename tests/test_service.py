@@ -229,6 +229,25 @@ def test_out_of_memory_is_reported_and_service_goes_on(service, monkeypatch):
     assert run(service, "oom", [user("Hi")])[-1].kind == "done"
 
 
+def test_a_state_that_does_not_fit_the_card_is_kept_in_host_memory(service, monkeypatch):
+    """Keeping a turn's state must not fail the reply being served: out of GPU memory, the
+    copy goes to host memory, and the next turn still finds it."""
+    import unimax.states
+
+    def oom(tensors):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(unimax.states, "copy_on_device", oom)
+    done = run(service, "full-card", [user("Hi")])[-1]
+    assert done.kind == "done"
+    monkeypatch.undo()
+    again = run(service, "full-card", [user("Hi"), {"role": "assistant", "content": done.data[
+        "reply"]}, user("More")])
+    assert again[-1].kind == "done"
+    started = next(e for e in again if e.kind == "started")
+    assert started.data["reused_tokens"] > 0
+
+
 def test_thinking_switch_reaches_the_chat_template(service):
     tok = unimax.load_tokenizer("tiny-random")
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -61,10 +61,17 @@ class StateStore:
 
     @torch.inference_mode()
     def save(self, conversation_id: str, tokens: list[int], cache: RecurrentCache) -> None:
-        state = [t.clone() for t in state_tensors(cache)]
+        state = state_tensors(cache)
         # Hybrid models: the attention KV written so far grows with the conversation.
-        kv = [t[:, :, :len(tokens)].clone() for t in kv_tensors(cache)]
-        ckpt = KeptState(tuple(tokens), state + kv, last_used=next(self.clock),
+        kv = [t[:, :, :len(tokens)] for t in kv_tensors(cache)]
+        try:
+            tensors = copy_on_device(state + kv)
+        except torch.OutOfMemoryError:
+            # a card full to the brim (a big model on a 24 GB L4): the copy goes to host
+            # memory instead, where the budget would have moved it anyway; the reply that is
+            # being served must not fail for the sake of a later turn's prefill
+            tensors = [t.to("cpu") for t in state + kv]
+        ckpt = KeptState(tuple(tokens), tensors, last_used=next(self.clock),
                           num_state=len(state))
         with self.lock:
             kept = [c for c in self.conversations.get(conversation_id, [])
@@ -115,3 +122,8 @@ class StateStore:
                         if not cs:  # the panel counts conversations with a kept state
                             del self.conversations[cid]
                 host -= ckpt.nbytes
+
+
+def copy_on_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A kept state's copy beside the cache it comes from (the fast restore)."""
+    return [t.clone() for t in tensors]
