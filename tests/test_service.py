@@ -229,6 +229,41 @@ def test_out_of_memory_is_reported_and_service_goes_on(service, monkeypatch):
     assert run(service, "oom", [user("Hi")])[-1].kind == "done"
 
 
+def test_kept_states_under_tight_budgets_give_a_fresh_conversations_replies(service):
+    """Random chats (new turns, regenerations, edits) over a store that holds three states:
+    every reply finishes, and a greedy reply continued from whatever state was kept equals the
+    same messages' reply in a fresh conversation. Fresh conversations keep states with the
+    same histories as the chats' (what the identity bug above needed)."""
+    import random
+
+    from unimax.states import StateStore
+
+    size = sum(t.numel() * t.element_size()
+               for t in unimax.cache.state_tensors(service.model.make_recurrent_cache()))
+    kept, service.store = service.store, StateStore(gpu_budget_bytes=size,
+                                                    host_budget_bytes=2 * size)
+    try:
+        rng, chats = random.Random(0), {f"tight{i}": [] for i in range(4)}
+        for step in range(24):
+            chat = rng.choice(sorted(chats))
+            messages, mode, action = list(chats[chat]), rng.choice(["bf16", "verified"]), \
+                rng.random()
+            if action < 0.2 and messages:
+                messages = messages[:-1]  # regenerate
+            elif action < 0.35 and messages:
+                messages = messages[:-2] + [user(rng.choice(["Hi", "again"]))]  # edit
+            else:
+                messages.append(user(rng.choice(["Hi", "Tell me more", "ok"])))
+            done = run(service, chat, messages, mode, max_new_tokens=10)[-1]
+            assert done.kind == "done", (step, done.text)
+            fresh = run(service, f"tight-fresh{step}", messages, mode, max_new_tokens=10)[-1]
+            assert fresh.data["reply"] == done.data["reply"], step
+            chats[chat] = messages + [{"role": "assistant", "content": done.data["reply"]}]
+        assert service.store.usage()["states"] <= 3
+    finally:
+        service.store = kept
+
+
 def test_a_state_that_does_not_fit_the_card_is_kept_in_host_memory(service, monkeypatch):
     """Keeping a turn's state must not fail the reply being served: out of GPU memory, the
     copy goes to host memory, and the next turn still finds it."""
