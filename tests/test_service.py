@@ -28,6 +28,11 @@ def user(text):
     return {"role": "user", "content": text}
 
 
+def kept_bytes(cache):
+    """What one kept state of a pure-GDN model counts against the store's budgets."""
+    return sum(t.numel() * t.element_size() for t in unimax.cache.state_tensors(cache))
+
+
 def test_streaming_order_and_text(service):
     events = run(service, "order", [user("Hello")], max_new_tokens=20)
     kinds = [e.kind for e in events]
@@ -161,7 +166,7 @@ def test_state_budget_moves_to_host_then_drops():
 
     model = unimax.load_model("tiny-random")
     cache = model.make_recurrent_cache()
-    size = sum(t.numel() * t.element_size() for t in unimax.cache.state_tensors(cache))
+    size = kept_bytes(cache)
     store = StateStore(gpu_budget_bytes=0, host_budget_bytes=2 * size)
     for i in range(4):
         store.save(f"c{i}", [1, 2, i], cache)
@@ -181,7 +186,7 @@ def test_state_budget_drops_one_of_two_conversations_with_the_same_history():
 
     model = unimax.load_model("tiny-random")
     cache = model.make_recurrent_cache()
-    size = sum(t.numel() * t.element_size() for t in unimax.cache.state_tensors(cache))
+    size = kept_bytes(cache)
     store = StateStore(gpu_budget_bytes=0, host_budget_bytes=2 * size)
     for conversation in ("a", "b", "c"):
         store.save(conversation, [1, 2, 3], cache)
@@ -238,8 +243,7 @@ def test_kept_states_under_tight_budgets_give_a_fresh_conversations_replies(serv
 
     from unimax.states import StateStore
 
-    size = sum(t.numel() * t.element_size()
-               for t in unimax.cache.state_tensors(service.model.make_recurrent_cache()))
+    size = kept_bytes(service.model.make_recurrent_cache())
     kept, service.store = service.store, StateStore(gpu_budget_bytes=size,
                                                     host_budget_bytes=2 * size)
     try:
