@@ -12,7 +12,14 @@ from unimax import GDNConfig, GDNForCausalLM, build_engine
 from unimax.fp8 import FP8Linear
 
 sys.path.insert(0, str(ROOT / "bench"))
-from draft_bits import lower_the_draft, parse_format, parse_skip, round_weight, skip_in_the_draft  # noqa: E402
+from draft_bits import (  # noqa: E402
+    fit_scale,
+    lower_the_draft,
+    parse_format,
+    parse_skip,
+    round_weight,
+    skip_in_the_draft,
+)
 
 CONFIG = GDNConfig(vocab_size=89, hidden_size=48, num_hidden_layers=2, num_k_heads=2,
                    num_v_heads=4, head_k_dim=16, head_v_dim=8, intermediate_size=80)
@@ -38,11 +45,34 @@ def test_rounding_by_hand():
     assert float((round_weight(x, 4, 32) - x).norm() / x.norm()) < err[4]
 
 
+def test_the_fit_takes_the_extra_level_on_either_side_by_hand():
+    # Both groups lie on a grid of step 0.5 with 16 levels: the largest weight of the first is
+    # negative (q -8, a positive scale), of the second positive (a negative scale, whose -8
+    # stands for +4): the fit rounds both exactly, where absmax / 7 cannot.
+    w = torch.tensor([[-4.0, 0.5, 1.0, 3.5, 4.0, -0.5, -1.0, -3.5]])
+    assert fit_scale(w.reshape(1, 2, 4), 4).flatten().tolist() == [0.5, -0.5]
+    assert torch.equal(round_weight(w, 4, 4, fit=True), w)
+    assert float((round_weight(w, 4, 4) - w).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fit_rounds_every_group_no_worse_than_absmax(seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 512, generator=gen) * torch.rand(64, 1, generator=gen)
+    w[:, ::97] *= 8  # (outliers: a few large weights per row, as real checkpoints have)
+    errors = {fit: ((round_weight(w, 4, 128, fit) - w).reshape(64, 4, 128) ** 2).sum(-1)
+              for fit in (False, True)}
+    assert bool((errors[True] <= errors[False] * (1 + 1e-6)).all())
+    assert float(errors[True].sum()) < 0.8 * float(errors[False].sum())
+
+
 def test_format_names():
     assert parse_format("fp8") is None
-    assert parse_format("int8") == (8, None)
-    assert parse_format("int4/64") == (4, 64)
-    for bad in ("int", "fp4", "int4/x", "int9", "int4/0", "int1"):
+    assert parse_format("int8") == (8, None, False)
+    assert parse_format("int4/64") == (4, 64, False)
+    assert parse_format("int4/128+fit") == (4, 128, True)
+    assert parse_format("int3+fit") == (3, None, True)
+    for bad in ("int", "fp4", "int4/x", "int9", "int4/0", "int1", "int4+mse", "int4/+fit"):
         with pytest.raises(ValueError, match="int"):
             parse_format(bad)
     assert parse_format("skip:1") is None
