@@ -61,8 +61,8 @@ def round_weight(weight: torch.Tensor, bits: int, group: int | None,
                  fit: bool = False) -> torch.Tensor:
     """``weight`` (N, K) rounded to symmetric ``bits``-bit integers times a scale per row
     (``group`` None) or per ``group`` columns (absmax / (2^(bits-1) - 1), round to nearest;
-    ``fit``: levels down to -2^(bits-1) and fit_scale's scale); returned
-    dequantized in weight's dtype."""
+    ``fit``: levels down to -2^(bits-1) and fit_scale's scale); returned dequantized in
+    weight's dtype."""
     n, k = weight.shape
     group = group or k
     pad = (-k) % group
@@ -103,25 +103,20 @@ def fit_scale(w: torch.Tensor, bits: int) -> torch.Tensor:
     bases = (torch.maximum(torch.maximum(top / high, bottom / -low), tiny),
              -torch.maximum(torch.maximum(bottom / high, top / -low), tiny))
     best_scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / high  # plain
-    best_err = _error(w, best_scale, -high, high)
+    best_err = ((torch.round(w / best_scale) * best_scale - w) ** 2).sum(dim=-1, keepdim=True)
     for base in bases:
         for clip in CLIPS:
             scale = base * clip
             for _ in range(2):  # the candidate, then its least-squares scale
-                err = _error(w, scale, low, high)
+                q = torch.round(w / scale).clamp(low, high)
+                err = ((q * scale - w) ** 2).sum(dim=-1, keepdim=True)
                 better = err < best_err
                 best_err = torch.where(better, err, best_err)
                 best_scale = torch.where(better, scale, best_scale)
-                q = torch.round(w / scale).clamp(low, high)
                 qq = (q * q).sum(dim=-1, keepdim=True)
                 ls = (w * q).sum(dim=-1, keepdim=True) / qq.clamp(min=1)
                 scale = torch.where((qq > 0) & (ls != 0), ls, scale)
     return best_scale
-
-
-def _error(w: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> torch.Tensor:
-    q = torch.round(w / scale).clamp(low, high)
-    return ((q * scale - w) ** 2).sum(dim=-1, keepdim=True)
 
 
 def parse_skip(name: str) -> tuple[str, list[int]] | None:
