@@ -97,11 +97,10 @@ def fit_scale(w: torch.Tensor, bits: int) -> torch.Tensor:
     low, high = -2 ** (bits - 1), 2 ** (bits - 1) - 1
     top = w.amax(dim=-1, keepdim=True).clamp(min=0)
     bottom = (-w.amin(dim=-1, keepdim=True)).clamp(min=0)
-    tiny = torch.full_like(top, 1e-12)
     # Positive s: the positive side has `high` levels, the negative one -low; negative s the
     # other way round. The absmax scale of each sign is the larger of its two sides' needs.
-    bases = (torch.maximum(torch.maximum(top / high, bottom / -low), tiny),
-             -torch.maximum(torch.maximum(bottom / high, top / -low), tiny))
+    bases = (torch.maximum(top / high, bottom / -low).clamp(min=1e-12),
+             -torch.maximum(bottom / high, top / -low).clamp(min=1e-12))
     best_scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / high  # plain
     best_err = ((torch.round(w / best_scale) * best_scale - w) ** 2).sum(dim=-1, keepdim=True)
     for base in bases:
