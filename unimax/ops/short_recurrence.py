@@ -59,25 +59,36 @@ SHORT_MAX = 33
 # chunk, work in proportion to TC: chunks of 8 and 4 tokens halve and quarter it for one more
 # round trip of loads per chunk (not yet timed on a GPU; the choice times them). The chunk is
 # the setting's, never the length's: see the module's docstring.
-TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4))
+# TC = 0, the "direct" settings: no chunk; each step loads its own token's inputs as the
+# vectors it uses (no row picks, no change of register layout per token), the outputs held in
+# registers and stored after the last step, so no store stands between one token's loads and
+# the next's (short_recurrence_kernel.run_direct).
+TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4),
+         (2, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0), (4, 1, -1), (8, 1, -1))
 CHOICES: dict[tuple, str] = {}  # (H, K, HV, V, dtype, no state?) -> a name
 DEFAULT = "short@8x1x16"
 
 
+def tile_name(tile: tuple[int, int, int]) -> str:
+    bv, w, tc = tile
+    if tc < 0:
+        return f"directn@{bv}x{w}"
+    return f"short@{bv}x{w}x{tc}" if tc else f"direct@{bv}x{w}"
+
+
 def names() -> tuple[str, ...]:
-    return ("fla",) + tuple(f"short@{bv}x{w}x{tc}" for bv, w, tc in TILES)
+    return ("fla",) + tuple(tile_name(tile) for tile in TILES)
 
 
 def parse(name: str) -> tuple[int, int, int] | None:
-    """"short@BVxWxTC" -> (BV, warps, TC); "fla" -> None."""
+    """"short@BVxWxTC" -> (BV, warps, TC); "direct@BVxW" -> (BV, warps, 0); "fla" -> None."""
     if name == "fla":
         return None
-    form, _, tile = name.partition("@")
-    parts = tuple(int(p) for p in tile.split("x")) if form == "short" else ()
-    if parts not in TILES:
+    tiles = {tile_name(tile): tile for tile in TILES}
+    if name not in tiles:
         raise ValueError(f"short recurrence: kernel must be 'fla' or one of "
                          f"{', '.join(names()[1:])}, got {name!r}")
-    return parts
+    return tiles[name]
 
 
 def check(q, k, v, g, beta, initial_state) -> None:
@@ -152,7 +163,8 @@ def constants(tile: tuple[int, int, int], tokens: int, head_k_dim: int,
     kernel's register layout with it, and the block's and the rewind's states would round
     apart: see the module's docstring). Also what the layout test compiles with."""
     block_v, _, chunk = tile
-    return dict(T=tokens, BK=_pow2(head_k_dim), BV=min(block_v, _pow2(head_v_dim)), TC=chunk)
+    return dict(T=tokens, BK=_pow2(head_k_dim), BV=min(block_v, _pow2(head_v_dim)), TC=chunk,
+                TP=1 if chunk > 0 else _pow2(tokens))
 
 
 def _pow2(n: int) -> int:
