@@ -36,8 +36,7 @@ for b, t, h, hv, k, v in [(1, 2, 2, 2, 16, 8), (1, 9, 2, 4, 32, 16), (2, 17, 1, 
         fla_o, fla_state = fused_recurrent_gated_delta_rule(
             q=q.contiguous(), k=kk.contiguous(), v=vv.contiguous(), g=g, beta=beta,
             initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        # 16-token chunks at BV 4, 4-token ones at 8, and the direct form (no chunks)
-        for tile in (TILES[0], (8, 1, 4), (8, 1, 0)):
+        for tile in (TILES[0], TILES[-1]):  # (16-token chunks at BV 4; 4-token ones at 8)
             o, state = launch_short(q, kk, vv, g, beta, h0, True, *tile)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             assert o.dtype == dtype and o.shape == ref_o.shape

@@ -57,38 +57,32 @@ SHORT_MAX = 33
 # to 8 warps was 2-6x slower than those (the per-step row picks and sums cross warps). Each
 # step picks its token's q, k and v out of the chunk's registers by a masked sum over the
 # chunk, work in proportion to TC: chunks of 8 and 4 tokens halve and quarter it for one more
-# round trip of loads per chunk (not yet timed on a GPU; the choice times them). The chunk is
-# the setting's, never the length's: see the module's docstring.
-# TC = 0, the "direct" settings: no chunk; each step loads its own token's inputs as the
-# vectors it uses (no row picks, no change of register layout per token), the outputs held in
-# registers and stored after the last step, so no store stands between one token's loads and
-# the next's (short_recurrence_kernel.run_direct).
-TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4),
-         (2, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0), (4, 1, -1), (8, 1, -1))
+# round trip of loads per chunk (H100, sixty-third session: TC 8 the fastest for 9- and
+# 17-token blocks at 0.8B and 4B heads, e.g. 6.3 us at 4x1x8 against 7.0 at 4x1x16). The chunk is
+# the setting's, never the length's: see the module's docstring. Tried and dropped (H100,
+# bench/RESULTS.md, sixty-third session): each step loading its own token's vectors, the
+# outputs stored after the last step ("direct"): 9.4-10.4 us for a 9-token block against 6.3
+# at short@4x1x8 (0.8B heads) and 9.6-10.7 against 8.1 (4B heads); faster only for the
+# 32-layer rewind (105 against 120 us at 4B heads), which must share the block's setting.
+TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4))
 CHOICES: dict[tuple, str] = {}  # (H, K, HV, V, dtype, no state?) -> a name
 DEFAULT = "short@8x1x16"
 
 
-def tile_name(tile: tuple[int, int, int]) -> str:
-    bv, w, tc = tile
-    if tc < 0:
-        return f"directn@{bv}x{w}"
-    return f"short@{bv}x{w}x{tc}" if tc else f"direct@{bv}x{w}"
-
-
 def names() -> tuple[str, ...]:
-    return ("fla",) + tuple(tile_name(tile) for tile in TILES)
+    return ("fla",) + tuple(f"short@{bv}x{w}x{tc}" for bv, w, tc in TILES)
 
 
 def parse(name: str) -> tuple[int, int, int] | None:
-    """"short@BVxWxTC" -> (BV, warps, TC); "direct@BVxW" -> (BV, warps, 0); "fla" -> None."""
+    """"short@BVxWxTC" -> (BV, warps, TC); "fla" -> None."""
     if name == "fla":
         return None
-    tiles = {tile_name(tile): tile for tile in TILES}
-    if name not in tiles:
+    form, _, tile = name.partition("@")
+    parts = tuple(int(p) for p in tile.split("x")) if form == "short" else ()
+    if parts not in TILES:
         raise ValueError(f"short recurrence: kernel must be 'fla' or one of "
                          f"{', '.join(names()[1:])}, got {name!r}")
-    return tiles[name]
+    return parts
 
 
 def check(q, k, v, g, beta, initial_state) -> None:
@@ -163,8 +157,7 @@ def constants(tile: tuple[int, int, int], tokens: int, head_k_dim: int,
     kernel's register layout with it, and the block's and the rewind's states would round
     apart: see the module's docstring). Also what the layout test compiles with."""
     block_v, _, chunk = tile
-    return dict(T=tokens, BK=_pow2(head_k_dim), BV=min(block_v, _pow2(head_v_dim)), TC=chunk,
-                TP=1 if chunk > 0 else _pow2(tokens))
+    return dict(T=tokens, BK=_pow2(head_k_dim), BV=min(block_v, _pow2(head_v_dim)), TC=chunk)
 
 
 def _pow2(n: int) -> int:

@@ -40,83 +40,6 @@ def run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c: tl.con
 
 
 @triton.jit
-def run_chunks(h, q, k, v, g, beta, o_ptr, rk, rv, mask_k, mask_v, scale, stride_qt, stride_kt,
-               stride_vt, stride_gt, stride_bt, T: tl.constexpr, TC: tl.constexpr, o_stride,
-               STORE_O: tl.constexpr):
-    """The T tokens in chunks of TC: every token's inputs of a chunk requested at once, before
-    its first step (run_steps). The pointers as run_direct's. Returns h."""
-    rt = tl.arange(0, TC)
-    for c in tl.static_range(0, T, TC):
-        t = c + rt
-        mask_t = t < T
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        k_all = tl.load(k + t[:, None] * stride_kt + rk[None, :], mask=mask_tk,
-                        other=0.0).to(tl.float32)
-        k_all = unit_rows(k_all)
-        if STORE_O:  # (q reaches only the outputs)
-            q_all = tl.load(q + t[:, None] * stride_qt + rk[None, :], mask=mask_tk,
-                            other=0.0).to(tl.float32)
-            q_all = unit_rows(q_all) * scale
-        else:
-            q_all = k_all  # (not read)
-        v_all = tl.load(v + t[:, None] * stride_vt + rv[None, :],
-                        mask=mask_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        g_all = tl.load(g + t * stride_gt, mask=mask_t, other=0.0).to(tl.float32)
-        b_all = tl.load(beta + t * stride_bt, mask=mask_t, other=0.0).to(tl.float32)
-        h = run_steps(h, q_all, k_all, v_all, g_all, b_all, o_ptr, rv, mask_v, c, T, TC,
-                      o_stride, STORE_O)
-    return h
-
-
-@triton.jit
-def norm_of(p, mask):
-    """sqrt(|x|^2 + 1e-6) of the vector at p, from a load of its own (another cache policy, so
-    that it is not merged with the step's load): its sum reduces in the load's own layout and
-    only the scalar reaches the step, whose load then takes the step's layout directly."""
-    x = tl.load(p, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    return tl.sqrt(tl.sum(x * x, 0) + 1e-6)
-
-
-@triton.jit
-def run_direct(h, q, k, v, g, beta, o_ptr, rk, rv, mask_k, mask_v, scale, stride_qt, stride_kt,
-               stride_vt, stride_gt, stride_bt, T: tl.constexpr, TP: tl.constexpr, o_stride,
-               STORE_O: tl.constexpr, NORM_APART: tl.constexpr):
-    """The T tokens' steps as run_steps takes them, each token's q, k, v, g and beta loaded
-    as the vectors the step uses (no chunk tile to pick a row out of, so no masked sum over the
-    chunk and no change of register layout per token) and the outputs kept in registers
-    (TP, BV) and stored once after the last step: with no store between one token's loads
-    and the next, nothing stops the compiler requesting later tokens' inputs early. The
-    pointers are at token 0 of this program's row (q, k: its key head; v: its value columns'
-    head; g, beta: its value head). Returns h."""
-    rt = tl.arange(0, TP)
-    o_all = tl.zeros((TP, rv.shape[0]), dtype=tl.float32)
-    for s in tl.static_range(T):
-        b_k = tl.load(k + s * stride_kt + rk, mask=mask_k, other=0.0).to(tl.float32)
-        if NORM_APART:
-            b_k = b_k / norm_of(k + s * stride_kt + rk, mask_k)
-        else:
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-        b_v = tl.load(v + s * stride_vt + rv, mask=mask_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + s * stride_gt).to(tl.float32)
-        b_beta = tl.load(beta + s * stride_bt).to(tl.float32)
-        h *= tl.exp(b_g)
-        b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
-        h += b_k[:, None] * b_v[None, :]
-        if STORE_O:
-            b_q = tl.load(q + s * stride_qt + rk, mask=mask_k, other=0.0).to(tl.float32)
-            if NORM_APART:
-                b_q = b_q / norm_of(q + s * stride_qt + rk, mask_k) * scale
-            else:
-                b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
-            b_o = tl.sum(h * b_q[:, None], 0)
-            o_all = tl.where((rt == s)[:, None], b_o[None, :], o_all)
-    if STORE_O:
-        p_o = o_ptr + rt[:, None] * o_stride + rv[None, :]
-        tl.store(p_o, o_all.to(p_o.dtype.element_ty), mask=(rt < T)[:, None] & mask_v[None, :])
-    return h
-
-
-@triton.jit
 def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
                             stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
                             stride_gb, stride_gt, stride_bb, stride_bt,
@@ -124,8 +47,7 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, TC: tl.constexpr, STORE_FINAL: tl.constexpr,
                             SAVE_INITIAL: tl.constexpr = False,
-                            STORE_COPY: tl.constexpr = False, STORE_O: tl.constexpr = True,
-                            TP: tl.constexpr = 1):
+                            STORE_COPY: tl.constexpr = False, STORE_O: tl.constexpr = True):
     """The gated delta rule over T tokens for one (sequence, value head, BV columns of V):
     fla's fused recurrent kernel's arithmetic (q and k L2-normalized in fp32 with 1e-6 inside
     the sqrt, q scaled; per token h *= exp(g); v' = beta (v - h^T k); h += k v'^T;
@@ -141,10 +63,7 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
     from (SAVE_INITIAL: h0 stored to h_save) and writes the final state twice (STORE_COPY: to
     ht_copy too), so that one pass over the states replaces a snapshot and two copies. ht may
     be h0 itself: each program loads its own tile of h0 before it stores anything there, and
-    no other program touches that tile.
-
-    TC = 0 (the "direct" launch settings): no chunks; run_direct's per-token loads, the
-    outputs held in a (TP, BV) tile, TP = T's power of two."""
+    no other program touches that tile."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -159,18 +78,29 @@ def short_recurrence_kernel(q, k, v, g, beta, o, h0, ht, h_save, ht_copy, scale,
     h = tl.load(h0 + p_h, mask=mask_h, other=0.0).to(tl.float32)
     if SAVE_INITIAL:
         tl.store(h_save + p_h, h, mask=mask_h)
-    if TC <= 0:
-        h = run_direct(h, q + i_n * stride_qb + i_h * K, k + i_n * stride_kb + i_h * K,
-                       v + i_n * stride_vb + i_hv * V, g + i_n * stride_gb + i_hv,
-                       beta + i_n * stride_bb + i_hv, o + (i_n * T * HV + i_hv) * V, rk, rv,
-                       mask_k, mask_v, scale, stride_qt, stride_kt, stride_vt, stride_gt,
-                       stride_bt, T, TP, HV * V, STORE_O, TC == 0)
-    else:
-        h = run_chunks(h, q + i_n * stride_qb + i_h * K, k + i_n * stride_kb + i_h * K,
-                       v + i_n * stride_vb + i_hv * V, g + i_n * stride_gb + i_hv,
-                       beta + i_n * stride_bb + i_hv, o + (i_n * T * HV + i_hv) * V, rk, rv,
-                       mask_k, mask_v, scale, stride_qt, stride_kt, stride_vt, stride_gt,
-                       stride_bt, T, TC, HV * V, STORE_O)
+    rt = tl.arange(0, TC)
+    for c in tl.static_range(0, T, TC):
+        t = c + rt
+        mask_t = t < T
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        k_all = tl.load(k + i_n * stride_kb + t[:, None] * stride_kt + i_h * K + rk[None, :],
+                        mask=mask_tk, other=0.0).to(tl.float32)
+        k_all = unit_rows(k_all)
+        if STORE_O:  # (q reaches only the outputs)
+            q_all = tl.load(q + i_n * stride_qb + t[:, None] * stride_qt + i_h * K + rk[None, :],
+                            mask=mask_tk, other=0.0).to(tl.float32)
+            q_all = unit_rows(q_all) * scale
+        else:
+            q_all = k_all  # (not read)
+        v_all = tl.load(v + i_n * stride_vb + t[:, None] * stride_vt + i_hv * V + rv[None, :],
+                        mask=mask_tv, other=0.0).to(tl.float32)
+        g_all = tl.load(g + i_n * stride_gb + t * stride_gt + i_hv, mask=mask_t,
+                        other=0.0).to(tl.float32)
+        b_all = tl.load(beta + i_n * stride_bb + t * stride_bt + i_hv, mask=mask_t,
+                        other=0.0).to(tl.float32)
+        h = run_steps(h, q_all, k_all, v_all, g_all, b_all, o + (i_n * T * HV + i_hv) * V, rv,
+                      mask_v, c, T, TC, HV * V, STORE_O)
     if STORE_FINAL:
         tl.store(ht + p_h, h, mask=mask_h)
     if STORE_COPY:
