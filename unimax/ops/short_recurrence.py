@@ -27,8 +27,10 @@ boundary, by another setting, rounds otherwise, and the verified stream then dep
 its blocks were cut (bench/RESULTS.md, fourteenth session: with a recurrence of its own in the
 verify block the forced-acceptance bench saw 22 of 45 blocks rejected at a forced acceptance
 of 1.0). For the same reason a choice first met while a graph is being captured keeps its
-default (our kernel at 8 columns and 16-token chunks, the fastest at every 4B shape timed)
-rather than taking it for that graph only.
+default (our kernel at 8 columns and 16-token chunks: the fastest at every 4B shape the H200
+timed in the thirteenth session; on an H100, sixty-third session, 8-token chunks ran a 9-token
+block 0.4 us faster) rather than taking it for that graph only. The verifier's choice
+(``choose_for_blocks``) is made before any capture, so the default is a fallback only.
 
 Shapes as ops.gated_delta: q, k (B, T, H, K), v (B, T, HV, V), g, beta (B, T, HV), the state
 (B, HV, K, V) fp32; each token's heads contiguous (batch and time may be strided: the tape's
