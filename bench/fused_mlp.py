@@ -81,6 +81,15 @@ def shape_rows(name: str, bandwidth: float) -> list[dict]:
                     print(json.dumps(row), flush=True)
             finally:
                 fused.PDL = saved
+    # what the atomics cost: the fastest fused forms (plain launches) without them
+    plain = sorted((r for r in rows if r["pdl"] == "False" and "us" in r
+                    and r["kernel"] != "apart"), key=lambda r: r["us"])[:3]
+    for best in plain:
+        us = graph_us(lambda i, k=best["kernel"]: mlp.launch(*args(i), kernel=k, atomics=False),
+                      len(pairs))
+        rows.append({"shape": name, "pdl": "no atomics", "kernel": best["kernel"], "MB": mb,
+                     "us": us, "with": best["us"]})
+        print(json.dumps(rows[-1]), flush=True)
     # the op's own choice (plain launches: the timed choice's setting outside a graph's block)
     mlp.CHOICES.clear()
     mlp.fused_mlp(*args(0))
@@ -106,7 +115,8 @@ def main() -> None:
               f"{[r['kernel'] for r in shape if r['pdl'] == 'choice']}")
         print(f"{'kernel':26} " + " ".join(f"{label:>14}" for label in
                                            ("False", "fp8", "fp8@end")) + "   ulps  repeat")
-        for kernel in dict.fromkeys(r["kernel"] for r in shape if r["pdl"] != "choice"):
+        for kernel in dict.fromkeys(r["kernel"] for r in shape
+                                    if r["pdl"] not in ("choice", "no atomics")):
             cells, extra = [], ""
             for setting, trigger in PDL_SETTINGS:
                 label = fused.pdl_label(setting, trigger)
@@ -116,6 +126,9 @@ def main() -> None:
                 if "ulps" in row and not extra:
                     extra = f"{row['ulps']:6.1f}  {row['repeat']}"
             print(f"{kernel:26} " + " ".join(f"{c:>14}" for c in cells) + "   " + extra)
+        for row in shape:
+            if row["pdl"] == "no atomics":
+                print(f"no atomics: {row['kernel']} {row['us']:.2f} us (with: {row['with']:.2f})")
         for row in shape:
             if "error" in row:
                 print("error", row["kernel"], row["pdl"], row["error"][:200])

@@ -41,11 +41,13 @@ CHOICES: dict[tuple, str] = {}  # (M, hidden, intermediate, weight dtype) -> a n
 
 # The kernel's tiles: (BLOCK_I intermediate channels a program, BLOCK_K of the gate_up loop,
 # BLOCK_N of the down loop, warps) and for the TMA forms the pipeline's stages. "16": FP16
-# products (FP8 weights only, as ops.gemv's rows16).
+# products (FP8 weights only, as ops.gemv's rows16); "t": the down tile transposed before its
+# sums (the kernel's DOWN_T).
 PLAIN_TILES = ((32, 256, 256, 4), (64, 128, 128, 8), (64, 256, 128, 8), (16, 256, 256, 4))
 TMA_TILES = ((32, 256, 256, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
              (32, 128, 256, 4, 4), (16, 256, 256, 4, 3))
-TILES = {"mlp": PLAIN_TILES, "mlp16": PLAIN_TILES, "tma": TMA_TILES, "tma16": TMA_TILES}
+TILES = {"mlp": PLAIN_TILES, "mlp16": PLAIN_TILES, "tma": TMA_TILES, "tma16": TMA_TILES,
+         "mlp16t": PLAIN_TILES, "tma16t": TMA_TILES}
 # What the timed choice is given besides "apart" (each one a Triton compile per shape at
 # warm-up).
 OFFERED = tuple(f"{form}@{tile_text(tile)}" for form in TILES for tile in TILES[form])
@@ -114,8 +116,10 @@ def _workspace(device: torch.device, hidden: int) -> tuple[torch.Tensor, torch.T
 
 
 def launch(x, norm_weight, gate_up, gate_up_scale, down, down_scale, intermediate: int,
-           eps: float, offset: float, kernel: str) -> torch.Tensor:
-    """The kernel by name, "form@tile" (CUDA, or Triton's interpreter); the twin's contract."""
+           eps: float, offset: float, kernel: str, atomics: bool = True) -> torch.Tensor:
+    """The kernel by name, "form@tile" (CUDA, or Triton's interpreter); the twin's contract.
+    ``atomics`` False drops the down-projection's partial sums (y is then wrong): for
+    bench/fused_mlp.py, to tell what the atomics cost."""
     import triton
 
     from .fused_mlp_kernel import fused_mlp_kernel
@@ -125,7 +129,8 @@ def launch(x, norm_weight, gate_up, gate_up_scale, down, down_scale, intermediat
     if tile is None:
         raise ValueError(f"fused_mlp: name a tile, one of {', '.join(OFFERED)}")
     scaled = gate_up_scale is not None
-    if form.endswith("16") and not scaled:
+    f16 = "16" in form
+    if f16 and not scaled:
         raise ValueError(f"fused_mlp: {form} (FP16 products) is for FP8 weights only")
     if (gate_up_scale is None) != (down_scale is None):
         raise ValueError("fused_mlp: both weights FP8 with scales, or neither")
@@ -149,7 +154,8 @@ def launch(x, norm_weight, gate_up, gate_up_scale, down, down_scale, intermediat
         x, norm_weight, wgu, gate_up_scale if scaled else x, wd, down_scale if scaled else x,
         y, acc, counters, hidden, intermediate, x.stride(0), gate_up.stride(0), down.stride(0),
         y.stride(0), eps, offset, KP=triton.next_power_of_2(hidden), HAS_SCALE=scaled,
-        BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, F16=form.endswith("16"), TMA=tma,
+        BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, F16=f16, TMA=tma,
+        DOWN_T=form.endswith("t"), ATOMICS=atomics,
         STAGES=stages[0] if stages else 1, num_warps=warps, **pdl_launch(x, gate_up))
     return y
 
@@ -159,7 +165,7 @@ def candidates(x: torch.Tensor, gate_up: torch.Tensor, scaled: bool) -> tuple[st
     for FP8 weights only; TMA where W's layout and the device allow, ``tma_problem``)."""
     tma = tma_problem(gate_up, x) is None
     return ("apart", *(name for name in OFFERED
-                       if (scaled or not name.split("@")[0].endswith("16"))
+                       if (scaled or "16" not in name.split("@")[0])
                        and (tma or not name.startswith("tma"))))
 
 

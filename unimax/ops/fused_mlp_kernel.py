@@ -54,6 +54,24 @@ def down_tile(w_ptr, rn, ri, n0, N, I, stride_dn, BLOCK_I: tl.constexpr, TMA: tl
 
 
 @triton.jit
+def down_partials(w, hidden, F16: tl.constexpr, DOWN_T: tl.constexpr):
+    """W's (BLOCK_N, BLOCK_I) tile times the program's hidden values, summed over its channels:
+    (BLOCK_N,) fp32. ``DOWN_T``: the tile transposed first and summed over axis 0, which
+    gives the sums a layout whose atomics Triton issues as vectors (fewer L2 operations)."""
+    if DOWN_T:
+        if F16:
+            h = tl.clamp(hidden.to(tl.float32) * 0.015625, -65504.0, 65504.0).to(tl.float16)
+            part = tl.sum((tl.trans(w).to(tl.float16) * h[:, None]).to(tl.float32), axis=0)
+            part = part * 64.0
+        else:
+            part = tl.sum(tl.trans(w).to(tl.float32) * hidden.to(tl.float32)[:, None], axis=0)
+    else:
+        part = lane_sums(tile_products(tl.zeros(w.shape, dtype=tl.float16 if F16 else tl.float32),
+                                       hidden, w, F16), F16)
+    return part
+
+
+@triton.jit
 def gate_up_products(acc_g, acc_u, gate, up, x_ptr, nw_ptr, row, rk, N, stride_xm, rstd, eps,
                      offset, BLOCK_K: tl.constexpr, F16: tl.constexpr):
     """x[row]'s slice rk through the RMS prologue, times the gate and up tiles, added."""
@@ -68,7 +86,8 @@ def fused_mlp_kernel(x_ptr, nw_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, acc
                      KP: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_I: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F16: tl.constexpr,
                      TMA: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                     PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
+                     DOWN_T: tl.constexpr = False, ATOMICS: tl.constexpr = True):
     """y[row] = x[row] + down(silu(gate) * up), [gate; up] = gate_up(RMSNorm(x[row])); N is
     the hidden size, I the intermediate one. The workspace acc (M, N) fp32 and the counters
     cnt (M,) are zero between launches.
@@ -130,31 +149,30 @@ def fused_mlp_kernel(x_ptr, nw_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, acc
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             rn = n0 + tl.arange(0, BLOCK_N)
             w = down_tile(wd_ptr, rn, ri, n0, N, I, stride_dn, BLOCK_I, TMA)
-            part = lane_sums(tile_products(tl.zeros((BLOCK_N, BLOCK_I), dtype=adt), hidden, w,
-                                           F16), F16)
-            tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
+            part = down_partials(w, hidden, F16, DOWN_T)
+            if ATOMICS:  # (off: a bench's measure of what they cost; y is then wrong)
+                tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
     else:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             w = down_tile(wd_ptr, rn, ri, n0, N, I, stride_dn, BLOCK_I, TMA)
-            part = lane_sums(tile_products(tl.zeros((BLOCK_N, BLOCK_I), dtype=adt), hidden, w,
-                                           F16), F16)
-            tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
+            part = down_partials(w, hidden, F16, DOWN_T)
+            if ATOMICS:  # (off: a bench's measure of what they cost; y is then wrong)
+                tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
     if PDL and PDL_LATE:
         launch_dependents()
     tl.debug_barrier()  # every thread's adds issued before the counter moves
     last = tl.atomic_add(cnt_ptr + row, 1) == tl.num_programs(0) - 1  # (acq_rel, device scope)
     tl.debug_barrier()
-    if last:  # the others are done: the sums are whole
-        for n0 in range(0, N, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
-            inside = rn < N
-            total = tl.load(acc_ptr + row * N + rn, mask=inside, other=0.0, cache_modifier=".cg")
-            if HAS_SCALE:
-                total = total * tl.load(sd_ptr + rn, mask=inside, other=0.0)
-            r = tl.load(x_ptr + row * stride_xm + rn, mask=inside, other=0.0)
-            y = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
-            tl.store(y_ptr + row * stride_ym + rn, y, mask=inside)
-            tl.store(acc_ptr + row * N + rn, tl.zeros((BLOCK_N,), dtype=tl.float32),
-                     mask=inside)
+    if last:  # the others are done: the sums are whole. The row at once (KP wide): a loop
+        # of dependent L2 round trips here would stand alone at the end of the launch
+        rn = tl.arange(0, KP)
+        inside = rn < N
+        total = tl.load(acc_ptr + row * N + rn, mask=inside, other=0.0, cache_modifier=".cg")
+        if HAS_SCALE:
+            total = total * tl.load(sd_ptr + rn, mask=inside, other=0.0)
+        r = tl.load(x_ptr + row * stride_xm + rn, mask=inside, other=0.0)
+        y = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + row * stride_ym + rn, y, mask=inside)
+        tl.store(acc_ptr + row * N + rn, tl.zeros((KP,), dtype=tl.float32), mask=inside)
         tl.atomic_xchg(cnt_ptr + row, 0)  # ready for the next launch (graph replays)
