@@ -9,7 +9,8 @@ and under PDL "fp8" signalled at the start and at the end (the draft's settings:
 each graph times its own). Each fused row's output against apart's: the largest difference in
 BF16 ulps of the output (the sums land in another order) and whether two runs agree.
 
-usage: python bench/fused_mlp.py [--shapes qwen3.5-4b qwen3.5-0.8b] [--json FILE]
+usage: python bench/fused_mlp.py [--shapes qwen3.5-4b qwen3.5-0.8b] [--kernels NAME ...]
+                                [--json FILE]
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / spacing).max())
 
 
-def shape_rows(name: str, bandwidth: float) -> list[dict]:
+def shape_rows(name: str, bandwidth: float, only: list[str] | None = None) -> list[dict]:
     cfg = SHAPES[name]
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     x, norm, pairs = inputs(hidden, inter)
     mb = sum(t.nbytes for t in pairs[0] if t is not None) / 1e6
     args = lambda i: (x, norm, *pairs[i], inter, 1e-6, 1.0)  # noqa: E731
     base = mlp.apart(*args(0))  # (the GEMVs' own timed choices made here)
-    names = ("apart", *mlp.candidates(x, pairs[0][0], True)[1:])
+    names = ("apart", *(only or mlp.candidates(x, pairs[0][0], True)[1:]))
     rows = []
     for setting, trigger in PDL_SETTINGS:
         with fused.auto_pdl(setting, trigger):
@@ -81,13 +82,13 @@ def shape_rows(name: str, bandwidth: float) -> list[dict]:
                     print(json.dumps(row), flush=True)
             finally:
                 fused.PDL = saved
-    # what the atomics cost: the fastest fused forms (plain launches) without them
+    # what the atomics cost: the fastest fused forms (plain launches) with plain stores instead
     plain = sorted((r for r in rows if r["pdl"] == "False" and "us" in r
                     and r["kernel"] != "apart"), key=lambda r: r["us"])[:3]
     for best in plain:
         us = graph_us(lambda i, k=best["kernel"]: mlp.launch(*args(i), kernel=k, atomics=False),
                       len(pairs))
-        rows.append({"shape": name, "pdl": "no atomics", "kernel": best["kernel"], "MB": mb,
+        rows.append({"shape": name, "pdl": "stores", "kernel": best["kernel"], "MB": mb,
                      "us": us, "with": best["us"]})
         print(json.dumps(rows[-1]), flush=True)
     # the op's own choice (plain launches: the timed choice's setting outside a graph's block)
@@ -102,10 +103,11 @@ def shape_rows(name: str, bandwidth: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["qwen3.5-4b", "qwen3.5-0.8b"])
+    parser.add_argument("--kernels", nargs="+", help="these fused forms only (form@tile)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    rows = [row for name in args.shapes for row in shape_rows(name, bandwidth)]
+    rows = [row for name in args.shapes for row in shape_rows(name, bandwidth, args.kernels)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; {torch.cuda.get_device_name()}")
@@ -116,7 +118,7 @@ def main() -> None:
         print(f"{'kernel':26} " + " ".join(f"{label:>14}" for label in
                                            ("False", "fp8", "fp8@end")) + "   ulps  repeat")
         for kernel in dict.fromkeys(r["kernel"] for r in shape
-                                    if r["pdl"] not in ("choice", "no atomics")):
+                                    if r["pdl"] not in ("choice", "stores")):
             cells, extra = [], ""
             for setting, trigger in PDL_SETTINGS:
                 label = fused.pdl_label(setting, trigger)
@@ -127,8 +129,9 @@ def main() -> None:
                     extra = f"{row['ulps']:6.1f}  {row['repeat']}"
             print(f"{kernel:26} " + " ".join(f"{c:>14}" for c in cells) + "   " + extra)
         for row in shape:
-            if row["pdl"] == "no atomics":
-                print(f"no atomics: {row['kernel']} {row['us']:.2f} us (with: {row['with']:.2f})")
+            if row["pdl"] == "stores":
+                print(f"stores, not atomics: {row['kernel']} {row['us']:.2f} us (with atomics: "
+                      f"{row['with']:.2f})")
         for row in shape:
             if "error" in row:
                 print("error", row["kernel"], row["pdl"], row["error"][:200])

@@ -150,15 +150,19 @@ def fused_mlp_kernel(x_ptr, nw_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, acc
             rn = n0 + tl.arange(0, BLOCK_N)
             w = down_tile(wd_ptr, rn, ri, n0, N, I, stride_dn, BLOCK_I, TMA)
             part = down_partials(w, hidden, F16, DOWN_T)
-            if ATOMICS:  # (off: a bench's measure of what they cost; y is then wrong)
+            if ATOMICS:  # (off: plain stores, a bench's measure of what atomics cost; y wrong)
                 tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
+            else:
+                tl.store(acc_ptr + row * N + rn, part, mask=rn < N)
     else:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             w = down_tile(wd_ptr, rn, ri, n0, N, I, stride_dn, BLOCK_I, TMA)
             part = down_partials(w, hidden, F16, DOWN_T)
-            if ATOMICS:  # (off: a bench's measure of what they cost; y is then wrong)
+            if ATOMICS:  # (off: plain stores, a bench's measure of what atomics cost; y wrong)
                 tl.atomic_add(acc_ptr + row * N + rn, part, mask=rn < N, sem="relaxed")
+            else:
+                tl.store(acc_ptr + row * N + rn, part, mask=rn < N)
     if PDL and PDL_LATE:
         launch_dependents()
     tl.debug_barrier()  # every thread's adds issued before the counter moves
