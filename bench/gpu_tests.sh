@@ -33,6 +33,9 @@
 # GPU_TEST_FILES picks files to run side by side as without arguments (e.g. a file that ran
 # out of time, alone: GPU_TEST_FILES="tests/test_gpu_fused.py tests/test_gpu_tma.py");
 # GPU_TEST_LIMIT sets each process's seconds (560).
+# An outer `timeout` around this script must leave room past GPU_TEST_LIMIT (use 590 in a
+# 600 s call): the sixty-fifth session's `timeout 540` killed a cold suite before any process
+# ended, and the call came back with no log at all.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
