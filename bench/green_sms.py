@@ -49,7 +49,7 @@ LINEARS = {"in_proj": (12352, 2560), "out_proj": (2560, 4096), "gate_up": (18432
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, repeats: int) -> float:
     """Median wall seconds of one replay, over bursts of 10 replays queued back to back (host
-    clocks around a sync: torch's events belong to the primary context, not the green one)."""
+    clocks around a sync, so that no event has to cross into a green context)."""
     times = []
     for _ in range(repeats):
         stream.synchronize()
@@ -101,7 +101,7 @@ def build_layers(count: int, fp8: bool) -> list[dict]:
 
 @triton.jit
 def hog_kernel(src, dst, n, BLOCK: tl.constexpr):
-    """Copies src to dst grid-strided: as many programs as the grid has, one per SM at most."""
+    """Copies src to dst, grid-strided over as many programs as the grid has."""
     for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
@@ -114,6 +114,7 @@ class Hog:
     while it does: a graph capture synchronizes the whole device and would wait for it."""
 
     def __init__(self, programs: int):
+        self.programs = programs
         self.stream = torch.cuda.Stream()
         self.src = torch.randn(1 << 26, device="cuda")  # 256 MiB
         self.dst = torch.empty_like(self.src)
@@ -137,8 +138,7 @@ class Hog:
         self.stream.synchronize()
 
 
-def measure(sms: int, count: int, hog: Hog | None = None, hog_sms: int = 0,
-            hog_replays: int = 0) -> dict:
+def measure(sms: int, count: int, hog: Hog | None = None, hog_replays: int = 0) -> dict:
     context = None
     if sms:
         context = torch.cuda.green_contexts.GreenContext.create(num_sms=sms)
@@ -149,7 +149,7 @@ def measure(sms: int, count: int, hog: Hog | None = None, hog_sms: int = 0,
     try:
         with torch.cuda.stream(stream):
             row = {"sms": sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                   "hog_programs": hog_sms if hog else 0}
+                   "hog_programs": hog.programs if hog else 0}
             built = {label: build_layers(count, fp8)
                      for label, fp8 in (("bf16", False), ("fp8", True))}
             graphs = {label: chain_graph(layers, stream) for label, layers in built.items()}
@@ -192,13 +192,13 @@ def main() -> None:
     print("green contexts supported:", torch.cuda.green_contexts.SUPPORTED, flush=True)
     rows = []
     runs = [(sms, 0) for sms in args.sms] + [(args.hog_engine_sms, hog) for hog in args.hog]
-    for sms, hog_sms in runs:
+    for sms, programs in runs:
         try:
-            hog = Hog(hog_sms) if hog_sms else None
-            rows.append(measure(sms, args.layers, hog, hog_sms, args.hog_replays))
+            hog = Hog(programs) if programs else None
+            rows.append(measure(sms, args.layers, hog, args.hog_replays))
             print(json.dumps(rows[-1]), flush=True)
         except Exception as error:  # (a driver without green contexts: say so, go on)
-            print(f"sms {sms} hog {hog_sms}: {type(error).__name__}: {error}", flush=True)
+            print(f"sms {sms} hog {programs}: {type(error).__name__}: {error}", flush=True)
     print("choices:", {f"{k[1]}x{k[2]} {k[3]}": v for k, v in gemv.CHOICES.items()})
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
