@@ -38,18 +38,29 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from shapes import GDN_4B
 
 from unimax.fp8 import quantize_rows
 from unimax.ops import gemv
 
-# (out, in) of the 4B decode layer's linears: in_proj (q, k, v, z, b, a), out_proj, gate_up, down
-LINEARS = {"in_proj": (12352, 2560), "out_proj": (2560, 4096), "gate_up": (18432, 2560),
-           "down": (2560, 9216)}
+
+def layer_linears(c) -> dict[str, tuple[int, int]]:
+    """(out, in) of a GDN decode layer's linears: in_proj (q, k, v, z, b, a), out_proj, gate_up
+    (gate; up), down."""
+    key, value = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
+    return {"in_proj": (2 * key + 2 * value + 2 * c.num_v_heads, c.hidden_size),
+            "out_proj": (c.hidden_size, value),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size)}
+
+
+LINEARS = layer_linears(GDN_4B)  # 12352 x 2560, 2560 x 4096, 18432 x 2560, 2560 x 9216
 
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, repeats: int) -> float:
-    """Median wall seconds of one replay, over bursts of 10 replays queued back to back (host
-    clocks around a sync, so that no event has to cross into a green context)."""
+    """Median wall seconds of one replay, over bursts of 10 replays queued back to back, timed
+    by the host around a sync of this stream alone (decode.median_device_seconds synchronizes
+    the whole device, which would wait for the hog)."""
     times = []
     for _ in range(repeats):
         stream.synchronize()
