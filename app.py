@@ -1,12 +1,14 @@
 """UNI MAX chat app: python app.py [--preset FILE] [--model PATH_OR_ID] [--mode M] [--host H]
-[--port P] [--api-only]. Loads the model once, then serves the Gradio page and the
-OpenAI-compatible API (/v1) from one server and one engine thread, while it warms every mode
-up (compiles, captures the decode graphs) in the background."""
+[--port P] [--api-only] [--api-key KEY] [--allowed-hosts NAMES] [--cors-origins ORIGINS].
+Loads the model once, then serves the Gradio page and the OpenAI-compatible API (/v1) from one
+server and one engine thread, while it warms every mode up (compiles, captures the decode
+graphs) in the background."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import sys
 import time
@@ -14,11 +16,13 @@ from pathlib import Path
 
 import torch
 
+from ui.guard import DEFAULT_MAX_BODY, LOOPBACK, Access
 from unimax.modes import MODES
 from unimax.presets import Preset, PresetError, load_preset
 
 MAX_UPLOAD = "1mb"  # the page takes no uploads of its own; Gradio's upload route is capped
 DEFAULT_PRESET = Path(__file__).resolve().parent / "presets" / "demo.yaml"
+KEY_VARIABLE = "UNIMAX_API_KEY"  # keys from the environment (comma-separated): not in `ps`
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,7 +36,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="serve the OpenAI-compatible API (/v1) without the page")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="capture graphs on first use instead of at start-up")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require this key: Authorization: Bearer KEY on /v1 and /metrics, "
+                        f"and as the page's password (repeat for several keys, each with its "
+                        f"own kept states; or set {KEY_VARIABLE}=KEY1,KEY2)")
+    parser.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                        help="comma-separated Host names served besides the loopback names "
+                        "and --host (* for any): the names people reach this machine by")
+    parser.add_argument("--cors-origins", default="", metavar="ORIGINS",
+                        help="comma-separated origins (https://app.example) whose pages may "
+                        "call the API from a browser (* for any); others are refused")
+    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / 2**20,
+                        help="largest API request body in MiB (default %(default)g)")
     return parser.parse_args(argv)
+
+
+def split_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def access_of(args) -> Access:
+    """Who may use the server (ui/guard.py): from the command line and the environment."""
+    keys = [*args.api_key, *split_list(os.environ.get(KEY_VARIABLE, ""))]
+    return Access.make(args.host, split_list(args.allowed_hosts), split_list(args.cors_origins),
+                       keys, max(1, int(args.max_body_mb * 2**20)))
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -41,6 +68,9 @@ def port_problem(host: str, port: int) -> str | None:
         return f"--port {port} is outside 1..65535"
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # as uvicorn binds: a port whose last server's connections linger in TIME_WAIT
+            # after a restart is free to serve on (Linux still refuses one that is listening)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
     except OSError as err:
         return (f"cannot serve on {host}:{port} ({err.strerror or err}): is another app using "
@@ -73,6 +103,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    access = access_of(args)
+    if args.host not in LOOPBACK and not access.keys:
+        print(f"[unimax] warning: serving on {args.host} without an API key: anyone who can "
+              f"reach this machine can use the model and read the API's replies; set "
+              f"--api-key or {KEY_VARIABLE}", file=sys.stderr, flush=True)
     if not torch.cuda.is_available():
         if preset.device not in ("auto", "cpu"):  # cuda or cuda:N, asked for and not here
             # (before, the app announced a CPU run here and the load then failed on the device)
@@ -107,7 +142,7 @@ def main(argv=None) -> int:
              f"tokens: {100 * service.draft_vocab_coverage:.1f}% of draft_vocab_text's tokens "
              "(the acceptance panel shows what it costs)")
     service.start()
-    app = build_app(service, api_only=args.api_only)
+    app = build_app(service, api_only=args.api_only, access=access)
     if not args.no_warm_up:
         what = "capturing CUDA graphs where there is a GPU"
         if preset.compile_step and service.device.type == "cuda":
@@ -131,13 +166,17 @@ def warmed_up(seconds: float, error: str | None) -> None:
         step(f"warm-up done in {seconds:.1f} s: every mode ready")
 
 
-def build_app(service, api_only: bool = False):
-    """One server: the OpenAI API's routes, then (unless api_only) the Gradio page at /."""
+def build_app(service, api_only: bool = False, access: Access | None = None):
+    """One server: the OpenAI API's routes, then (unless api_only) the Gradio page at /, all
+    behind the guard of who may use it (ui/guard.py; loopback only by default)."""
     from fastapi import FastAPI
 
+    from ui.guard import Guard
     from ui.openai_api import add_openai_api
 
+    access = access or Access.make()
     app = FastAPI(title="UNI MAX")
+    app.add_middleware(Guard, access=access)
     add_openai_api(app, service)
     if api_only:
         return app
@@ -148,8 +187,13 @@ def build_app(service, api_only: bool = False):
 
     demo = build_demo(service, service.preset)
     demo.queue(default_concurrency_limit=None)
+    # with keys, the page's login takes any name and one of the keys as the password
+    auth = (lambda _user, password: access.key_of(f"Bearer {password}") is not None) \
+        if access.keys else None
     return gr.mount_gradio_app(app, demo, path="/", css=CSS, show_error=True,
-                               max_file_size=MAX_UPLOAD)
+                               max_file_size=MAX_UPLOAD, auth=auth,
+                               auth_message="This UNI MAX server needs its API key: any user "
+                               "name, and the key as the password.")
 
 
 if __name__ == "__main__":

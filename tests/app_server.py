@@ -20,9 +20,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_app(*args: str, timeout: float = 120.0):
+def running_app(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None):
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GRADIO_ANALYTICS_ENABLED="False", **(env or {}))
     proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"

@@ -51,6 +51,40 @@ def test_bad_preset_and_model_path(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_non_utf8_preset_and_a_list_config_are_named_in_one_line(tmp_path, capsys):
+    """Both gave tracebacks."""
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("examples: [\"caf\xe9\"]\n".encode("latin-1"))
+    assert app_main(["--preset", str(latin), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not UTF-8" in err and str(latin) in err and len(err.splitlines()) == 1
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("[1, 2]")
+    assert app_main(["--model", str(model), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "JSON list, not the object" in err and len(err.splitlines()) == 1
+
+
+def test_an_immediate_restart_finds_its_port_free():
+    """The port check bound without SO_REUSEADDR, so for ~60 s after a restart (the old
+    server's connections in TIME_WAIT) the app refused to start."""
+    import socket
+
+    from app import port_problem
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end lingers in TIME_WAIT
+        client.close()
+    assert port_problem("127.0.0.1", port) is None
+
+
 def test_command_line_model_drops_the_presets_examples():
     """The default preset's example questions are about the demo model's docs: another model
     given by --model gets none (its preset's mode and settings stay)."""

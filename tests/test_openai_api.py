@@ -142,6 +142,18 @@ def test_seeds_reproduce_samples(api_client):
      "chat_template_kwargs"),
     ({"extra_body": {"chat_template_kwargs": ["enable_thinking"]}}, 400,
      "chat_template_kwargs"),
+    # past float32's range a temperature made every request a 500; top_k past 64 bits too
+    ({"temperature": 1e39}, 400, "temperature"),
+    ({"extra_body": {"top_k": 2**63}}, 400, "top_k"),
+    ({"extra_body": {"top_k": 10**30}}, 400, "top_k"),
+    # JSON's true and 1.0 are not the integer 1, nor 1 the boolean true
+    ({"n": True}, 400, "n"),
+    ({"n": 1.0}, 400, "n"),
+    ({"logprobs": 1}, 400, "logprobs"),
+    ({"extra_body": {"stream": "yes"}}, 400, "stream"),
+    # output that is not text is refused, not silently left out
+    ({"modalities": ["text", "audio"]}, 400, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
 ])
 def test_errors_in_openai_shape(api_client, kwargs, status, param):
     args = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **kwargs}
@@ -304,3 +316,112 @@ def test_min_p_reaches_the_sampler(api_client, mode):
     free = api_client.chat.completions.create(**hot, extra_body={"min_p": 0})
     assert held.choices[0].message.content == greedy.choices[0].message.content
     assert free.choices[0].message.content != greedy.choices[0].message.content
+
+
+def test_input_that_broke_the_parser_or_the_tokenizer_is_a_400(api_server):
+    """JSON nested ~1000 deep and lone surrogates (in a tool's description, in a call's
+    arguments) gave internal 500s in plain text."""
+    deep = b'{"model": "unimax-demo", "messages": [], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    r = httpx.post(api_server + "v1/chat/completions", content=deep, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+    tool = {"type": "function", "function": {"name": "f", "description": "bad \\ud800",
+                                             "parameters": {"type": "object"}}}
+    call = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "f",
+                                                     "arguments": '{"a": "\\udfff"}'}}]}
+    for body in ({"tools": [tool]},
+                 {"messages": [*QUESTION, call, {"role": "tool", "tool_call_id": "c1",
+                                                 "content": "1"}]}):
+        text = json.dumps({"model": MODEL, "messages": QUESTION, **body}).replace("\\\\u", "\\u")
+        r = httpx.post(api_server + "v1/chat/completions", content=text.encode(), timeout=30,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_a_vanishing_temperature_is_greedy(api_client):
+    """logits / 1e-39 overflowed and sampled random tokens; below 1e-5 a temperature is greedy
+    decoding."""
+    args = dict(model=f"{MODEL}:bf16", messages=QUESTION, max_tokens=16)
+    greedy = api_client.chat.completions.create(**args, temperature=0)
+    for tiny in (1e-39, 1e-6):
+        reply = api_client.chat.completions.create(**args, temperature=tiny, seed=5)
+        assert reply.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_a_model_is_retrieved_by_id(api_client):
+    model = api_client.models.retrieve(f"{MODEL}:verified")
+    assert model.id == f"{MODEL}:verified" and model.model_extra["unimax_mode"] == "verified"
+    with pytest.raises(openai.NotFoundError):
+        api_client.models.retrieve("gpt-4")
+
+
+def test_a_closed_non_streaming_request_is_cancelled(api_server):
+    """A client that gives up on a non-streaming reply: the engine stops within a block (it
+    generated the whole reply before, its events never pausing for the disconnect check)."""
+    before = metric(api_server, "unimax_requests_total", outcome="cancelled")
+    # (sampled hot with this seed, the demo model writes ~960 tokens, ~10 s on a CPU)
+    body = {"model": f"{MODEL}:bf16", "messages": QUESTION, "max_tokens": 3000,
+            "temperature": 3, "seed": 1}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(api_server + "v1/chat/completions", json=body, timeout=1.5)
+    deadline = time.time() + 30
+    while metric(api_server, "unimax_requests_total", outcome="cancelled") <= before:
+        assert time.time() < deadline, "the request was not cancelled"
+        time.sleep(0.2)
+
+
+def test_waiting_requests_do_not_slow_the_running_stream(api_server):
+    """Forty queued requests each held a thread polling for events, and the running stream's
+    gap between chunks grew tenfold (0.22 s to 2.24 s)."""
+    body = {"model": f"{MODEL}:bf16", "messages": QUESTION, "stream": True, "max_tokens": 600,
+            "temperature": 3, "seed": 1}  # (a long reply: see the test above)
+
+    def gaps(during=None) -> list[float]:
+        """The gaps between the stream's chunks after its fifth (after ``during()`` has
+        returned, where given)."""
+        times = []
+        with httpx.stream("POST", api_server + "v1/chat/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    times.append(time.perf_counter())
+                    if len(times) == 5 and during:
+                        during()
+                        during, times = None, []
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    alone = gaps()
+    waiting = []
+
+    def queue_forty():
+        for _ in range(40):
+            thread = threading.Thread(target=lambda: httpx.post(
+                api_server + "v1/chat/completions", timeout=300, json={
+                    "model": f"{MODEL}:bf16", "messages": QUESTION, "max_tokens": 1}))
+            thread.start()
+            waiting.append(thread)
+
+    crowded = gaps(queue_forty)
+    for thread in waiting:
+        thread.join(300)
+    assert len(crowded) > 10, crowded
+    # (before: the chunks came in bursts, up to 2.2 s apart on a 2-core machine)
+    assert max(crowded) < max(alone) + 0.5, (max(alone), sorted(crowded)[-5:])
+
+
+def test_metrics_count_a_stop_string_as_stopped_and_exact_as_exact(api_server, api_client):
+    """A reply ended by a stop string was counted "cancelled"; a logprobs request to
+    ":verified" runs on the exact model and set verified's decode speed."""
+    before = metric(api_server, "unimax_requests_total", mode="bf16", outcome="stop")
+    cancelled = metric(api_server, "unimax_requests_total", outcome="cancelled")
+    reply = api_client.chat.completions.create(model=f"{MODEL}:bf16", messages=QUESTION,
+                                               max_tokens=40, stop=[" "])
+    assert reply.choices[0].finish_reason == "stop"
+    assert metric(api_server, "unimax_requests_total", mode="bf16", outcome="stop") == before + 1
+    assert metric(api_server, "unimax_requests_total", outcome="cancelled") == cancelled
+    speed = metric(api_server, "unimax_decode_tokens_per_second", mode="verified")
+    api_client.chat.completions.create(model=f"{MODEL}:verified", messages=QUESTION,
+                                       max_tokens=8, logprobs=True)
+    assert metric(api_server, "unimax_decode_tokens_per_second", mode="verified") == speed
+    assert metric(api_server, "unimax_decode_tokens_per_second", mode="exact") > 0

@@ -98,3 +98,21 @@ def test_where_the_prompt_and_the_next_turn_part(thinking_service):
         end = history_end(tok, messages, prompt, thinking)
         assert tok.decode(prompt[:end + 1]).endswith("<|im_start|>assistant\n")
         assert "<think>" in tok.decode(prompt[end + 1:])
+
+
+def test_a_template_that_raises_is_a_request_error(tmp_path):
+    """A chat template's own raise_exception (Qwen's refuse some conversations) reached the
+    API as an internal 500; it is the user's to fix, named as the template's refusal."""
+    refusing = "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+    folder = demo_variant(tmp_path / "refusing", template=refusing + "{{ messages[0]['content'] }}")
+    service = EngineService(Preset(model=str(folder), device="cpu")).start()
+    try:
+        two = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+               {"role": "user", "content": "Bye"}]
+        event = list(service.submit("c", two, "bf16").events(timeout=60))[-1]
+        assert event.kind == "error" and event.data["reason"] == "invalid_request"
+        assert "chat template refused" in event.text and "one message only" in event.text
+        ok = service.submit("c", two[:1], "bf16", GenerationSettings(max_new_tokens=2))
+        assert list(ok.events(timeout=60))[-1].kind == "done"
+    finally:
+        service.stop()

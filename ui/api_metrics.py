@@ -42,11 +42,16 @@ class Metrics:
         """Called on the engine thread when a request ends."""
         kind, data = handle.outcome or ("error", {})
         outcome = data.get("stopped", "finished") if kind == "done" else "error"
+        if outcome == "cancelled" and handle.cancel_reason == "stop":
+            outcome = "stop"  # the API ended it at a stop string or a finished call
         self.requests.labels(handle.mode, outcome).inc()
         stats = data.get("stats") or {}
         if not stats:
             return
-        self.generated.labels(handle.mode).inc(stats.get("generated_tokens") or 0)
+        # the mode that ran: a logprobs request runs on the exact model ("exact") whatever mode
+        # it named, and its speed is not that mode's
+        served = stats.get("mode") or handle.mode
+        self.generated.labels(served).inc(stats.get("generated_tokens") or 0)
         self.prefilled.inc(stats.get("prefilled_tokens") or 0)
         self.reused.inc(stats.get("reused_tokens") or 0)
         for gauge, key, scale in ((self.prefill, "prefill_tok_s", 1), (self.bridge, "bridge_ms",
@@ -54,7 +59,7 @@ class Metrics:
             if stats.get(key) is not None:
                 gauge.set(stats[key] * scale)
         if stats.get("decode_tok_s") is not None:
-            self.decode.labels(handle.mode).set(stats["decode_tok_s"])
+            self.decode.labels(served).set(stats["decode_tok_s"])
         if stats.get("acceptance_rate") is not None:
             self.acceptance.set(stats["acceptance_rate"])
 

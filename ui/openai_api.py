@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import time
 import uuid
 from pathlib import Path
@@ -30,7 +29,7 @@ from unimax.logprobs import LogprobsRequest
 from unimax.modes import MODES
 from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService, RequestHandle
-from unimax.settings import GenerationSettings, SettingsError
+from unimax.settings import GenerationSettings, SettingsError, is_int
 from unimax.structured import (
     ResponseFormat,
     ToolCallFormat,
@@ -47,11 +46,17 @@ from unimax.tool_calls import (
 )
 
 from .api_metrics import Metrics
+from .guard import key_id
 
-# API clients share one pool of kept states: a conversation re-sent with one more turn finds
-# its earlier turns there by token prefix, whoever sends it.
+# API clients share a pool of kept states per API key (one pool without keys): a conversation
+# re-sent with one more turn finds its earlier turns there by token prefix. Each reply says how
+# many tokens it reused, so a pool shared by two keys would let one confirm the other's prompts.
 API_CONVERSATION = "openai-api"
 MAX_STOPS = 4
+# JSON nested deeper than this is refused (no request needs it; Python's parser and the chat
+# template recurse, and ~1000 levels overflowed them into a 500)
+MAX_DEPTH = 64
+DISCONNECT_CHECK = 0.2  # seconds between looks for a client that went away
 # Fields that change the output and that UNI MAX does not implement: refused, not ignored.
 # Each maps to the values that mean "not used".
 UNSUPPORTED = {
@@ -66,6 +71,9 @@ UNSUPPORTED = {
     "mirostat": (None, 0), "mirostat_mode": (None, 0), "min_tokens": (None, 0),
     "ignore_eos": (None, False), "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False), "stop_token_ids": (None, []),
+    # output that is not text, or text shaped by what UNI MAX does not have
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "web_search_options": (None,),
 }
 # vLLM's older names for its structured_outputs keys (removed in its 0.12; clients still send
 # them)
@@ -148,30 +156,59 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request, err: Exception):
+        # a defect, never the client's fault: still in the API's shape, not a bare text 500
+        return APIError(500, f"internal error: {type(err).__name__}: {err}",
+                        kind="server_error").response()
+
+    def model_entry(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "unimax",
+                "unimax_mode": model_ids[model_id]}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "unimax",
-             "unimax_mode": mode} for model_id, mode in model_ids.items()]}
+        return {"object": "list", "data": [model_entry(model_id) for model_id in model_ids]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if not model_id:  # /v1/models/: the list, as before this route
+            return await models()
+        if model_id not in model_ids:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server has "
+                           f"{', '.join(model_ids)}", "model", "model_not_found")
+        return model_entry(model_id)
+
+    # Requests are parsed, checked, tokenized and their grammars compiled on a worker thread:
+    # on the event loop a large request held every other client and the page for its duration.
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json(request)
+        pool = _pool(request)
+        prepared = await asyncio.to_thread(lambda: prepare_chat(body, pool))
+        return await _respond(request, **prepared, chat=True)
+
+    def prepare_chat(body: dict, pool: str):
         model, mode = _model(body, model_ids)
         messages = _messages(body.get("messages"))
         want = _chat_logprobs(body)
         tools, first_only, forced = _tools(body, tool_format, grammar)
         fmt = forced or _response_format(body, tools)
         settings, stops, stream, usage_chunk = _options(body, service, _thinking(body))
-        handle = service.submit(API_CONVERSATION, messages, mode, settings, logprobs=want,
+        handle = service.submit(pool, messages, mode, settings, logprobs=want,
                                 tools=tools, response_format=fmt)
         parser = ToolCallParser(tool_format, tools, first_only) if tools else None
-        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=True,
-                              show_logprobs=want is not None, tool_parser=parser)
+        return dict(handle=handle, model=model, stops=stops, stream=stream,
+                    usage_chunk=usage_chunk, show_logprobs=want is not None, tool_parser=parser)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json(request)
+        pool = _pool(request)
+        prepared = await asyncio.to_thread(lambda: prepare_completion(body, pool))
+        return await _respond(request, **prepared, chat=False)
+
+    def prepare_completion(body: dict, pool: str):
         model, mode = _model(body, model_ids)
         text, tokens = _prompt(body.get("prompt"))
         if body.get("chat_template_kwargs") is not None:
@@ -183,13 +220,14 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
         if want is not None and not want.generate:  # scoring only: no reply, no max_tokens
             body = {**body, "max_tokens": None, "max_completion_tokens": None}
         settings, stops, stream, usage_chunk = _options(body, service)
-        handle = service.submit(API_CONVERSATION, [], mode, settings, text=text, tokens=tokens,
+        handle = service.submit(pool, [], mode, settings, text=text, tokens=tokens,
                                 logprobs=want, response_format=fmt)
         echoed = None
         if echo and want is None:  # (with logprobs the engine thread sends the prompt's text)
             echoed = text if text is not None else service.decode(tokens)
-        return await _respond(request, handle, model, stops, stream, usage_chunk, chat=False,
-                              echoed=echoed, show_logprobs=body.get("logprobs") is not None)
+        return dict(handle=handle, model=model, stops=stops, stream=stream,
+                    usage_chunk=usage_chunk, echoed=echoed,
+                    show_logprobs=body.get("logprobs") is not None)
 
     # Last, so that the routes above match first. Without it a client calling what is not served
     # here (embeddings, the Responses API, a GET on a POST route) got Starlette's bare
@@ -211,21 +249,75 @@ def add_openai_api(app: FastAPI, service: EngineService) -> None:
 
 # --- request parsing -----------------------------------------------------------------------
 
+def _pool(request: Request) -> str:
+    """The kept-state pool of the request's API key (guard.key_id)."""
+    key = key_id(request.scope)
+    return f"{API_CONVERSATION}:{key}" if key else API_CONVERSATION
+
+
 async def _json(request: Request) -> dict:
+    """The body as a JSON object, parsed on a worker thread (ui/guard.py has bounded its size
+    and checked its Content-Type)."""
+    return await asyncio.to_thread(_parse, await request.body())
+
+
+def _parse(raw: bytes) -> dict:
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body is JSON nested too deep; at most {MAX_DEPTH} "
+                       "levels are taken") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _depth(body) > MAX_DEPTH:
+        raise APIError(400, f"the request body is JSON nested deeper than {MAX_DEPTH} levels; "
+                       "no field of this API needs that")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON's "\ud800" escapes: no text can hold one alone
+        bad = ascii(err.object[err.start:err.end])
+        raise APIError(400, f"the request holds a lone UTF-16 surrogate ({bad}), which "
+                       "is not a character; send the text as valid Unicode") from None
     for field, neutral in UNSUPPORTED.items():
-        if field in body and body[field] not in neutral:
+        if field in body and not any(_same(body[field], n) for n in neutral):
             raise APIError(400, f"{field} is not supported by UNI MAX; leave it out", field,
                            "unsupported_parameter")
-    if body.get("n", 1) != 1:
-        raise APIError(400, "n must be 1: UNI MAX returns one choice per request", "n",
-                       "unsupported_parameter")
+    n = body.get("n")
+    if n is not None and not (is_int(n) and n == 1):
+        raise APIError(400, "n must be the integer 1: UNI MAX returns one choice per request",
+                       "n", "unsupported_parameter")
     return body
+
+
+def _depth(value) -> int:
+    """How deep JSON nests (an object or list inside another counts one level), walked
+    without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level <= MAX_DEPTH:
+                children = item.values() if isinstance(item, dict) else item
+                stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality in which true is not 1 (Python's True == 1 is)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
+def _flag(body: dict, param: str) -> bool | None:
+    """A JSON true/false field (null: not given); 1 or "yes" is refused, not read as true."""
+    value = body.get(param)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(400, f"{param} must be true or false", param)
+    return value
 
 
 def _model(body: dict, model_ids: dict[str, str]) -> tuple[str, str]:
@@ -265,9 +357,7 @@ def _top(value, param: str) -> int:
 def _chat_logprobs(body: dict) -> LogprobsRequest | None:
     """``logprobs: true`` (and ``top_logprobs``: alternatives per token): the exact model
     serves the request and each token comes with its log-probability."""
-    wanted, top = body.get("logprobs"), body.get("top_logprobs")
-    if wanted not in (None, True, False):
-        raise APIError(400, "logprobs must be true or false", "logprobs")
+    wanted, top = _flag(body, "logprobs"), body.get("top_logprobs")
     if not wanted:
         if top is not None:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -279,10 +369,7 @@ def _completion_logprobs(body: dict) -> tuple[LogprobsRequest | None, bool]:
     """The completions API's ``logprobs`` (an integer: alternatives per token) and ``echo``
     (the prompt before the reply; with logprobs, every prompt token's too). ``max_tokens``
     0 with echo scores the prompt alone, as eval harnesses do."""
-    top, echo = body.get("logprobs"), body.get("echo")
-    if echo not in (None, True, False):
-        raise APIError(400, "echo must be true or false", "echo")
-    echo = bool(echo)
+    top, echo = body.get("logprobs"), bool(_flag(body, "echo"))
     scoring_only = echo and body.get("max_tokens") == 0
     if top is None and not scoring_only:
         return None, echo
@@ -346,9 +433,7 @@ def _tools(body: dict, tool_format: dict | None, grammar: str | None
     call format as a grammar, unimax/structured.py). tool_choice "none" keeps the tools from the
     model."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel not in (None, True, False):
-        raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    parallel = _flag(body, "parallel_tool_calls")
     name = _forced_name(choice)
     if tools in (None, []) or choice == "none":
         if choice not in (None, "auto", "none"):
@@ -430,7 +515,7 @@ def _thinking(body: dict) -> bool | None:
                            f"only {', '.join(TEMPLATE_KWARGS)} to the chat template",
                            "chat_template_kwargs", "unsupported_parameter")
     thinking = kwargs.get("enable_thinking")
-    if thinking not in (None, True, False):
+    if thinking is not None and not isinstance(thinking, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be true, false or null",
                        "chat_template_kwargs")
     return thinking
@@ -461,9 +546,7 @@ def _options(body: dict, service: EngineService, thinking: bool | None = None):
             not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS}",
                        "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream must be true or false", "stream")
+    stream = bool(_flag(body, "stream"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
@@ -473,16 +556,25 @@ def _options(body: dict, service: EngineService, thinking: bool | None = None):
 # --- responses -----------------------------------------------------------------------------
 
 async def _events(handle: RequestHandle, request: Request):
-    """The request's events without blocking the server; a client that goes away cancels it
-    (checked while waiting, so within one decode block)."""
+    """The request's events, handed to the event loop by the engine thread (no thread waits
+    per request: forty waiting requests held the executor's threads and slowed the running
+    stream tenfold). A client that goes away cancels it: checked every ``DISCONNECT_CHECK``
+    seconds, also while events flow (a non-streaming reply's never paused)."""
+    loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+    handle.subscribe(lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event))
+    checked = loop.time()
     try:
         while True:
             try:
-                event = await asyncio.to_thread(handle.queue.get, True, 0.2)
-            except queue.Empty:
+                event = await asyncio.wait_for(inbox.get(), DISCONNECT_CHECK)
+            except TimeoutError:
+                event = None
+            if loop.time() - checked >= DISCONNECT_CHECK:
+                checked = loop.time()
                 if await request.is_disconnected():
                     handle.cancel()
                     return
+            if event is None:
                 continue
             yield event
             if event.kind in ("done", "error"):
@@ -607,7 +699,7 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
                 answer += tool_parser.finish()
             parts = Parts(parts.reasoning + answer.reasoning, answer.content, answer.calls)
             if tool_parser.done:  # parallel_tool_calls false: the first call ends the reply
-                handle.cancel()
+                handle.cancel("stop")
         return parts
 
     async def consume():
@@ -625,7 +717,7 @@ async def _respond(request, handle, model, stops, stream, usage_chunk, chat: boo
                 state["pending"] += event.data.get("logprobs", [])
                 piece = matcher.feed(event.text)
                 if matcher.hit:
-                    handle.cancel()  # the engine ends within one block; stats still come
+                    handle.cancel("stop")  # the engine ends within one block; stats come
                 yield piece, release(matcher.sent), state["shift"]
             elif event.kind == "done":
                 state["stats"] = event.data.get("stats") or {}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from jinja2 import TemplateError
+
 from .errors import RequestError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -124,11 +126,15 @@ def encode_chat(tokenizer, messages: list[dict], thinking: bool | None = None,
         if any(s in rendered for s in specials):
             raise RequestError("the tools or tool calls contain control-token text (such as "
                                "<|im_start|>); remove it")
-        if not any(s in m["content"] for m in messages for s in specials):
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                                **extra)
-            return [int(i) for i in ids]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+        try:
+            if not any(s in m["content"] for m in messages for s in specials):
+                ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                    **extra)
+                return [int(i) for i in ids]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+        except TemplateError as err:  # the template's own raise_exception, or a bad template
+            raise RequestError(f"the model's chat template refused this conversation: {err}"
+                               ) from None
         return _encode_plain_spans(tokenizer, text, [m["content"] for m in messages])
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
     prefix, suffix = _added_special_ids(tokenizer)  # e.g. a Llama tokenizer's BOS

@@ -71,9 +71,13 @@ def read_config_json(model_dir: Path) -> dict:
     if not config_path.is_file():
         raise CheckpointError(f"no config.json in {model_dir}")
     try:
-        return json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not the "
+                              "object of a model's config: check the checkpoint's files")
+    return config
 
 
 @contextlib.contextmanager

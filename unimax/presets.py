@@ -139,7 +139,10 @@ def load_preset(path: str | Path) -> Preset:
     if not path.is_file():
         raise PresetError(f"preset file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise PresetError(f"preset file {path} is not UTF-8 text ({err}); save it as UTF-8"
+                          ) from err
     except yaml.YAMLError as err:
         raise PresetError(f"preset file {path} is not valid YAML: {err}") from err
     if isinstance(raw, dict) and isinstance(raw.get("draft_vocab_text"), str) \

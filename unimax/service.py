@@ -60,8 +60,13 @@ class RequestHandle:
         self.mode = mode
         self.settings = settings
         self.cancelled = threading.Event()
+        # why it was cancelled: "cancelled" (the user), "stop" (the caller ended the reply at a
+        # stop string or a finished tool call: metrics count it as stopped, not cancelled)
+        self.cancel_reason: str | None = None
         self.finished = threading.Event()
         self.queue: queue.Queue[ServiceEvent] = queue.Queue()
+        self._listener: Callable[[ServiceEvent], None] | None = None
+        self._listener_lock = threading.Lock()
         self.submitted_at = time.perf_counter()
         self.prompt: list[int] = []  # token ids, set by EngineService.submit
         self.text: str | None = None  # a raw prompt to continue (no chat template), not a chat
@@ -78,15 +83,35 @@ class RequestHandle:
         # the one there, not after the reply
         self.keep_at: int | None = None
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.cancelled.is_set():
+            self.cancel_reason = reason
         self.cancelled.set()
 
     def emit(self, kind: str, text: str = "", **data) -> None:
         if kind in ("done", "error"):
             self.outcome = (kind, {"text": text, **data})
-        self.queue.put(ServiceEvent(kind, text, data))
+        event = ServiceEvent(kind, text, data)
+        with self._listener_lock:
+            if self._listener is not None:
+                self._listener(event)
+            else:
+                self.queue.put(event)
         if kind in ("done", "error"):
             self.finished.set()
+
+    def subscribe(self, listener: Callable[[ServiceEvent], None]) -> None:
+        """Hand every event to ``listener`` instead of the queue: those queued so far at once,
+        in order, then each as it is emitted (on the emitting thread, so it must only hand the
+        event on). An event loop waits for events this way without a thread per request
+        (ui/openai_api.py); ``events()`` is for threads."""
+        with self._listener_lock:
+            while True:
+                try:
+                    listener(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._listener = listener
 
     def events(self, timeout: float | None = None) -> Iterator[ServiceEvent]:
         """Events until done or error. ``timeout`` bounds the wait for each event."""
@@ -122,8 +147,8 @@ class EngineService:
         # tokens inside it; None: the draft scores every token
         self.draft_vocab, self.draft_vocab_coverage = self._draft_vocab()
         self.tokenizer_lock = threading.Lock()  # requests tokenize on their callers' threads
+        # (and compile their response formats there: Grammars bounds their size and time)
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
-        self.grammar_lock = threading.Lock()  # and compile their response formats there
         self.requests: queue.Queue[RequestHandle | None] = queue.Queue()
         self.pending: list[RequestHandle] = []
         self.pending_lock = threading.Lock()
@@ -320,8 +345,7 @@ class EngineService:
                 raise RequestError("response_format must be a unimax ResponseFormat "
                                    "(structured.response_format reads OpenAI's) or "
                                    "ToolCallFormat")
-            with self.grammar_lock:
-                handle.grammar = self.grammars.compile(handle.response_format)
+            handle.grammar = self.grammars.compile(handle.response_format)
         return prompt
 
     def check_tokens(self, tokens) -> list[int]:

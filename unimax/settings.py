@@ -10,6 +10,13 @@ from .errors import RequestError
 from .sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1  # torch.Generator takes a signed 64-bit seed
+# A temperature divides float32 logits: past ~3.4e38 it is infinite there, and long before
+# that every token is as likely as any other (at 100 the demo model's are within 2%).
+MAX_TEMPERATURE = 100.0
+# Below this a temperature is greedy decoding: logits / 1e-38 overflow to inf and sampled
+# random tokens. vLLM's threshold (its _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # any vocabulary is smaller; a device tensor holds it
 
 
 class SettingsError(RequestError):
@@ -43,10 +50,12 @@ class GenerationSettings:
         checks = (
             ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
              "an integer >= 1"),
-            ("temperature", is_number(self.temperature) and self.temperature >= 0,
-             "a finite number >= 0 (0 = greedy)"),
+            ("temperature", is_number(self.temperature)
+             and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"a number in 0..{MAX_TEMPERATURE:g} (0 = greedy)"),
             ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_k", is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+             f"an integer in 0..{MAX_TOP_K} (0 = off)"),
             ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1,
              "a number in [0, 1] (0 = off)"),
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
@@ -58,5 +67,8 @@ class GenerationSettings:
                 raise SettingsError(field, getattr(self, field), allowed)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(float(self.temperature), self.top_k, float(self.top_p), self.seed,
+        temperature = float(self.temperature)
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        return SamplingParams(temperature, self.top_k, float(self.top_p), self.seed,
                               float(self.min_p))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,13 @@ from .token_mask import ALL
 # for an indented object five levels deep; a call's arguments are written with a line break.
 MAX_BLANKS_JSON = 24
 MAX_BLANKS_CALL = 4
+# Compile time grows about quadratically with a schema's size (an 80 kB schema of 2000 enum
+# properties: 0.8 s on one core; 3.5 MB: minutes), so a grammar's text is bounded, and so is
+# the time any one compile may take: past either the request is refused (400), and no request
+# waits behind another's compile for longer than that.
+MAX_GRAMMAR_CHARS = 128 << 10
+COMPILE_SECONDS = 10.0
+MAX_COMPILING = 2  # compiles running at once (one past its time goes on, holding its slot)
 
 
 @dataclass(frozen=True)
@@ -143,18 +151,54 @@ def _xgrammar():
 
 class Grammars:
     """Compiles response formats for one tokenizer; built on first use (xgrammar reads the
-    whole vocabulary once)."""
+    whole vocabulary once). Safe to call from several threads (xgrammar's compiler is)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, max_chars: int = MAX_GRAMMAR_CHARS,
+                 max_seconds: float = COMPILE_SECONDS):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
+        self.max_chars, self.max_seconds = max_chars, max_seconds
         self.compiler = None
+        self._init_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_COMPILING)
 
     def compile(self, fmt: ResponseFormat | ToolCallFormat):
+        """The compiled grammar; RequestError for one that is too large, does not compile, or
+        takes over ``max_seconds`` (its compile then ends on its own thread, unwaited)."""
+        what = "the tools' schemas" if isinstance(fmt, ToolCallFormat) else \
+            f"the {fmt.kind.replace('_', ' ')}"
+        size = len(fmt.tools if isinstance(fmt, ToolCallFormat) else fmt.spec or "")
+        if size > self.max_chars:
+            raise RequestError(f"{what} is {size} characters, over the {self.max_chars} that "
+                               "structured output compiles; make it smaller")
         xgr = _xgrammar()
-        if self.compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_ids)
-            self.compiler = xgr.GrammarCompiler(info)
+        with self._init_lock:
+            if self.compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
+                self.compiler = xgr.GrammarCompiler(info)
+        if not self._slots.acquire(timeout=self.max_seconds):
+            raise RequestError("structured output is busy compiling other requests' grammars "
+                               "that take long; try again in a while")
+        result, done = {}, threading.Event()
+
+        def run() -> None:
+            try:
+                result["grammar"] = self._compile(xgr, fmt)
+            except Exception as err:  # handed to the waiting request below
+                result["error"] = err
+            finally:
+                self._slots.release()
+                done.set()
+
+        threading.Thread(target=run, name="unimax-grammar", daemon=True).start()
+        if not done.wait(self.max_seconds):
+            raise RequestError(f"{what} took over {self.max_seconds:g} s to compile; make it "
+                               "simpler (fewer properties, enum values or alternatives)")
+        if "error" in result:
+            raise result["error"]
+        return result["grammar"]
+
+    def _compile(self, xgr, fmt: ResponseFormat | ToolCallFormat):
         if isinstance(fmt, ToolCallFormat):
             return self._tool_call(xgr, fmt)
         try:
