@@ -241,7 +241,7 @@ def test_regenerate_export_and_queue_position(page, tmp_path):
     other.click("#send")
     wait_for(lambda: other.locator("#chatbot [data-testid='bot']").count() > 0)
     send(page, "Short question")
-    wait_for(lambda: "Waiting for the GPU" in page.inner_text("#status"), timeout=30)
+    wait_for(lambda: "Waiting for the engine" in page.inner_text("#status"), timeout=30)
     context.close()  # the other reply is cancelled; ours runs
     wait_for(lambda: "Done" in page.inner_text("#status"), timeout=120)
     first = bot_text(page)

@@ -116,7 +116,7 @@ def test_a_reply_sent_during_the_warm_up_says_what_it_waits_for():
     statuses = [u[2] for u in chat.reply([{"role": "user", "content": "hi"}], gen, "s",
                                          sent="hi")]
     assert "warming up the verified mode" in statuses[1] == statuses[2]
-    assert statuses[3] == "⏳ Waiting for the GPU: 1 request(s) ahead."
+    assert statuses[3] == "⏳ Waiting for the engine: 1 request(s) ahead."
     assert statuses[-1].startswith("Done")
 
 
@@ -255,3 +255,15 @@ def test_a_thinking_block_folds_away_above_the_answer():
                             {"role": "user", "content": "And 3+3?"}]
     exported = __import__("json").loads(open(chat.export(final, "", "bf16")["value"]).read())
     assert [m.get("thinking", False) for m in exported["messages"]] == [False, True, False]
+
+
+def test_the_status_leaves_prefilling_once_tokens_stream():
+    """It said "prefilling..." until the reply was done."""
+    service = Service([Event("started", prefill_tokens=3, reused_tokens=0)])
+    chat = ChatTab(service, Sessions(), preset=None)
+    gen = Gen("c", "fp8", "", 0.0, 1.0, 0, 16, None, None)
+    statuses = [u[2] for u in chat.reply([{"role": "user", "content": "hi"}], gen, "s",
+                                         sent="hi")]
+    assert "prefilling" in statuses[1]
+    assert statuses[2] == statuses[3] == "Generating (fp8)…"  # the two deltas'
+    assert statuses[-1].startswith("Done")

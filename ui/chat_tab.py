@@ -158,7 +158,8 @@ class ChatTab:
                          "(once per start: compiling, capturing CUDA graphs); your reply " \
                          "starts after it."
             elif kind == "queued" and data.get("position"):
-                status = f"⏳ Waiting for the GPU: {data['position']} request(s) ahead."
+                # (the engine thread, on a GPU or a CPU: "the GPU" was wrong on a CPU)
+                status = f"⏳ Waiting for the engine: {data['position']} request(s) ahead."
             elif kind == "started":
                 reply["splitter"] = ThinkSplitter(bool(data.get("thinking_open")))
                 status = f"Generating ({gen.mode}) · prefilling {data['prefill_tokens']} new " \
@@ -169,6 +170,7 @@ class ChatTab:
             elif kind == "delta":
                 _add(reply, reply["splitter"].feed(text))
                 history = base + _reply_messages(reply)
+                status = f"Generating ({gen.mode})…"  # not "prefilling" while tokens stream
             elif kind == "error":
                 refused = sent is not None and not (reply["reasoning"] or reply["answer"])
                 history = base[:-1] if refused else base
