@@ -51,11 +51,22 @@ def done_status(stopped: str | None) -> str:
 
 def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
                   thinking=None, min_p=0.0) -> GenerationSettings:
-    seed = None if seed in (None, "") else int(seed)
+    seed = parse_seed(seed)
     return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                               top_p=float(top_p), top_k=int(top_k), seed=seed,
                               thinking=None if thinking is None else bool(thinking),
                               min_p=float(min_p))
+
+
+def parse_seed(seed) -> int | None:
+    """The seed box's text: empty for a random seed, else a whole number (ValueError)."""
+    text = "" if seed is None else str(seed).strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"the seed {text!r} is not a whole number >= 0; leave it empty for "
+                         "a random one")
+    return int(text)
 
 
 class Exports:
@@ -88,6 +99,11 @@ class ChatTab:
         history = list(history or [])
         if not message or not message.strip():
             yield history, message, "⚠️ Empty message: type something to send."
+            return
+        if self.sessions.running(request.session_hash):
+            # Enter and Send alike (Enter was swallowed by the page, Send cut the reply off)
+            yield gr.update(), message, "⚠️ A reply is still streaming: press Stop, or wait " \
+                "for it to finish, then send."
             return
         history.append({"role": "user", "content": message})
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,

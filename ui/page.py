@@ -27,6 +27,18 @@ pre.ab-text { white-space: pre-wrap; word-break: break-word; min-height: 3em; }
 """
 
 
+# (the file box renders its link a moment after the update lands: look for it a while)
+EXPORT_CLICK = """() => {
+  let tries = 0;
+  const look = () => {
+    const link = document.querySelector('#export-file a[download]');
+    if (link) link.click();
+    else if (++tries < 50) setTimeout(look, 100);
+  };
+  look();
+}"""
+
+
 def has_thinking_switch(tokenizer) -> bool:
     """Whether the chat template reads the thinking switch (Qwen3.5's enable_thinking)."""
     template = getattr(tokenizer, "chat_template", None)
@@ -57,7 +69,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         gr.Markdown(info, elem_id="header")
         conversation_id = gr.State()  # a new id per page load (demo.load below)
         with gr.Row():
-            with gr.Column(scale=2):
+            with gr.Column(scale=2, min_width=240):
                 mode = gr.Radio(MODE_CHOICES, value=preset.mode, label="Mode", elem_id="mode")
                 system = gr.Textbox(preset.system_prompt, label="System prompt", lines=2)
                 with gr.Accordion("Generation", open=False):
@@ -71,14 +83,20 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     max_new = gr.Slider(1, min(4096, preset.max_context),
                                         value=min(g.max_new_tokens, preset.max_context), step=1,
                                         label="Max new tokens")
-                    seed = gr.Number(g.seed, label="Seed (empty = random)", precision=0)
+                    # a text box: an empty number box showed 0 and sent 0, so Regenerate
+                    # repeated itself
+                    seed = gr.Textbox("" if g.seed is None else str(g.seed),
+                                      label="Seed (empty = random)", placeholder="random",
+                                      elem_id="seed")
                     thinking = gr.Checkbox(bool(preset.enable_thinking), label="Thinking",
                                            visible=has_thinking_switch(service.tokenizer))
-            with gr.Column(scale=5):
+            with gr.Column(scale=5, min_width=360):
                 with gr.Tab("Chat"):
                     # no share button: it posts to a Hugging Face Space, which a local
                     # app is not; the preset's examples sit on the empty chat
-                    chatbot = gr.Chatbot(height=420, label="Chat", editable="user",
+                    # (the window's height, not 420 px at any size)
+                    chatbot = gr.Chatbot(height="62vh", min_height=300, label="Chat",
+                                         editable="user",
                                          elem_id="chatbot", buttons=["copy", "copy_all"],
                                          examples=[{"text": text} for text in preset.examples]
                                          or None)
@@ -113,7 +131,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                             gr.Markdown("**B**")
                             ab_text_b = gr.HTML(elem_id="ab-b")
                             ab_stats_b = gr.Markdown(elem_id="ab-stats-b")
-            with gr.Column(scale=3, elem_id="panels"):
+            with gr.Column(scale=3, min_width=240, elem_id="panels"):
                 gr.Markdown("### Live panels")
                 panel = gr.Markdown(panel_markdown(None), elem_id="panel")
                 plot = gr.HTML("", elem_id="plot")  # the tok/s curve (panels.curve_svg)
@@ -127,10 +145,11 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         # The page's own events stay out of the API page (callable, undocumented): scripts use
         # /chat and /stats below, or the OpenAI API.
         page = dict(api_visibility="undocumented")
-        send_btn.click(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
-                       concurrency_limit=None, **page)
-        message.submit(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
-                       concurrency_limit=None, **page)
+        # "multiple": a message sent while a reply streams reaches chat.send, which says so
+        # (the default "once" dropped Enter silently in the page)
+        for sent in (send_btn.click, message.submit):
+            sent(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
+                 concurrency_limit=None, trigger_mode="multiple", **page)
         regen_btn.click(chat.regenerate, [chatbot, *gen_inputs], chat_outputs,
                         concurrency_limit=None, **page)
         chatbot.edit(chat.edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
@@ -146,7 +165,9 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         for cleared in (clear_btn.click, chatbot.clear):
             cleared(chat.clear, conversation_id, [chatbot, conversation_id, status, export_file],
                     concurrency_limit=None, **page)
-        export_btn.click(chat.export, [chatbot, system, mode], export_file, **page)
+        # one click: the file is written, then its link clicked, so the download starts
+        export_btn.click(chat.export, [chatbot, system, mode], export_file, **page).then(
+            None, None, None, js=EXPORT_CLICK)
         for compare in (ab_btn.click, ab_prompt.submit):  # the button, or Enter in the prompt
             compare(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
                              seed, thinking, min_p],

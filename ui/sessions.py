@@ -45,19 +45,23 @@ class Sessions:
         handle.cancel()
         return True
 
-    def set_stats(self, session: str, stats: dict) -> None:
+    def set_stats(self, session: str, stats: dict, epoch: int | None = None) -> None:
+        """``epoch``: the session's epoch when the reply started; a reply's stats that come
+        after a Clear (a cancelled reply's last ones) are dropped, not shown on the cleared
+        page."""
         with self.lock:
-            self.stats[session] = stats
+            if epoch is None or self.epochs.get(session, 0) == epoch:
+                self.stats[session] = stats
 
     def get_stats(self, session: str) -> dict:
         with self.lock:
             return dict(self.stats.get(session, {}))
 
-    def collect_final(self, session: str, handle) -> None:
+    def collect_final(self, session: str, handle, epoch: int) -> None:
         if handle.finished.wait(30):
             for event in list(handle.queue.queue):
                 if event.kind == "stats":
-                    self.set_stats(session, event.data["stats"])
+                    self.set_stats(session, event.data["stats"], epoch)
 
     def close(self, session: str) -> None:
         self.cancel(session)
@@ -69,17 +73,18 @@ def stream(service: EngineService, sessions: Sessions, session: str, conversatio
            messages: list[dict], mode: str, settings) -> Iterator[tuple]:
     """Yields (kind, text, data) from one request; cancels it if the consumer goes away."""
     # (before the page's load event has set the id, the tab's session stands in for it)
+    epoch = sessions.epoch(session)
     handle = service.submit(conversation_id or f"session-{session}", messages, mode, settings)
     sessions.start(session, handle)
     try:
         for event in handle.events():
             if event.kind == "stats":
-                sessions.set_stats(session, event.data["stats"])
+                sessions.set_stats(session, event.data["stats"], epoch)
             yield event.kind, event.text, event.data
     finally:
         if not handle.finished.is_set():
             handle.cancel()  # Stop, a closed tab, or an error in the page: free the GPU
             # The engine ends it within one block; its final stats still reach the panels
             # (collected off this generator, which Gradio is closing).
-            threading.Thread(target=sessions.collect_final, args=(session, handle),
+            threading.Thread(target=sessions.collect_final, args=(session, handle, epoch),
                              daemon=True).start()
