@@ -388,3 +388,63 @@ def test_the_layout_follows_the_window(page):
     settings = page.locator("#mode").bounding_box()
     assert settings["width"] < 0.36 * 800, settings
     page.set_viewport_size({"width": 1400, "height": 950})
+
+
+def upload(page, path):
+    with page.expect_file_chooser() as chooser:
+        page.click("#import-chat")
+    chooser.value.set_files(str(path))
+
+
+def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
+    """A reload lost the chat: now the chat comes back, earlier chats are listed and can be
+    opened again, and an exported chat can be imported."""
+    page.get_by_role("tab", name="Chat").click()
+    page.click("#clear")
+    wait_for(lambda: "Cleared" in page.inner_text("#status"))
+    page.fill("#message textarea", "First chat question")
+    page.press("#message textarea", "Enter")
+    wait_for(lambda: len(bot_text(page)) > 0)
+    page.click("#stop")
+    wait_for(lambda: "Stopped" in page.inner_text("#status"))
+    time.sleep(1)  # the chat is kept once its reply ends
+    page.reload()
+    page.wait_for_selector("#message textarea", timeout=60_000)
+    wait_for(lambda: page.locator("#chatbot [data-testid='user']").count() == 1)
+    assert page.locator("#chatbot [data-testid='user']").inner_text() == "First chat question"
+    first_reply = bot_text(page)
+    assert first_reply
+    page.click("#new-chat")
+    wait_for(lambda: page.locator("#chatbot [data-testid='user']").count() == 0)
+    send(page, "Second chat question")
+    wait_for(lambda: len(bot_text(page)) > 0)
+    page.click("#stop")
+    wait_for(lambda: "Stopped" in page.inner_text("#status"))
+    time.sleep(1)
+    page.click("#past-chats input")
+    options = page.locator("ul[role=listbox] li")
+    wait_for(lambda: options.count() == 2)
+    assert "Second chat question" in options.nth(0).inner_text()
+    options.nth(1).click()  # the first chat again
+    wait_for(lambda: page.locator("#chatbot [data-testid='user']").count() == 1 and
+             page.locator("#chatbot [data-testid='user']").inner_text() == "First chat question")
+    assert bot_text(page) == first_reply
+    exported = tmp_path / "chat.json"
+    exported.write_text(__import__("json").dumps({"model": "x", "mode": "bf16", "system": "",
+        "messages": [{"role": "user", "content": "Imported question"},
+                     {"role": "assistant", "content": "Imported answer"}]}))
+    upload(page, exported)
+    wait_for(lambda: "Imported 2 messages" in page.inner_text("#status"), show=status_of(page))
+    assert bot_text(page) == "Imported answer"
+    page.click("#past-chats input")
+    wait_for(lambda: options.count() == 3)
+    page.keyboard.press("Escape")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    upload(page, bad)
+    wait_for(lambda: "Not imported" in page.inner_text("#status"), show=status_of(page))
+    page.click("#clear")  # Clear forgets the chat it empties
+    wait_for(lambda: "Cleared" in page.inner_text("#status"))
+    page.click("#past-chats input")
+    wait_for(lambda: options.count() == 2)
+    page.keyboard.press("Escape")

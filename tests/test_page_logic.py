@@ -2,9 +2,11 @@
 the drafted-vs-generated note, Clear resetting the panels, Clear winning over a reply's last
 update."""
 
+import json
 import threading
 
 import gradio as gr
+import pytest
 
 from ui.chat_tab import ChatTab, Gen, done_status
 from ui.panels import ab_summary, curve_svg, nice_ceiling, panel_markdown
@@ -267,3 +269,32 @@ def test_the_status_leaves_prefilling_once_tokens_stream():
     assert "prefilling" in statuses[1]
     assert statuses[2] == statuses[3] == "Generating (fp8)…"  # the two deltas'
     assert statuses[-1].startswith("Done")
+
+
+def test_kept_chats_survive_what_a_browser_may_hold(tmp_path):
+    """ui/chats.py: the stored value is read defensively, kept newest first and bounded, and an
+    import takes only an exported chat."""
+    from ui import chats
+
+    assert chats.normalized("junk") == {"current": None, "chats": []}
+    store = None
+    for n in range(chats.MAX_CHATS + 3):
+        store = chats.saved(store, f"id{n}", [{"role": "user", "content": [
+            {"type": "text", "text": f"question {n} " + "x" * 80}]}])
+    assert len(store["chats"]) == chats.MAX_CHATS and store["chats"][0]["id"] == f"id{n}"
+    assert store["chats"][0]["title"].startswith(f"question {n} ")
+    assert len(store["chats"][0]["title"]) == chats.MAX_TITLE
+    assert store["chats"][0]["messages"][0]["content"].startswith(f"question {n}")
+    assert chats.find(chats.removed(store, f"id{n}"), f"id{n}") is None
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "hmm", "thinking": True},
+        {"role": "assistant", "content": "Hello"}]}))
+    messages, system = chats.imported(good)
+    assert system == "Be brief." and messages[1]["metadata"]["title"] == "Thinking"
+    for text in ("[1]", "{}", '{"messages": [{"role": "wizard", "content": "x"}]}', "\xff"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text, encoding="latin-1")
+        with pytest.raises(chats.NotAChat):
+            chats.imported(bad)

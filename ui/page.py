@@ -5,14 +5,13 @@ touch the GPU."""
 
 from __future__ import annotations
 
-import uuid
-
 import gradio as gr
 
 from unimax.modes import APP_MODES
 from unimax.presets import Preset
 from unimax.service import EngineService
 
+from . import chats
 from .ab_tab import ABTab
 from .chat_tab import ChatTab
 from .panels import panel_markdown
@@ -59,6 +58,7 @@ def header(service: EngineService, preset: Preset) -> str:
 def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     sessions = Sessions()
     chat, ab = ChatTab(service, sessions, preset), ABTab(service, sessions)
+    kept_chats = chats.KeptChats(sessions)
     g = preset.generation
     info = header(service, preset)
 
@@ -67,7 +67,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
     # delete_cache: Gradio's copies of served files (exports) older than 10 min go every 10 min.
     with gr.Blocks(title="UNI MAX", delete_cache=(600, 600)) as demo:
         gr.Markdown(info, elem_id="header")
-        conversation_id = gr.State()  # a new id per page load (demo.load below)
+        conversation_id = gr.State()  # the chat's id, set by demo.load below
+        # the chats kept in this browser (ui/chats.py); the secret only scrambles them: the
+        # browser keeps them for this server's origin alone, and a fixed one keeps them
+        # readable across the app's restarts
+        kept = gr.BrowserState(chats.normalized(None), storage_key="unimax-chats",
+                               secret="unimax-local-chats")
         with gr.Row():
             with gr.Column(scale=2, min_width=240):
                 mode = gr.Radio(MODE_CHOICES, value=preset.mode, label="Mode", elem_id="mode")
@@ -92,6 +97,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                                            visible=has_thinking_switch(service.tokenizer))
             with gr.Column(scale=5, min_width=360):
                 with gr.Tab("Chat"):
+                    with gr.Row(equal_height=True):
+                        past = gr.Dropdown([], value=None, label="Chats kept in this browser",
+                                           elem_id="past-chats", scale=4)
+                        new_btn = gr.Button("New chat", elem_id="new-chat", scale=1)
+                        import_btn = gr.UploadButton("Import JSON", file_types=[".json"],
+                                                     elem_id="import-chat", scale=1)
                     # no share button: it posts to a Hugging Face Space, which a local
                     # app is not; the preset's examples sit on the empty chat
                     # (the window's height, not 420 px at any size)
@@ -145,26 +156,35 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         # The page's own events stay out of the API page (callable, undocumented): scripts use
         # /chat and /stats below, or the OpenAI API.
         page = dict(api_visibility="undocumented")
-        # "multiple": a message sent while a reply streams reaches chat.send, which says so
-        # (the default "once" dropped Enter silently in the page)
-        for sent in (send_btn.click, message.submit):
-            sent(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
-                 concurrency_limit=None, trigger_mode="multiple", **page)
-        regen_btn.click(chat.regenerate, [chatbot, *gen_inputs], chat_outputs,
-                        concurrency_limit=None, **page)
-        chatbot.edit(chat.edited, [chatbot, *gen_inputs], chat_outputs, concurrency_limit=None,
-                     **page)
-        chatbot.example_select(chat.example, [chatbot, *gen_inputs], chat_outputs,
-                               concurrency_limit=None, **page)
+        # Send and Enter "multiple": a message sent while a reply streams reaches chat.send,
+        # which says so (the default "once" dropped Enter silently in the page)
+        replies = [
+            send_btn.click(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
+                           concurrency_limit=None, trigger_mode="multiple", **page),
+            message.submit(chat.send, [message, chatbot, *gen_inputs], chat_outputs,
+                           concurrency_limit=None, trigger_mode="multiple", **page),
+            regen_btn.click(chat.regenerate, [chatbot, *gen_inputs], chat_outputs,
+                            concurrency_limit=None, **page),
+            chatbot.edit(chat.edited, [chatbot, *gen_inputs], chat_outputs,
+                         concurrency_limit=None, **page),
+            chatbot.example_select(chat.example, [chatbot, *gen_inputs], chat_outputs,
+                                   concurrency_limit=None, **page)]
+        for reply in replies:  # each reply, once it ends (or stops), is kept in the browser
+            reply.then(kept_chats.remember, [chatbot, conversation_id, kept], [kept, past],
+                       **page)
         stop_btn.click(chat.stop, None, status, queue=False, **page)
         # Clear through the queue, as the replies' updates go: both reach the page over the
         # same stream, in the order they were made (queue=False answered on a channel of its
         # own, and a reply's last update could land after it and bring the reply back).
         # The chat's own trash icon is a Clear too: by itself it only empties the page, and a
         # reply still streaming brought its turn back.
+        def forget(conversation_id, store, request: gr.Request):  # Clear: the chat goes
+            return (*chat.clear(conversation_id, request), chats.removed(store, conversation_id))
+
         for cleared in (clear_btn.click, chatbot.clear):
-            cleared(chat.clear, conversation_id, [chatbot, conversation_id, status, export_file],
-                    concurrency_limit=None, **page)
+            cleared(forget, [conversation_id, kept],
+                    [chatbot, conversation_id, status, export_file, kept],
+                    concurrency_limit=None, **page).then(kept_chats.listed, kept, past, **page)
         # one click: the file is written, then its link clicked, so the download starts
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page).then(
             None, None, None, js=EXPORT_CLICK)
@@ -180,7 +200,13 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             sessions.close(request.session_hash)
 
         demo.unload(closed)
-        demo.load(lambda: str(uuid.uuid4()), None, conversation_id, api_visibility="undocumented")
+        demo.load(kept_chats.restore, kept, [chatbot, conversation_id, kept, past], **page)
+        new_btn.click(kept_chats.new_chat, kept,
+                      [chatbot, conversation_id, kept, past, status], **page)
+        past.input(kept_chats.pick, [past, conversation_id, kept],
+                   [chatbot, conversation_id, kept, status], **page)
+        import_btn.upload(kept_chats.import_chat, [import_btn, kept],
+                          [chatbot, conversation_id, kept, past, system, status], **page)
 
         add_script_api(service, sessions)
     return demo
