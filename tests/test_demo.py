@@ -19,7 +19,7 @@ from unimax.export import weights_sha256
 
 # Questions from the corpus's held-out split (train/corpus.py: split_of), never trained on.
 HELD_OUT = ["What does cmath.asin do?", "Explain integers in Python.",
-            "What does posix.getpid do?"]
+            "What does bytes.decode do?"]
 
 CHILD = """
 import json, sys
@@ -100,3 +100,30 @@ def test_the_word_check_fails_on_noise():
     reply = tok.decode(unimax.exact_greedy_tokens(model, ids, 80)[0].tolist())
     share, count = known_word_share(reply, english_vocabulary())
     assert share < 0.5 or count < 5, reply
+
+
+def test_demo_knows_the_names_people_ask_about():
+    """"What does os.getcwd do?" got another function's docstring: the corpus named it
+    posix.getcwd (os.path.join posixpath.join, len builtins.len). The fifty names people ask
+    about first (train/corpus.py: COMMON_NAMES): the reply's first sentence is the
+    documentation's for at least 80% of them (the shipped weights: bench/RESULTS.md)."""
+    from train.corpus import COMMON_NAMES, documented_answer, first_sentence
+    from unimax.presets import load_preset
+    from unimax.service import EngineService, GenerationSettings
+
+    service = EngineService(load_preset(ROOT / "presets" / "demo.yaml")).start()
+    wrong = []
+    try:
+        for name in COMMON_NAMES:
+            handle = service.submit(f"eval-{name}", [
+                {"role": "user", "content": f"What does {name} do?"}], "bf16",
+                GenerationSettings(max_new_tokens=64))
+            reply = list(handle.events(timeout=120))[-1].data["reply"]
+            expected = first_sentence(documented_answer(name))
+            if not reply.strip().startswith(expected):
+                wrong.append((name, reply[:80]))
+    finally:
+        service.stop()
+    rate = 1 - len(wrong) / len(COMMON_NAMES)
+    print(f"demo model: {rate:.0%} of {len(COMMON_NAMES)} common names answered right", wrong)
+    assert len(COMMON_NAMES) == 50 and rate >= 0.8, (rate, wrong)

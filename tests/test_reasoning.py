@@ -125,9 +125,9 @@ def test_opens_thinking():
 # --- the app: a model whose chat template opens a thinking block (Qwen3.5's), over HTTP ------
 
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
-# The demo model's reply to QUESTION behind an open <think> uses the piece "▁object" (in
-# "Return a callable object that ..."): renamed, the same reply closes the block there.
-RENAMED = {"▁object": "▁</think>"}
+# The demo model's reply to QUESTION behind an open <think> uses the piece "BytesIO" once (in
+# ">>> read_stringnl(io.BytesIO(..."): renamed, the same reply closes the block there.
+RENAMED = {"BytesIO": "</think>"}
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +166,8 @@ def test_api_reports_the_thinking_block_as_reasoning_content(thinking_app):
                                                                         "")
     assert parts == {"reasoning_content": reasoning, "content": answer}
     # a stop string inside the reasoning ends the reply there, with no answer
-    cut = api.chat.completions.create(**args, stop=["callable"]).choices[0].message
-    assert cut.model_extra["reasoning_content"] == reasoning.split("callable")[0]
+    cut = api.chat.completions.create(**args, stop=["stringnl"]).choices[0].message
+    assert cut.model_extra["reasoning_content"] == reasoning.split("stringnl")[0]
     assert cut.content == ""
     # thinking switched off: the template closes the block, the reply is all answer
     off = api.chat.completions.create(

@@ -84,7 +84,7 @@ def demo_service():
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
 def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, mode):
     schema = SCHEMA if name == "json_schema" else {"type": "object"}
-    n = 96  # the demo model spends tokens on blanks between the fields
+    n = 128  # the demo model spends tokens on blanks between the fields
     prompt = demo_service.render(QUESTION)
     expected = reference(DEMO, prompt, schema, n, demo_service.stop_ids,
                          decode=APP_MODES[mode].decode if mode != "verified" else "bf16")
@@ -115,25 +115,25 @@ def test_replies_are_greedy_under_the_grammar_in_every_mode(demo_service, name, 
 def test_the_grammar_starts_after_the_thinking_block(tmp_path, mode):
     """The thinking decodes in the mode's blocks (verified: drafted), the grammar holds from
     the token after </think>: each mode's twin (fp8: the FP8 tail's tokens after the first)."""
-    # the demo's reply behind an open <think> uses "▁object": renamed, it closes the block
-    folder = thinking_demo_model(tmp_path / "thinking", {"▁object": "▁</think>"})
+    # the demo's reply behind an open <think> uses "BytesIO": renamed, it closes the block
+    folder = thinking_demo_model(tmp_path / "thinking", {"BytesIO": "</think>"})
     service = EngineService(Preset(model=str(folder), device="cpu")).start()
     try:
         prompt = service.render(QUESTION)
-        handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=96),
+        handle = service.submit("c", QUESTION, mode, GenerationSettings(max_new_tokens=200),
                                 response_format=response_format(FORMATS["json_schema"]))
         events = list(handle.events(timeout=300))
         stops = service.stop_ids
         exact = None
         if mode == "verified":  # and with logprobs, on the exact eager path (logprobs.py)
-            exact = service.submit("e", QUESTION, mode, GenerationSettings(max_new_tokens=96),
+            exact = service.submit("e", QUESTION, mode, GenerationSettings(max_new_tokens=200),
                                    response_format=response_format(FORMATS["json_schema"]),
                                    logprobs=LogprobsRequest())
             exact = list(exact.events(timeout=300))[-1]
     finally:
         service.stop()
     assert events[0].kind == "queued" and events[-1].kind == "done", events[-1].text
-    assert events[-1].data["tokens"] == reference(folder, prompt, SCHEMA, 96, stops,
+    assert events[-1].data["tokens"] == reference(folder, prompt, SCHEMA, 200, stops,
                                                   after="</think>",
                                                   decode=APP_MODES[mode].decode
                                                   if mode != "verified" else "bf16")
@@ -213,7 +213,7 @@ def test_a_schema_xgrammar_cannot_use_is_an_error_event_not_a_crash(demo_service
     events = list(handle.events(timeout=60))
     assert events[-1].kind == "error" and "'bad' cannot be used" in events[-1].text
     # the engine thread goes on
-    assert reply_of(demo_service, "bf16", FORMATS["json_schema"], 96)["stopped"] == "stop"
+    assert reply_of(demo_service, "bf16", FORMATS["json_schema"], 128)["stopped"] == "stop"
 
 
 # --- over HTTP, with the openai client ----------------------------------------------------
@@ -230,7 +230,7 @@ def test_openai_parse_gets_the_object(api_client, api_server):
         kind: Literal["function", "class", "constant"]
         stable: bool
 
-    args = dict(model="unimax-demo", messages=QUESTION, max_tokens=96)
+    args = dict(model="unimax-demo", messages=QUESTION, max_tokens=128)
     parsed = api_client.chat.completions.parse(**args, response_format=Doc)
     message = parsed.choices[0].message
     assert isinstance(message.parsed, Doc), message.content
@@ -289,7 +289,7 @@ def test_sampled_replies_keep_to_the_schema(demo_service, mode):
     replies = []
     for seed in range(4):
         handle = demo_service.submit("c", QUESTION, mode, GenerationSettings(
-            max_new_tokens=96, temperature=1.0, seed=seed), response_format=fmt)
+            max_new_tokens=128, temperature=1.0, seed=seed), response_format=fmt)
         done = list(handle.events(timeout=300))[-1]
         assert done.kind == "done" and done.data["stopped"] == "stop", done.text
         value = json.loads(done.data["reply"])
@@ -304,10 +304,10 @@ def test_the_next_turn_starts_from_the_kept_state():
     prefills only what is new, and still replies as the twin does on the whole prompt."""
     service = EngineService(Preset(model=str(DEMO), device="cpu")).start()
     try:
-        done = reply_of(service, "verified", FORMATS["json_schema"], 96)
+        done = reply_of(service, "verified", FORMATS["json_schema"], 128)
         turns = [*QUESTION, {"role": "assistant", "content": done["reply"]},
                  {"role": "user", "content": "And what does json.loads do?"}]
-        handle = service.submit("c", turns, "bf16", GenerationSettings(max_new_tokens=96),
+        handle = service.submit("c", turns, "bf16", GenerationSettings(max_new_tokens=128),
                                 response_format=response_format(FORMATS["json_schema"]))
         events = list(handle.events(timeout=300))
         prompt, stops = service.render(turns), service.stop_ids
@@ -317,7 +317,7 @@ def test_the_next_turn_starts_from_the_kept_state():
     assert started.kind == "started" and second.kind == "done", second.text
     assert started.data["reused_tokens"] == len(service.render(QUESTION)) > 0
     assert second.data["stats"]["reused_tokens"] == started.data["reused_tokens"]
-    assert second.data["tokens"] == reference(DEMO, prompt, SCHEMA, 96, stops)
+    assert second.data["tokens"] == reference(DEMO, prompt, SCHEMA, 128, stops)
 
 
 def test_with_logprobs_the_exact_path_holds_the_grammar(demo_service):
@@ -325,7 +325,7 @@ def test_with_logprobs_the_exact_path_holds_the_grammar(demo_service):
     there; the same tokens as the twin, each with the model's own log-probability."""
     from unimax.logprobs import LogprobsRequest
 
-    handle = demo_service.submit("c", QUESTION, "bf16", GenerationSettings(max_new_tokens=96),
+    handle = demo_service.submit("c", QUESTION, "bf16", GenerationSettings(max_new_tokens=128),
                                  logprobs=LogprobsRequest(top=2),
                                  response_format=response_format(FORMATS["json_schema"]))
     events = list(handle.events(timeout=300))
@@ -333,5 +333,5 @@ def test_with_logprobs_the_exact_path_holds_the_grammar(demo_service):
     assert done.kind == "done" and done.data["stats"]["mode"] == "exact", done.text
     entries = [item for e in events for item in e.data.get("logprobs", [])]
     assert [item["token"] for item in entries] == done.data["tokens"] == reference(
-        DEMO, demo_service.render(QUESTION), SCHEMA, 96, demo_service.stop_ids)
+        DEMO, demo_service.render(QUESTION), SCHEMA, 128, demo_service.stop_ids)
     assert all(len(item["top"]) == 2 and item["logprob"] <= 0 for item in entries)

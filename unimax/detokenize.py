@@ -9,10 +9,12 @@ class IncrementalDetokenizer:
     it adds; hold back an incomplete UTF-8 character. ``previous``: the token before the first
     one, whose text is not part of this text but whose context is: SentencePiece drops the
     leading space of a text's first word, which a completion of a raw prompt must keep
-    ("The os module is" + " not optional.")."""
+    ("The os module is" + " not optional."). ``hidden``: ids never shown (the stop ids: a
+    tokenizer need not mark every stop token special, and the demo's "</s>" showed as text)."""
 
-    def __init__(self, tokenizer, previous: int | None = None):
+    def __init__(self, tokenizer, previous: int | None = None, hidden=()):
         self.tokenizer = tokenizer
+        self.hidden = frozenset(hidden)
         self.tokens: list[int] = []
         self.text = ""
         self.prefix = 0  # window start
@@ -21,8 +23,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, end: int) -> str:
         head = self.context if self.prefix == 0 else []
-        return self.tokenizer.decode(head + self.tokens[self.prefix:end],
-                                     skip_special_tokens=True)
+        window = [t for t in self.tokens[self.prefix:end] if t not in self.hidden]
+        return self.tokenizer.decode(head + window, skip_special_tokens=True)
 
     def add(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)

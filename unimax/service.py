@@ -480,7 +480,8 @@ class EngineService:
                     len(new_tokens), thinking_open=handle.thinking_open)
         # a raw prompt's completion goes on from the prompt's text (its first word keeps its
         # leading space); a chat reply starts a turn of its own
-        detok = IncrementalDetokenizer(self.tokenizer, prompt[-1] if self._raw(handle) else None)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt[-1] if self._raw(handle) else None,
+                                       hidden=self.stop_ids)
         constraint = self._constraint(handle)
         curve: list[list[float]] = []
         timing = {"first": None, "last": None}
