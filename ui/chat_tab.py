@@ -151,7 +151,7 @@ class ChatTab:
             return
         messages = ([{"role": "system", "content": gen.system}]
                     if gen.system and gen.system.strip() else []) + [
-            {"role": m["role"], "content": _text(m["content"])} for m in history
+            {"role": m["role"], "content": message_text(m["content"])} for m in history
             if not _is_thinking(m)]  # (chat templates drop past turns' reasoning too)
         base = history
         # the reply's thinking block (reasoning.py) folds away above its answer
@@ -222,7 +222,7 @@ class ChatTab:
         return [], str(uuid.uuid4()), "Cleared.", gr.update(value=None, visible=False)
 
     def export(self, history, system, mode):
-        messages = [{"role": m["role"], "content": _text(m["content"]),
+        messages = [{"role": m["role"], "content": message_text(m["content"]),
                      **({"thinking": True} if _is_thinking(m) else {})} for m in history or []]
         data = {"model": self.preset.model, "mode": mode, "system": system,
                 "messages": messages}
@@ -262,12 +262,12 @@ def _reply_messages(reply: dict, done: bool = False) -> list[dict]:
     return thinking + [{"role": "assistant", "content": reply["answer"]}]
 
 
-def _text(content) -> str:
+def message_text(content) -> str:
     """Chatbot message content as plain text (Gradio may hand back structured content)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(_text(part) for part in content)
+        return "".join(message_text(part) for part in content)
     if isinstance(content, dict):
         return str(content.get("text") or content.get("content") or "")
     return str(content)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .chat_tab import THINKING, _text
+from .chat_tab import THINKING, message_text
 
 MAX_CHATS = 30
 MAX_TITLE = 48
@@ -41,7 +41,7 @@ def normalized(store) -> dict:
 
 def title_of(messages: list[dict]) -> str:
     first = next((m for m in messages if m.get("role") == "user"), None)
-    text = " ".join(_text(first.get("content")).split()) if first else ""
+    text = " ".join(message_text(first.get("content")).split()) if first else ""
     if not text:
         return "(empty chat)"
     return text if len(text) <= MAX_TITLE else text[:MAX_TITLE - 1] + "…"
@@ -77,7 +77,7 @@ def plain(messages: list[dict]) -> list[dict]:
     """Chat messages as JSON can keep them: role, text content, a reasoning message's fold."""
     out = []
     for m in messages:
-        entry = {"role": m.get("role"), "content": _text(m.get("content"))}
+        entry = {"role": m.get("role"), "content": message_text(m.get("content"))}
         metadata = m.get("metadata")
         if isinstance(metadata, dict) and metadata.get("title") == THINKING:
             entry["metadata"] = {"title": THINKING, "status": "done"}

@@ -117,7 +117,7 @@ class Guard:
                 "it by that name on purpose, start it with --allowed-hosts NAME", "host_refused"))
         origin = _header(scope, b"origin")
         cors = []
-        if origin is not None and not self._same_origin(origin, host, scope):
+        if origin is not None and not self._same_origin(origin, host):
             if "*" not in access.origins and origin.rstrip("/") not in access.origins:
                 return await refuse(*_json_error(
                     403, f"cross-origin requests from {origin} are refused; to let that page "
@@ -141,7 +141,7 @@ class Guard:
                 scope["method"] in ("POST", "PUT", "PATCH"):
             problem = self._body_problem(scope)
             if problem is not None:
-                return await _send(send, *problem[:2], problem[2], cors)
+                return await _send(send, *problem, cors)
             receive = await self._bounded(receive, send, cors)
             if receive is None:
                 return
@@ -150,7 +150,7 @@ class Guard:
         return await self.app(scope, receive, send)
 
     @staticmethod
-    def _same_origin(origin: str, host: str, scope: dict) -> bool:
+    def _same_origin(origin: str, host: str) -> bool:
         parts = urlsplit(origin)
         return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
 
