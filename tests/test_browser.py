@@ -452,3 +452,25 @@ def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
     page.click("#past-chats input")
     wait_for(lambda: options.count() == 2)
     page.keyboard.press("Escape")
+
+
+def test_html_in_a_message_shows_as_text_and_doctests_as_code(page):
+    """User HTML rendered (<b> bold, <img> an image) and doctest lines as nested quotes; the
+    message the app keeps and exports is still what was typed."""
+    page.get_by_role("tab", name="Chat").click()
+    page.click("#clear")
+    wait_for(lambda: "Cleared" in page.inner_text("#status"))
+    typed = "<b>bold</b> <img src=x>\n>>> 1 + 1\n2"
+    send(page, typed)
+    wait_for(lambda: len(bot_text(page)) > 5)
+    page.click("#stop")
+    wait_for(lambda: "Stopped" in page.inner_text("#status") or "Done" in
+             page.inner_text("#status"))
+    user = page.locator("#chatbot [data-testid='user']").last
+    assert user.locator("b, img, blockquote").count() == 0
+    assert "<b>bold</b> <img src=x>" in user.inner_text()
+    assert ">>> 1 + 1\n2" in user.locator("code").last.inner_text()
+    with page.expect_download(timeout=30_000) as download:
+        page.click("#export")
+    data = __import__("json").loads(Path(download.value.path()).read_text())
+    assert data["messages"][0]["content"] == typed

@@ -20,6 +20,7 @@ from unimax.reasoning import ThinkSplitter
 from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
+from .display import raw
 from .panels import curve_svg, panel_markdown
 from .sessions import Sessions, stream
 
@@ -132,7 +133,8 @@ class ChatTab:
     def edited(self, history, conversation_id, mode, system, temperature, top_p, top_k,
                max_new, seed, thinking, min_p, edit: gr.EditData, request: gr.Request):
         history = list(history or [])[: edit.index + 1]
-        history[-1] = {"role": "user", "content": edit.value}
+        # (the edit box held the shown text: display.raw gives the message as typed)
+        history[-1] = {"role": "user", "content": raw(message_text(edit.value))}
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
                   thinking, min_p)
         yield from self.reply(history, gen, request.session_hash)

@@ -11,7 +11,7 @@ from unimax.modes import APP_MODES
 from unimax.presets import Preset
 from unimax.service import EngineService
 
-from . import chats
+from . import chats, display
 from .ab_tab import ABTab
 from .chat_tab import ChatTab
 from .panels import panel_markdown
@@ -106,7 +106,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     # no share button: it posts to a Hugging Face Space, which a local
                     # app is not; the preset's examples sit on the empty chat
                     # (the window's height, not 420 px at any size)
-                    chatbot = gr.Chatbot(height="62vh", min_height=300, label="Chat",
+                    # (display.Chatbot: no HTML from the text, doctest lines as code)
+                    chatbot = display.Chatbot(height="62vh", min_height=300, label="Chat",
                                          editable="user",
                                          elem_id="chatbot", buttons=["copy", "copy_all"],
                                          examples=[{"text": text} for text in preset.examples]
