@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ui.guard import DEFAULT_MAX_BODY, LOOPBACK, Access
+from ui.guard import DEFAULT_MAX_BODY, LOOPBACK, WILDCARDS, Access
 from unimax.modes import MODES
 from unimax.presets import Preset, PresetError, load_preset
 
@@ -108,6 +108,13 @@ def main(argv=None) -> int:
         print(f"[unimax] warning: serving on {args.host} without an API key: anyone who can "
               f"reach this machine can use the model and read the API's replies; set "
               f"--api-key or {KEY_VARIABLE}", file=sys.stderr, flush=True)
+    if args.host in WILDCARDS and not args.allowed_hosts:
+        # (the Host allow-list: a browser or client that names this machine by its address
+        # or name on the network is refused with 400 until it is listed)
+        print(f"[unimax] note: serving on every interface ({args.host or 'all'}), but only "
+              "requests to localhost pass the Host check; list the names and addresses "
+              "clients use with --allowed-hosts (e.g. --allowed-hosts 192.168.1.20,mybox), "
+              "or '*' for any", file=sys.stderr, flush=True)
     if not torch.cuda.is_available():
         if preset.device not in ("auto", "cpu"):  # cuda or cuda:N, asked for and not here
             # (before, the app announced a CPU run here and the load then failed on the device)

@@ -172,7 +172,7 @@ def test_cors_origins_get_cors_headers():
         assert post(url, CHAT, Origin="http://other.example").status_code == 403
 
 
-def test_a_public_host_without_a_key_warns(capsys, monkeypatch):
+def test_a_public_host_without_a_key_or_allowed_hosts_warns(capsys, monkeypatch):
     from app_server import free_port
 
     import unimax.service
@@ -183,6 +183,9 @@ def test_a_public_host_without_a_key_warns(capsys, monkeypatch):
     monkeypatch.setattr(unimax.service, "EngineService", stop)
     monkeypatch.delenv("UNIMAX_API_KEY", raising=False)
     assert app_main(["--host", "0.0.0.0", "--port", str(free_port())]) == 2
-    assert "without an API key" in capsys.readouterr().err
-    assert app_main(["--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k"]) == 2
-    assert "without an API key" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "without an API key" in err and "--allowed-hosts" in err
+    assert app_main(["--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k",
+                     "--allowed-hosts", "box.lan"]) == 2
+    err = capsys.readouterr().err
+    assert "without an API key" not in err and "--allowed-hosts" not in err
