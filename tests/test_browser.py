@@ -119,9 +119,18 @@ def test_chat_streams_panels_fill_and_stop_works(page, tmp_path):
 
 
 def test_ab_comparison(page, tmp_path):
+    """Both replies race side by side (they ran one after the other), each with its own
+    stats; the chat's mode and panels leave the tab."""
     page.get_by_role("tab", name="A/B").click()
+    wait_for(lambda: not page.locator("#panels").is_visible()
+             and not page.locator("#mode").is_visible())
     page.fill("#ab-prompt textarea", "Compare me")
     page.press("#ab-prompt textarea", "Enter")  # Enter compares, as the button does
+    # both sides grow while the other is still running
+    wait_for(lambda: "Racing" in page.inner_text("#ab-status")
+             and len(page.inner_text("#ab-a")) > 20 and len(page.inner_text("#ab-b")) > 20,
+             show=lambda: page.inner_text("#ab-status"))
+    assert "tok/s" in page.inner_text("#ab-stats-a") + page.inner_text("#ab-stats-b")
     summary = wait_for(lambda: ("identical" in page.inner_text("#ab-status") or "diverge" in
                                 page.inner_text("#ab-status")) and page.inner_text("#ab-status"),
                        timeout=120)
@@ -139,6 +148,8 @@ def test_ab_comparison(page, tmp_path):
     page.set_viewport_size({"width": 1400, "height": 950})
     # the tiny model's template has no thinking switch: no checkbox for it
     assert page.get_by_label("Thinking").count() == 0
+    page.get_by_role("tab", name="Chat").click()
+    wait_for(lambda: page.locator("#panels").is_visible() and page.locator("#mode").is_visible())
 
 
 def test_clear_during_a_streaming_reply_wins(page):

@@ -373,3 +373,44 @@ def test_background_warm_up_goes_on_past_a_failing_mode(monkeypatch):
         assert svc.warm_up_state["error"] == "fp8: no FP8 here"
     finally:
         svc.stop()
+
+
+def _events(handle) -> list:
+    return list(handle.events(timeout=120))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_race_interleaves_two_modes_and_each_reply_is_its_own(service, sampled):
+    """EngineService.race (the page's A/B): two modes' replies served a block each in turn, so
+    both stream at once; each reply is the one it is alone (exact, or the same draws for a
+    seed), and each decode rate leaves out the other's turns."""
+    settings = GenerationSettings(max_new_tokens=40, temperature=0.8 if sampled else 0.0,
+                                  seed=5)
+    messages = [user("Race me")]
+    alone = {mode: _events(service.submit(f"alone-{mode}-{sampled}", messages, mode, settings))
+             for mode in ("bf16", "verified")}
+    order = []
+    handles = service.race([(f"race-{mode}-{sampled}", messages, mode, settings)
+                            for mode in ("bf16", "verified")])
+    for n, handle in enumerate(handles):
+        handle.subscribe(lambda event, n=n: order.append((n, event.kind)))
+    for handle in handles:
+        assert handle.finished.wait(120)
+    for mode, handle in zip(("bf16", "verified"), handles, strict=True):
+        done = handle.outcome[1]
+        assert done["tokens"] == alone[mode][-1].data["tokens"]
+        assert done["stats"]["decode_tok_s"] > 0 and handle.waited > 0
+    deltas = [n for n, kind in order if kind == "delta"]
+    # interleaved: the second reply streamed before the first one ended
+    assert deltas.index(1) < max(i for i, n in enumerate(deltas) if n == 0)
+
+
+def test_a_race_in_one_mode_runs_one_after_the_other_and_a_bad_request_ends_alone(service):
+    settings = GenerationSettings(max_new_tokens=12)
+    a, b = service.race([("same-a", [user("One")], "bf16", settings),
+                         ("same-b", [user("Two")], "bf16", settings)])
+    events_a, events_b = _events(a), _events(b)
+    assert events_a[-1].kind == events_b[-1].kind == "done" and a.waited == b.waited == 0
+    bad, good = service.race([("bad", [user("x")], "no-such-mode", settings),
+                              ("good", [user("Three")], "fp8", settings)])
+    assert _events(bad)[-1].kind == "error" and _events(good)[-1].kind == "done"

@@ -96,7 +96,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     thinking = gr.Checkbox(bool(preset.enable_thinking), label="Thinking",
                                            visible=has_thinking_switch(service.tokenizer))
             with gr.Column(scale=5, min_width=360):
-                with gr.Tab("Chat"):
+                with gr.Tab("Chat", elem_id="chat-tab") as chat_tab:
                     with gr.Row(equal_height=True):
                         past = gr.Dropdown([], value=None, label="Chats kept in this browser",
                                            elem_id="past-chats", scale=4)
@@ -125,7 +125,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     # reads as an upload field
                     export_file = gr.File(label="Exported conversation", visible=False,
                                           elem_id="export-file")
-                with gr.Tab("A/B", elem_id="ab-tab"):
+                with gr.Tab("A/B", elem_id="ab-tab") as ab_tab:
                     ab_prompt = gr.Textbox(label="Prompt", elem_id="ab-prompt",
                                            placeholder="A prompt for both modes (Enter to "
                                            "compare)")
@@ -133,6 +133,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                         mode_a = gr.Dropdown(MODE_CHOICES, value="bf16", label="Mode A")
                         mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B")
                         ab_btn = gr.Button("Compare", variant="primary", elem_id="ab-run")
+                        ab_stop = gr.Button("Stop", elem_id="ab-stop")
                     ab_status = gr.Markdown("", elem_id="ab-status")
                     with gr.Row():  # side by side from ~1000 px wide windows
                         with gr.Column(min_width=160):
@@ -143,7 +144,8 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                             gr.Markdown("**B**")
                             ab_text_b = gr.HTML(elem_id="ab-b")
                             ab_stats_b = gr.Markdown(elem_id="ab-stats-b")
-            with gr.Column(scale=3, min_width=240, elem_id="panels"):
+            # the chat's panels (the A/B tab has a table per side, and hides these)
+            with gr.Column(scale=3, min_width=240, elem_id="panels") as panels:
                 gr.Markdown("### Live panels")
                 panel = gr.Markdown(panel_markdown(None), elem_id="panel")
                 plot = gr.HTML("", elem_id="plot")  # the tok/s curve (panels.curve_svg)
@@ -190,10 +192,17 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
         export_btn.click(chat.export, [chatbot, system, mode], export_file, **page).then(
             None, None, None, js=EXPORT_CLICK)
         for compare in (ab_btn.click, ab_prompt.submit):  # the button, or Enter in the prompt
-            compare(ab.run, [ab_prompt, mode_a, mode_b, temperature, top_p, top_k, max_new,
-                             seed, thinking, min_p],
+            compare(ab.run, [ab_prompt, mode_a, mode_b, system, temperature, top_p, top_k,
+                             max_new, seed, thinking, min_p],
                     [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
                     concurrency_limit=None, **page)
+        ab_stop.click(chat.stop, None, ab_status, queue=False, **page)
+        # the chat's own controls (its mode, its panels) leave the A/B tab, which has its own
+        def showing(shown: bool):
+            return lambda: (gr.update(visible=shown),) * 2
+
+        for tab, chat_shown in ((chat_tab, True), (ab_tab, False)):
+            tab.select(showing(chat_shown), None, [mode, panels], queue=False, **page)
         timer = gr.Timer(0.5)
         timer.tick(chat.panels, None, [panel, plot], queue=False, show_progress="hidden", **page)
 

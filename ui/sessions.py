@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -88,3 +89,41 @@ def stream(service: EngineService, sessions: Sessions, session: str, conversatio
             # (collected off this generator, which Gradio is closing).
             threading.Thread(target=sessions.collect_final, args=(session, handle, epoch),
                              daemon=True).start()
+
+
+class Together:
+    """Racing requests as one for Sessions: Stop or a closed tab cancels them all; finished
+    when all are."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+        self.finished = self  # (Sessions reads handle.finished.is_set())
+
+    def is_set(self) -> bool:
+        return all(handle.finished.is_set() for handle in self.handles)
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
+
+
+def race(service: EngineService, sessions: Sessions, session: str,
+         requests: list[tuple]) -> Iterator[tuple]:
+    """Yields (index, kind, text, data) from requests served side by side
+    (EngineService.race), in the order their events come; cancels them all if the consumer
+    goes away."""
+    handles = service.race(requests)
+    together = Together(handles)
+    sessions.start(session, together)
+    events: queue.Queue = queue.Queue()
+    for n, handle in enumerate(handles):  # (each engine-thread event handed on at once)
+        handle.subscribe(lambda event, n=n: events.put((n, event)))
+    running = len(handles)
+    try:
+        while running:
+            n, event = events.get()
+            running -= event.kind in ("done", "error")
+            yield n, event.kind, event.text, event.data
+    finally:
+        if not together.is_set():
+            together.cancel()

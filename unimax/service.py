@@ -8,6 +8,7 @@ from a kept state (StateStore), no failure can corrupt another conversation.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -82,6 +83,11 @@ class RequestHandle:
         # where later turns stop matching the prompt (chat.history_end): the state kept is
         # the one there, not after the reply
         self.keep_at: int | None = None
+        # a race (EngineService.race): called after each block, it hands the engine thread's
+        # turn to the other reply and returns when this one's turn comes back; ``waited``:
+        # the seconds spent so, left out of this reply's decode rates
+        self.between_blocks: Callable[[], None] | None = None
+        self.waited = 0.0
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled.is_set():
@@ -128,6 +134,36 @@ class _Task:
 
     fn: object
     done: threading.Event
+
+
+@dataclass
+class _Race:
+    """Replies served side by side, a block each in turn (EngineService.race)."""
+
+    handles: list[RequestHandle]
+
+
+class _Baton:
+    """Whose turn it is among racing replies: one runs on the engine's GPU at a time, and
+    each hands the turn on after a block."""
+
+    def __init__(self, count: int):
+        self.cond = threading.Condition()
+        self.order = list(range(count))  # those still running, in turn order
+        self.turn = 0
+
+    def wait(self, racer: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == racer)
+
+    def pass_on(self, racer: int, leave: bool = False) -> None:
+        with self.cond:
+            at = self.order.index(racer)
+            if leave:
+                self.order.remove(racer)
+            if self.order:
+                self.turn = self.order[(at if leave else at + 1) % len(self.order)]
+            self.cond.notify_all()
 
 
 class EngineService:
@@ -301,17 +337,41 @@ class EngineService:
         handle.text, handle.tokens, handle.logprobs = text, tokens, logprobs
         handle.tools, handle.response_format = tools, response_format
         handle.internal = internal
+        if self._queued(handle):
+            self.requests.put(handle)
+        return handle
+
+    def race(self, requests: list[tuple[str, list[dict], str, GenerationSettings]]
+             ) -> list[RequestHandle]:
+        """Queue replies that run side by side: (conversation id, messages, mode, settings)
+        each, as ``submit`` takes them. The engine thread serves them a block each in turn, so
+        both stream at once (the page's A/B race); each reply's decode rates leave out the
+        time the others ran. Replies in the same mode share an engine, and so run one after
+        the other. A request that fails its checks ends with its error; the others run."""
+        handles = []
+        for conversation_id, messages, mode, settings in requests:
+            handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []),
+                                   mode or self.preset.mode, settings if settings is not None
+                                   else self.default_settings())
+            handles.append(handle)
+        live = [handle for handle in handles if self._queued(handle)]
+        if live:
+            self.requests.put(_Race(live))
+        return handles
+
+    def _queued(self, handle: RequestHandle) -> bool:
+        """Check and tokenize a new request (``prepare``) and add it to the waiting list;
+        False, with its error event, if it fails its checks."""
         try:
             handle.prompt = self.prepare(handle)
         except RequestError as err:
             handle.emit("error", str(err), reason="invalid_request")
-            return handle
+            return False
         with self.pending_lock:
             self.pending.append(handle)
             position = len(self.pending) - 1 + (1 if self.busy.is_set() else 0)
         handle.emit("queued", position=position, warming_up=self.warming_mode())
-        self.requests.put(handle)
-        return handle
+        return True
 
     def prepare(self, handle: RequestHandle) -> list[int]:
         """Every check a request can fail before it runs; returns its prompt ids."""
@@ -386,49 +446,93 @@ class EngineService:
 
     def _loop(self) -> None:
         while True:
-            handle = self.requests.get()
-            if handle is None:
+            item = self.requests.get()
+            if item is None:
                 return
-            if isinstance(handle, _Task):
+            if isinstance(item, _Task):
                 try:
-                    handle.fn()
+                    item.fn()
                 except Exception:  # capture can wait for first use; serving goes on
                     log.exception("graph capture at start-up failed")
                 finally:
-                    handle.done.set()
+                    item.done.set()
                 continue
+            handles = item.handles if isinstance(item, _Race) else [item]
             warming = self.warming_mode()  # (stats_lock: never taken inside pending_lock)
             with self.pending_lock:
-                if handle in self.pending:
-                    self.pending.remove(handle)
+                for handle in handles:
+                    if handle in self.pending:
+                        self.pending.remove(handle)
                 self.busy.set()
                 for waiting in self.pending:
                     waiting.emit("queued", position=self.pending.index(waiting) + 1,
                                  warming_up=warming)
             try:
-                if handle.cancelled.is_set():
-                    handle.emit("done", stopped="cancelled")
-                else:
-                    self._serve(handle)
-            except RequestError as err:
-                handle.emit("error", str(err), reason="invalid_request")
-            except torch.cuda.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                handle.emit("error", "the GPU ran out of memory during this reply; try fewer "
-                                     "new tokens, a shorter conversation or a smaller model. "
-                                     "Other conversations are unaffected.",
-                            reason="out_of_memory")
-            except Exception as err:  # the thread must outlive any one request
-                log.exception("request %s failed", handle.id)
-                handle.emit("error", f"internal error: {type(err).__name__}: {err}",
-                            reason="internal")
+                if len({handle.mode for handle in handles}) == len(handles) > 1:
+                    self._race(handles)
+                else:  # (one engine cannot hold two replies at once)
+                    for handle in handles:
+                        self._run(handle)
             finally:
                 self.busy.clear()
-                for listener in self.listeners if not handle.internal else ():
-                    try:
-                        listener(handle)
-                    except Exception:
-                        log.exception("a request listener failed")
+
+    def _run(self, handle: RequestHandle) -> None:
+        """Serve one reply on this thread; its failure ends it with an error event, never the
+        engine thread."""
+        try:
+            if handle.cancelled.is_set():
+                handle.emit("done", stopped="cancelled")
+            else:
+                self._serve(handle)
+        except RequestError as err:
+            handle.emit("error", str(err), reason="invalid_request")
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            handle.emit("error", "the GPU ran out of memory during this reply; try fewer "
+                                 "new tokens, a shorter conversation or a smaller model. "
+                                 "Other conversations are unaffected.",
+                        reason="out_of_memory")
+        except Exception as err:  # the thread must outlive any one request
+            log.exception("request %s failed", handle.id)
+            handle.emit("error", f"internal error: {type(err).__name__}: {err}",
+                        reason="internal")
+        finally:
+            for listener in self.listeners if not handle.internal else ():
+                try:
+                    listener(handle)
+                except Exception:
+                    log.exception("a request listener failed")
+
+    def _race(self, handles: list[RequestHandle]) -> None:
+        """Replies in different modes (each its own engine and caches), a block each in turn:
+        each runs on a thread of its own, but only the one holding the baton runs, so the
+        GPU's work stays one stream of blocks as the engine thread's own would be. The
+        engine thread waits for all of them."""
+        baton = _Baton(len(handles))
+
+        def run(racer: int, handle: RequestHandle) -> None:
+            def between_blocks() -> None:
+                start = time.perf_counter()
+                baton.pass_on(racer)
+                baton.wait(racer)
+                handle.waited += time.perf_counter() - start
+
+            baton.wait(racer)
+            handle.between_blocks = between_blocks
+            try:
+                with torch.cuda.device(self.device) if self.device.type == "cuda" else \
+                        contextlib.nullcontext():
+                    self._run(handle)
+            finally:
+                handle.between_blocks = None
+                baton.pass_on(racer, leave=True)
+
+        threads = [threading.Thread(target=run, args=(n, handle), daemon=True,
+                                    name=f"unimax-race-{n}") for n, handle in enumerate(handles)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def _engine(self, mode: str):
         if mode not in MODES:
@@ -494,7 +598,7 @@ class EngineService:
                 # The running decode rate (tokens after the first over the time since it), the
                 # panel's decode tok/s as the reply grows: a short last block is not a slowdown.
                 emitted = len(detok.tokens) + len(tokens)
-                rate = (emitted - 1) / max(now - timing["first"], 1e-9)
+                rate = (emitted - 1) / max(now - timing["first"] - handle.waited, 1e-9)
                 curve.append([emitted, round(rate, 2)])
             timing["last"] = now
             delta = detok.add(tokens)
@@ -502,6 +606,8 @@ class EngineService:
                 handle.emit("delta", delta)
             self._publish(handle, engine, None, len(new_tokens), len(prompt), detok, curve,
                           started, timing)
+            if handle.between_blocks is not None and not handle.cancelled.is_set():
+                handle.between_blocks()  # a race: the other replies' turns
             return not handle.cancelled.is_set()
 
         def on_prefill(done: int, total: int) -> bool:
@@ -628,16 +734,18 @@ class EngineService:
             "decode_curve": list(curve), "device": str(self.device),
             "response_format": handle.response_format and handle.response_format.kind,
         }
+        # (a race's waits for the other replies are left out: each side's own speed)
         if timing["first"] and timing["last"] and len(detok.tokens) > 1:
-            stats["decode_tok_s"] = round((len(detok.tokens) - 1) /
-                                          max(timing["last"] - timing["first"], 1e-9), 2)
+            stats["decode_tok_s"] = round((len(detok.tokens) - 1) / max(
+                timing["last"] - timing["first"] - handle.waited, 1e-9), 2)
         current = result or getattr(engine, "current_generation", None)
         if current is not None and current.prefill_seconds > 0:
             stats["prefill_tok_s"] = round(current.prefill_tokens / current.prefill_seconds, 1)
         if result is not None:
             if len(result.tokens) > 1:
                 stats["decode_tok_s"] = round((len(result.tokens) - 1) /
-                                              max(result.decode_seconds, 1e-9), 2)
+                                              max(result.decode_seconds - handle.waited, 1e-9),
+                                              2)
             stats["stopped"] = result.stopped
             if result.verify is not None:
                 stats.update({k: v for k, v in asdict(result.verify).items()})
