@@ -134,7 +134,9 @@ def test_seeds_reproduce_samples(api_client):
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400, None),
     # other servers' sampling extensions are refused, not ignored
-    ({"extra_body": {"repetition_penalty": 1.1}}, 400, "repetition_penalty"),
+    ({"extra_body": {"typical_p": 0.9}}, 400, "typical_p"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, 400, "repetition_penalty"),
     ({"extra_body": {"min_p": 1.5}}, 400, "min_p"),
     ({"extra_body": {"stop_token_ids": [3]}}, 400, "stop_token_ids"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, 400, "chat_template_kwargs"),
@@ -165,6 +167,27 @@ def test_errors_in_openai_shape(api_client, kwargs, status, param):
     if param:
         assert body["param"] == param
     assert api_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "verified"])
+def test_penalties_apply_in_every_mode(api_client, mode):
+    """presence_penalty, frequency_penalty and repetition_penalty change the reply (greedy) in
+    every mode, the same reply in bf16 and verified (exact under the penalties) and through
+    the exact path that serves logprobs."""
+    penalized = dict(presence_penalty=2.0, frequency_penalty=2.0,
+                     extra_body={"repetition_penalty": 3.0})  # (the demo model is sure of
+    # its short answers)
+
+    def reply(model, **kwargs):
+        out = api_client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24,
+                                                 temperature=0, **kwargs)
+        return out.choices[0].message.content
+
+    plain, pen = reply(f"{MODEL}:{mode}"), reply(f"{MODEL}:{mode}", **penalized)
+    assert pen and pen != plain
+    if mode != "fp8":  # (fp8 mode decodes with the FP8 tail, not the exact model)
+        assert pen == reply(f"{MODEL}:bf16", **penalized)
+        assert pen == reply(f"{MODEL}:bf16", logprobs=True, **penalized)
 
 
 def test_neutral_extension_values_are_accepted(api_client, api_server):

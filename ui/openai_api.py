@@ -62,11 +62,10 @@ DISCONNECT_CHECK = 0.2  # seconds between looks for a client that went away
 UNSUPPORTED = {
     # (tools and tool_choice are served: see _tools; response_format: see _response_format)
     "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "best_of": (None, 1),
     # other servers' sampling extensions that clients send (vLLM, llama.cpp, TGI): ignoring one
     # would answer with output the client did not ask for
-    "repetition_penalty": (None, 1, 1.0), "typical_p": (None, 1, 1.0),
+    "typical_p": (None, 1, 1.0),
     "top_a": (None, 0, 0.0), "tfs": (None, 1, 1.0), "tfs_z": (None, 1, 1.0),
     "mirostat": (None, 0), "mirostat_mode": (None, 0), "min_tokens": (None, 0),
     "ignore_eos": (None, False), "length_penalty": (None, 1, 1.0),
@@ -86,7 +85,10 @@ TEMPLATE_KWARGS = ("enable_thinking",)
 # error shape, naming these)
 SERVED = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
 SETTING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_p": "min_p"}
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_p": "min_p",
+                  "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty",
+                  "repetition_penalty": "repetition_penalty"}
 
 
 class APIError(Exception):
@@ -534,6 +536,9 @@ def _options(body: dict, service: EngineService, thinking: bool | None = None):
               "temperature": given("temperature", "temperature"),
               "top_p": given("top_p", "top_p"), "top_k": given("top_k", "top_k"),
               "min_p": given("min_p", "min_p"), "seed": given("seed", "seed"),
+              # (unimax.penalties: OpenAI's two, and vLLM's repetition_penalty)
+              **{name: given(name, name) for name in ("presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty")},
               "thinking": defaults.thinking if thinking is None else thinking}
     try:
         settings = GenerationSettings(**values)

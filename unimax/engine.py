@@ -24,9 +24,10 @@ from .cache import CacheCopier, cache_payload_bytes
 from .draft_length import DraftLength
 from .graph import MaxTurboGraphDecoder
 from .held import HostTurns
+from .penalties import PenaltySettings
 from .sampling import SamplingParams, sample_from_logits
 from .short_prefill import ShortPrefill
-from .token_mask import TokenMask
+from .token_mask import NoGrammar, TokenMask
 from .verifier import Verifier, VerifyCounts
 
 
@@ -358,7 +359,8 @@ class UniMaxEngine:
                  on_block: Callable[[list[int]], bool] | None = None,
                  on_prefill: Callable[[int, int], bool] | None = None,
                  checkpoint: tuple[int, Callable[[], None]] | None = None,
-                 constraint=None) -> Generation:
+                 constraint=None, penalties: PenaltySettings | None = None,
+                 penalized_prompt: list[int] | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (new tokens on top of the kept
         state when ``keep_state``). ``on_block(tokens)`` sees each block's tokens as they are
         decided; returning False cancels after that block. Generation stops after a stop id.
@@ -372,7 +374,17 @@ class UniMaxEngine:
         on (the service keeps a chat's state where the chat template's later turns stop
         matching this prompt). ``constraint``: a ``structured.Constraint`` every token keeps
         to (``_held``: each token masked before it is chosen; behind an open thinking block,
-        from the token after it)."""
+        from the token after it). ``penalties`` (unimax.penalties): a reply with presence,
+        frequency or repetition penalties takes the held path too (without a grammar, every
+        token allowed), from its first token; ``penalized_prompt``: the prompt's token ids the
+        repetition penalty counts (default ``input_ids``; the service passes the whole
+        conversation where the kept state holds part of it). Not with a grammar behind an
+        open thinking block (the service refuses that request)."""
+        penalized = penalties is not None and penalties.active
+        if penalized and constraint is not None and not constraint.active:
+            raise ValueError("penalties and a grammar behind a thinking block: not served")
+        if penalized and constraint is None:
+            constraint = NoGrammar()
         if mode not in ("fast", "verified"):
             raise ValueError(f"unknown mode {mode!r}; use 'fast' or 'verified'")
         if mode == "fast" and not self.state_safe_draft:
@@ -403,6 +415,10 @@ class UniMaxEngine:
             return result
         first, out, result.bridge = prefilled
         self.decode_graph.set_sampling(None if sampling.is_greedy else sampling)
+        if constraint is not None:  # (the held path's penalties: neutral for a grammar alone)
+            self.decode_graph.token_mask.penalties.start(
+                penalties, input_ids[0].tolist() if penalized_prompt is None
+                else penalized_prompt)
         if constraint is not None or not sampling.is_greedy:  # (else prefill_exact's argmax)
             first = self._first_token(out.logits[:, -1], constraint)
         self.decode_graph.static_token.copy_(first)
@@ -535,6 +551,7 @@ class UniMaxEngine:
         return mode == "verified" and self.held_drafts
 
     def _held(self, result, stops, n, on_block, mode, constraint) -> None:
+        self.decode_graph.token_mask.penalties.add(result.tokens)  # (its first token)
         if self._drafts_held(mode):
             self._held_verified_loop(result, stops, n, on_block, constraint)
         else:
@@ -589,6 +606,7 @@ class UniMaxEngine:
                     self.bridge_copy()
                     stale = False
                 emitted, k = self._held_block(k, stops, constraint, counts, sampled)
+                self.decode_graph.token_mask.penalties.add(emitted)
                 policy.observe(k, len(emitted) - 1)
                 if policy.calibrated and k and host is not None:
                     host.observe(k, k, 1e3 * (time.perf_counter() - began),
@@ -609,6 +627,7 @@ class UniMaxEngine:
             graph.static_token.copy_(verifier.current)
             graph.held_forward()
         for i in range(k):
+            mask.penalties.row(i, drafts[-1] if i else None)
             mask.load(constraint, row=i)
             graph.held_choice(record=sampled)
             graph.keep_draft(i, record=sampled)
@@ -619,6 +638,7 @@ class UniMaxEngine:
             if drafts[-1] in stops:
                 break
         k = len(drafts)
+        mask.penalties.row(k, drafts[-1] if k else None)
         mask.load(None if drafts and drafts[-1] in stops else constraint, row=k)
         emitted = verifier.collect(verifier.launch(k, sampled, masked=True), counts)
         constraint.rollback(k - (len(emitted) - 1))
@@ -663,6 +683,7 @@ class UniMaxEngine:
             if self.held_ahead and (more or feed_last):
                 steps.held_forward()
             token = steps.held_token.receive()
+            mask.penalties.add([token])  # (queued before the next choice)
             if counts is not None:
                 counts.verifier_blocks += 1
             if not self._emit(result, [token], stops, n, on_block, constraint):

@@ -22,6 +22,7 @@ import torch
 
 from .detokenize import IncrementalDetokenizer
 from .errors import RequestError
+from .penalties import PenaltySettings, penalize
 from .sampling import SamplingParams, sample_from_logits
 
 MAX_TOP = 20  # alternatives per position (OpenAI's chat API allows 20)
@@ -105,17 +106,28 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
              stop_ids=(), sampling: SamplingParams | None = None,
              generator: torch.Generator | None = None,
              on_token: Callable[[TokenLogprob], bool] | None = None,
-             constraint=None) -> tuple[list[TokenLogprob], str]:
+             constraint=None, penalties: PenaltySettings | None = None,
+             prompt: list[int] | None = None) -> tuple[list[TokenLogprob], str]:
     """Up to ``max_new`` tokens after a prefill whose next-token logits are ``logits`` (V,),
     each with its log-probability and ``top`` alternatives. Greedy, or sampled as the
     engines sample (``sample_from_logits``, uniforms from ``generator``). A stop id ends the
     reply and is not returned; ``on_token`` returning False cancels. Returns the entries and
     how it stopped: "stop", "length" or "cancelled". ``constraint``: a
     ``structured.Constraint`` that masks each step's choice to its grammar and takes each
-    token chosen (the entries stay the model's own log-probabilities)."""
+    token chosen (the entries stay the model's own log-probabilities). ``penalties``: each
+    choice from the penalized logits (unimax.penalties; ``prompt``: the prompt's ids, which the
+    repetition penalty counts), the entries still the model's own."""
     sampling = sampling or SamplingParams()
     stops = {int(s) for s in stop_ids}
     device = logits.device
+    if penalties is not None and penalties.active:
+        counts = torch.zeros(1, logits.shape[-1], device=device)
+        in_prompt = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        in_prompt[torch.tensor(prompt or [], dtype=torch.long, device=device)] = True
+        weights = torch.tensor([penalties.presence, penalties.frequency, penalties.repetition],
+                               device=device)
+    else:
+        counts = None
     if not sampling.is_greedy:
         temperature = torch.tensor([sampling.temperature], device=device)
         top_k = torch.tensor([sampling.top_k], device=device)
@@ -123,7 +135,9 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
         min_p = torch.tensor([sampling.min_p], device=device)
     entries: list[TokenLogprob] = []
     for step in range(max_new):
-        scores = logits if constraint is None else constraint.masked(logits)
+        scores = logits if counts is None else penalize(logits[None], counts, in_prompt,
+                                                        weights)[0]
+        scores = scores if constraint is None else constraint.masked(scores)
         if sampling.is_greedy:
             token = scores.argmax().view(1, 1)
         else:
@@ -133,6 +147,8 @@ def generate(model, cache, logits: torch.Tensor, max_new: int, top: int, *,
             constraint.accept(int(token))
         if int(token) in stops:
             return entries, "stop"
+        if counts is not None:
+            counts[0, int(token)] += 1
         entry = rows_logprobs(logits[None], token[0], top)[0]
         entries.append(entry)
         if on_token is not None and not on_token(entry):

@@ -405,6 +405,10 @@ class EngineService:
                 raise RequestError("response_format must be a unimax ResponseFormat "
                                    "(structured.response_format reads OpenAI's) or "
                                    "ToolCallFormat")
+            if handle.thinking_open and settings.penalties().active:
+                raise RequestError("penalties (presence, frequency, repetition) with a "
+                                   "response_format after a thinking block are not served; "
+                                   "turn thinking off, or drop the penalties")
             handle.grammar = self.grammars.compile(handle.response_format)
         return prompt
 
@@ -632,7 +636,8 @@ class EngineService:
         result = engine.generate(ids, max_new, mode=mode, stop_ids=self.stop_ids,
                                  sampling=sampling, keep_state=ckpt is not None,
                                  on_block=on_block, on_prefill=on_prefill,
-                                 checkpoint=checkpoint, constraint=constraint)
+                                 checkpoint=checkpoint, constraint=constraint,
+                                 penalties=settings.penalties(), penalized_prompt=prompt)
         tail = detok.flush()
         if tail:
             handle.emit("delta", tail)
@@ -701,7 +706,8 @@ class EngineService:
             tokens, stopped = logprobs.generate(
                 self.model, cache, logits, max_new if want.generate else 0, want.top,
                 stop_ids=self.stop_ids, sampling=settings.sampling(), generator=generator,
-                on_token=on_token, constraint=constraint)
+                on_token=on_token, constraint=constraint, penalties=settings.penalties(),
+                prompt=prompt)
         tail = reply.flush()
         if tail:
             handle.emit("delta", tail)

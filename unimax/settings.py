@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import RequestError
+from .penalties import PenaltySettings
 from .sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1  # torch.Generator takes a signed 64-bit seed
@@ -17,6 +18,8 @@ MAX_TEMPERATURE = 100.0
 # random tokens. vLLM's threshold (its _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1  # any vocabulary is smaller; a device tensor holds it
+MAX_PENALTY = 2.0  # presence and frequency: OpenAI's range is -2..2
+MAX_REPETITION = 10.0  # repetition_penalty: > 0 (vLLM's rule), 1 = off; past 10 is no use
 
 
 class SettingsError(RequestError):
@@ -45,6 +48,11 @@ class GenerationSettings:
     seed: int | None = None
     thinking: bool | None = None  # the chat template's thinking switch; None: the preset's
     min_p: float = 0.0  # 0 = off; else keep tokens at least min_p times the likeliest's chance
+    # (unimax.penalties; a penalized reply decodes one token per step, or verified blocks
+    # checked per position: see there)
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
         checks = (
@@ -61,6 +69,15 @@ class GenerationSettings:
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
              f"empty, or an integer in 0..{MAX_SEED}"),
             ("thinking", self.thinking in (None, True, False), "true, false or empty"),
+            ("presence_penalty", is_number(self.presence_penalty)
+             and abs(self.presence_penalty) <= MAX_PENALTY,
+             f"a number in -{MAX_PENALTY:g}..{MAX_PENALTY:g} (0 = off)"),
+            ("frequency_penalty", is_number(self.frequency_penalty)
+             and abs(self.frequency_penalty) <= MAX_PENALTY,
+             f"a number in -{MAX_PENALTY:g}..{MAX_PENALTY:g} (0 = off)"),
+            ("repetition_penalty", is_number(self.repetition_penalty)
+             and 0 < self.repetition_penalty <= MAX_REPETITION,
+             f"a number in (0, {MAX_REPETITION:g}] (1 = off)"),
         )
         for field, ok, allowed in checks:
             if not ok:
@@ -72,3 +89,7 @@ class GenerationSettings:
             temperature = 0.0
         return SamplingParams(temperature, self.top_k, float(self.top_p), self.seed,
                               float(self.min_p))
+
+    def penalties(self) -> PenaltySettings:
+        return PenaltySettings(float(self.presence_penalty), float(self.frequency_penalty),
+                               float(self.repetition_penalty))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .penalties import Penalties
+
 ALL = -1  # every bit set: every token allowed (a thinking block before the held answer)
 
 
@@ -32,6 +34,9 @@ class TokenMask:
         index = torch.arange(vocab_size, device=device)
         self.word = index // 32
         self.shift = (index % 32).to(torch.int32)
+        # a penalized reply's counts, applied before the mask (neutral otherwise: the same
+        # logits, as float32)
+        self.penalties = Penalties(vocab_size, device, rows)
 
     def load(self, constraint, row: int | None = None) -> None:
         """The next token's mask from ``constraint`` (structured.Constraint; None: every
@@ -49,12 +54,32 @@ class TokenMask:
             self.table[row:row + 1].copy_(host, non_blocking=True)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (..., vocab_size) with every token the mask forbids at -inf (a new
-        tensor; graph-safe)."""
+        """``logits`` (1, vocab_size), penalized (``penalties``), with every token the mask
+        forbids at -inf (a new float32 tensor; graph-safe)."""
         allowed = (self.bits[0, self.word] >> self.shift) & 1
-        return logits.masked_fill(allowed == 0, float("-inf"))
+        return self.penalties.apply(logits).masked_fill(allowed == 0, float("-inf"))
 
     def apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (R, vocab_size), row i masked by the table's row i (graph-safe)."""
+        """``logits`` (R, vocab_size), row i penalized and masked by the tables' row i
+        (graph-safe)."""
         allowed = (self.table[:logits.shape[0], self.word] >> self.shift) & 1
-        return logits.masked_fill(allowed == 0, float("-inf"))
+        return self.penalties.apply_rows(logits).masked_fill(allowed == 0, float("-inf"))
+
+
+class NoGrammar:
+    """The constraint of a held reply with no grammar (a penalized one: unimax.penalties):
+    every token allowed, nothing to feed or take back. structured.Constraint's interface."""
+
+    active = True
+
+    def fill(self, out: torch.Tensor) -> None:
+        out.fill_(ALL)
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def rollback(self, count: int) -> None:
+        pass
