@@ -78,5 +78,33 @@ def test_a_gpu_preset_serves_every_mode_on_gpu():
                     drafted = True
                     assert stats["acceptance_rate"] > 0.5, stats
         assert drafted
+        verified.draft_length = policy
+        race_and_penalties(service)
     finally:
         service.stop()
+
+
+def race_and_penalties(service):
+    """On the warmed service: the A/B race (EngineService.race) interleaves bf16 and verified
+    on the GPU, bf16's reply the one it gives alone; penalties change a reply in every mode."""
+    settings = GenerationSettings(max_new_tokens=48)
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    alone = {mode: service.submit(f"alone-{mode}", messages, mode, settings).events(timeout=300)
+             for mode in ("bf16", "verified")}
+    alone = {mode: list(events)[-1] for mode, events in alone.items()}
+    handles = service.race([(f"race-{mode}", messages, mode, settings)
+                            for mode in ("bf16", "verified")])
+    raced = [list(handle.events(timeout=300))[-1] for handle in handles]
+    for mode, handle, done in zip(("bf16", "verified"), handles, raced, strict=True):
+        assert done.kind == "done" and handle.waited > 0, (mode, done.text)
+        print("race", mode, done.data["stats"]["decode_tok_s"], "tok/s; alone",
+              alone[mode].data["stats"]["decode_tok_s"])
+    assert raced[0].data["tokens"] == alone["bf16"].data["tokens"]
+    penalized = dataclasses.replace(settings, presence_penalty=2.0, frequency_penalty=2.0,
+                                    repetition_penalty=3.0)
+    for mode in MODES:
+        plain, pen = (list(service.submit(f"pen-{mode}-{s.repetition_penalty}", messages, mode,
+                                          s).events(timeout=300))[-1]
+                      for s in (settings, penalized))
+        assert pen.kind == "done" and pen.data["tokens"] != plain.data["tokens"], mode
+        print("penalized", mode, repr(pen.data["reply"][:60]), pen.data["stats"]["decode_tok_s"])
