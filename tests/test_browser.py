@@ -348,8 +348,8 @@ def test_min_p_slider_reaches_the_sampler(page):
         page.fill("#ab-prompt textarea", "What does json.loads do?")
         page.click("#ab-run")
         status = lambda: page.inner_text("#ab-status")  # noqa: E731
-        wait_for(lambda: "Running" in status(), timeout=60, show=status)
-        wait_for(lambda: "Running" not in status(), timeout=120, show=status)
+        wait_for(lambda: "Racing" in status(), timeout=60, show=status)
+        wait_for(lambda: "Racing" not in status(), timeout=120, show=status)
         return page.inner_text("#ab-a"), page.inner_text("#ab-b")
 
     page.get_by_role("tab", name="A/B").click()
