@@ -337,19 +337,24 @@ def test_thinking_folds_away_above_the_answer(playwright, tmp_path):
         browser.close()
 
 
-def test_min_p_slider_reaches_the_sampler(page):
+def test_min_p_and_penalty_sliders_reach_the_sampler(page):
     """Min-p 1 keeps only the likeliest token: an A/B at temperature 2 then shows the greedy
-    texts (temperature 0), and at min-p 0 it does not."""
-    def compare(temperature, min_p) -> tuple[str, str]:
-        for elem, value in (("#temperature", temperature), ("#min-p", min_p)):
+    texts (temperature 0), and at min-p 0 it does not. Under a repetition penalty bf16 and
+    verified mode give the same text (verified: exact under the penalty)."""
+    def compare(temperature, min_p, repetition=1, mode_b="fp8") -> tuple[str, str]:
+        for elem, value in (("#temperature", temperature), ("#min-p", min_p),
+                            ("#repetition", repetition)):
             box = page.locator(f"{elem} input[type=number]")
             box.fill(str(value))
             box.press("Enter")
+        page.locator("#ab-mode-b input").fill(mode_b)
+        page.keyboard.press("Enter")
         page.fill("#ab-prompt textarea", "What does json.loads do?")
         page.click("#ab-run")
         status = lambda: page.inner_text("#ab-status")  # noqa: E731
         wait_for(lambda: "Racing" in status(), timeout=60, show=status)
         wait_for(lambda: "Racing" not in status(), timeout=120, show=status)
+        time.sleep(0.5)  # (the update's components land one by one: the texts after the status)
         return page.inner_text("#ab-a"), page.inner_text("#ab-b")
 
     page.get_by_role("tab", name="A/B").click()
@@ -358,6 +363,10 @@ def test_min_p_slider_reaches_the_sampler(page):
     greedy = compare(0, 0)
     assert compare(2, 1) == greedy
     assert compare(2, 0) != greedy
+    penalized = compare(0, 0, 2, mode_b="verified")
+    # (the penalty's effect on a reply: tests/test_penalties.py, test_openai_api.py; the
+    # slider's value reaching the request: test_page_logic.py)
+    assert penalized[0] == penalized[1] and "identical" in page.inner_text("#ab-status")
     compare(0, 0)  # (the module's later tests find the settings as they were)
 
 

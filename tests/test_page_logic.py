@@ -59,17 +59,19 @@ class Service:
         return handle
 
 
-def test_the_min_p_slider_reaches_the_request():
-    """The page's settings, min-p among them (the slider after top-k), are the request's."""
+def test_the_min_p_and_penalty_sliders_reach_the_request():
+    """The page's settings, min-p and the penalties among them, are the request's."""
     service = Service()
     seen = []
     submit = service.submit
     service.submit = lambda *args: seen.append(args[3]) or submit(*args)
     chat = ChatTab(service, Sessions(), preset=None)
-    gen = Gen("c", "bf16", "", 0.9, 1.0, 0, 16, None, None, 0.25)
+    gen = Gen("c", "bf16", "", 0.9, 1.0, 0, 16, None, None, 0.25, 0.5, 1.2)
     list(chat.reply([{"role": "user", "content": "hi"}], gen, "s", sent="hi"))
     assert seen[0].min_p == 0.25 and seen[0].sampling().min_p == 0.25
-    assert Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None).settings().min_p == 0.0
+    assert (seen[0].presence_penalty, seen[0].repetition_penalty) == (0.5, 1.2)
+    plain = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None).settings()
+    assert plain.min_p == 0.0 and not plain.penalties().active
 
 
 def test_clear_after_the_last_event_still_wins():

@@ -21,13 +21,14 @@ class ABTab:
         self.service, self.sessions = service, sessions
 
     def run(self, prompt, mode_a, mode_b, system, temperature, top_p, top_k, max_new, seed,
-            thinking, min_p, request: gr.Request):
+            thinking, min_p, presence, repetition, request: gr.Request):
         """Yields (status, text A, text B, panel A, panel B)."""
         if not prompt or not prompt.strip():
             yield "⚠️ Empty prompt: type something to compare.", "", "", "", ""
             return
         try:
-            settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking, min_p)
+            settings = settings_from(temperature, top_p, top_k, max_new, seed, thinking, min_p,
+                                     presence, repetition)
         except (TypeError, ValueError) as err:
             yield f"⚠️ Bad setting: {err}", "", "", "", ""
             return

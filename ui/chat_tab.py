@@ -37,10 +37,12 @@ class Gen(NamedTuple):
     seed: float | None
     thinking: bool | None
     min_p: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
 
     def settings(self) -> GenerationSettings:
         return settings_from(self.temperature, self.top_p, self.top_k, self.max_new, self.seed,
-                             self.thinking, self.min_p)
+                             self.thinking, self.min_p, self.presence, self.repetition)
 
 
 def done_status(stopped: str | None) -> str:
@@ -51,12 +53,13 @@ def done_status(stopped: str | None) -> str:
 
 
 def settings_from(temperature, top_p, top_k, max_new_tokens, seed,
-                  thinking=None, min_p=0.0) -> GenerationSettings:
+                  thinking=None, min_p=0.0, presence=0.0, repetition=1.0) -> GenerationSettings:
     seed = parse_seed(seed)
     return GenerationSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                               top_p=float(top_p), top_k=int(top_k), seed=seed,
                               thinking=None if thinking is None else bool(thinking),
-                              min_p=float(min_p))
+                              min_p=float(min_p), presence_penalty=float(presence),
+                              repetition_penalty=float(repetition))
 
 
 def parse_seed(seed) -> int | None:
@@ -96,7 +99,7 @@ class ChatTab:
         self.exports = Exports()
 
     def send(self, message, history, conversation_id, mode, system, temperature, top_p, top_k,
-             max_new, seed, thinking, min_p, request: gr.Request):
+             max_new, seed, thinking, min_p, presence, repetition, request: gr.Request):
         history = list(history or [])
         if not message or not message.strip():
             yield history, message, "⚠️ Empty message: type something to send."
@@ -108,18 +111,20 @@ class ChatTab:
             return
         history.append({"role": "user", "content": message})
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking, min_p)
+                  thinking, min_p, presence, repetition)
         yield from self.reply(history, gen, request.session_hash, sent=message)
 
     def example(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-                max_new, seed, thinking, min_p, picked: gr.SelectData, request: gr.Request):
+                max_new, seed, thinking, min_p, presence, repetition, picked: gr.SelectData,
+                request: gr.Request):
         """One of the preset's examples clicked on the empty chat: sent as if typed."""
         text = picked.value["text"] if isinstance(picked.value, dict) else str(picked.value)
         yield from self.send(text, history, conversation_id, mode, system, temperature, top_p,
-                             top_k, max_new, seed, thinking, min_p, request)
+                             top_k, max_new, seed, thinking, min_p, presence, repetition,
+                             request)
 
     def regenerate(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-                   max_new, seed, thinking, min_p, request: gr.Request):
+                   max_new, seed, thinking, min_p, presence, repetition, request: gr.Request):
         history = list(history or [])
         while history and history[-1]["role"] == "assistant":
             history.pop()
@@ -127,16 +132,17 @@ class ChatTab:
             yield history, gr.update(), "Nothing to regenerate yet."
             return
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking, min_p)
+                  thinking, min_p, presence, repetition)
         yield from self.reply(history, gen, request.session_hash)
 
     def edited(self, history, conversation_id, mode, system, temperature, top_p, top_k,
-               max_new, seed, thinking, min_p, edit: gr.EditData, request: gr.Request):
+               max_new, seed, thinking, min_p, presence, repetition, edit: gr.EditData,
+               request: gr.Request):
         history = list(history or [])[: edit.index + 1]
         # (the edit box held the shown text: display.raw gives the message as typed)
         history[-1] = {"role": "user", "content": raw(message_text(edit.value))}
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                  thinking, min_p)
+                  thinking, min_p, presence, repetition)
         yield from self.reply(history, gen, request.session_hash)
 
     def reply(self, history: list[dict], gen: Gen, session: str, sent: str | None = None):

@@ -85,6 +85,12 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                     top_k = gr.Slider(0, 200, value=g.top_k, step=1, label="Top-k (0 = off)")
                     min_p = gr.Slider(0, 1, value=g.min_p, step=0.01, label="Min-p (0 = off)",
                                       elem_id="min-p")
+                    # (unimax.penalties: a penalized reply decodes one token at a time)
+                    presence = gr.Slider(-2, 2, value=g.presence_penalty, step=0.1,
+                                         label="Presence penalty (0 = off)", elem_id="presence")
+                    repetition = gr.Slider(0.5, 2, value=g.repetition_penalty, step=0.05,
+                                           label="Repetition penalty (1 = off)",
+                                           elem_id="repetition")
                     max_new = gr.Slider(1, min(4096, preset.max_context),
                                         value=min(g.max_new_tokens, preset.max_context), step=1,
                                         label="Max new tokens")
@@ -130,8 +136,10 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                                            placeholder="A prompt for both modes (Enter to "
                                            "compare)")
                     with gr.Row():
-                        mode_a = gr.Dropdown(MODE_CHOICES, value="bf16", label="Mode A")
-                        mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B")
+                        mode_a = gr.Dropdown(MODE_CHOICES, value="bf16", label="Mode A",
+                                             elem_id="ab-mode-a")
+                        mode_b = gr.Dropdown(MODE_CHOICES, value="fp8", label="Mode B",
+                                             elem_id="ab-mode-b")
                         ab_btn = gr.Button("Compare", variant="primary", elem_id="ab-run")
                         ab_stop = gr.Button("Stop", elem_id="ab-stop")
                     ab_status = gr.Markdown("", elem_id="ab-status")
@@ -151,7 +159,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
                 plot = gr.HTML("", elem_id="plot")  # the tok/s curve (panels.curve_svg)
 
         gen_inputs = [conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
-                      thinking, min_p]
+                      thinking, min_p, presence, repetition]
         chat_outputs = [chatbot, message, status]
         # Stop and Clear cancel through the service (the reply ends within one block and its
         # generator finishes normally), not through Gradio's cancels=, which can leave the
@@ -193,7 +201,7 @@ def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:
             None, None, None, js=EXPORT_CLICK)
         for compare in (ab_btn.click, ab_prompt.submit):  # the button, or Enter in the prompt
             compare(ab.run, [ab_prompt, mode_a, mode_b, system, temperature, top_p, top_k,
-                             max_new, seed, thinking, min_p],
+                             max_new, seed, thinking, min_p, presence, repetition],
                     [ab_status, ab_text_a, ab_text_b, ab_stats_a, ab_stats_b],
                     concurrency_limit=None, **page)
         ab_stop.click(chat.stop, None, ab_status, queue=False, **page)
