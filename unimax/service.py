@@ -8,6 +8,7 @@ from a kept state (StateStore), no failure can corrupt another conversation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -195,6 +196,7 @@ class EngineService:
         self.warm_up_state: dict = {"running": None, "ready": [], "pending": [], "error": None}
         self.thread = threading.Thread(target=self._loop, name="unimax-engine", daemon=True)
         self.busy = threading.Event()
+        self.racers: concurrent.futures.ThreadPoolExecutor | None = None  # (EngineService.race)
         # Called on the engine thread with each request it ran, once it ended (metrics); not
         # with the warm-up's own replies.
         self.listeners: list[Callable[[RequestHandle], None]] = []
@@ -239,6 +241,8 @@ class EngineService:
                 handle.cancel()
         self.requests.put(None)
         self.thread.join(timeout)
+        if self.racers is not None:
+            self.racers.shutdown(wait=False)
 
     def warm_up_in_background(self, first: str | None = None,
                               on_done: Callable[[float, str | None], None] | None = None
@@ -536,12 +540,16 @@ class EngineService:
                 handle.between_blocks = None
                 baton.pass_on(racer, leave=True)
 
-        threads = [threading.Thread(target=run, args=(n, handle), daemon=True,
-                                    name=f"unimax-race-{n}") for n, handle in enumerate(handles)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        if self.racers is None:  # (kept: a thread's first CUDA and cuBLAS use costs ms)
+            self.racers = concurrent.futures.ThreadPoolExecutor(len(MODES), "unimax-race")
+        # (one thread per racer, all at once: a racer left waiting for a thread would hold
+        # the others at the baton; replies in one race have distinct modes)
+        assert len(handles) <= len(MODES)
+        for future in [self.racers.submit(run, n, handle) for n, handle in enumerate(handles)]:
+            try:
+                future.result()
+            except Exception:  # (each reply's own failure is its error event: _run)
+                log.exception("a race's thread failed")
 
     def _engine(self, mode: str):
         if mode not in MODES:
