@@ -7,6 +7,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The CPU suite's models are tiny: an op is microseconds of work, and a second intra-op thread
+# costs more in hand-offs than it saves (a verified reply of test_speculative.py's: 19 ms with
+# two threads, 6.6 with one, on a 2-core machine). UNIMAX_TEST_THREADS sets another count.
+if not torch.cuda.is_available():
+    torch.set_num_threads(int(os.environ.get("UNIMAX_TEST_THREADS", "1")))
+
 # An importable flash-linear-attention makes transformers run its Qwen3.5 reference through
 # Triton kernels, which fail on CPU tensors. Hide fla unless a GPU run asks for it
 # (UNIMAX_ALLOW_FLA=1 pytest -m gpu); fla's own reference runs in a child process.
