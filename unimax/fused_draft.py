@@ -41,7 +41,9 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8Linear
+from .gemv_linear import GemvLinear
 from .int4 import Int4Linear
+from .layers import GDNBlock
 from .ops import in_proj_conv
 from .ops.fused_gemv import fused_small_m_linear
 from .ops.in_proj_conv import fused_in_proj_conv
@@ -117,6 +119,17 @@ def fused_in_proj_conv_linear(mixer, x: torch.Tensor, norm, state,
                               cfg.allow_neg_eigval)
 
 
+class FusedBlock(GDNBlock):
+    """A view's block whose forward folds its norms, gates and residual adds into its GEMVs
+    (``fused_block_forward``): ``fuse_blocks`` gives a view's blocks this class, so the plain
+    block (unimax.layers) knows nothing of the folds."""
+
+    fused = True
+
+    def forward(self, x: torch.Tensor, state) -> torch.Tensor:
+        return fused_block_forward(self, x, state)
+
+
 def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     """GDNBlock.forward with its fusable parts fused (module docstring); x (B, T, hidden)."""
     batch, tokens, hidden = x.shape
@@ -171,15 +184,14 @@ def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True,
     unrounded; the verifier's view (unimax.verifier.exact_view) says no, so that its one-token
     forwards round beta as its blocks do. ``fold_rows``: the most rows a fused block's forward
     folds (more: the block's own forward)."""
-    from .fast_step import GemvLinear  # (fast_step builds its views with this module)
-
     count = 0
     for block in view.layers:
         for module in block.modules() if bf16 else ():
             if isinstance(module, GemvLinear):
                 module.fused = True
         if any(fusable(m) for m in block.modules()):
-            block.fused = True
+            block.__class__ = FusedBlock  # (a view's own block object: the exact model's
+            # keeps its class)
             block.beta_in_kernel = beta_in_kernel
             block.fold_rows = fold_rows
             count += 1

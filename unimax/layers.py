@@ -14,7 +14,6 @@ from torch import nn
 from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
-from .fused_draft import fused_block_forward
 from .norms import GatedRMSNorm, RMSNorm, swiglu
 from .ops import block_mixer
 from .ops.block_mixer import gdn_block_record
@@ -219,9 +218,9 @@ class GDNBlock(nn.Module):
     """norm -> token mixer -> residual, norm -> MLP -> residual. The mixer is a GDN layer, or in
     hybrid models gated attention (unimax.attention).
 
-    ``fused`` (set on a fast step's view by unimax.fused_draft, never on the exact model): its
-    FP8 linears' decode steps (and with FUSE_BF16, on, its BF16 GEMVs') run with the norms, gates
-    and residual adds around them folded into their GEMVs."""
+    A fast step's view folds its blocks' norms, gates and residual adds into their GEMVs by
+    giving them unimax.fused_draft's FusedBlock class (``fused`` True there); the exact model's
+    blocks stay as they are."""
 
     fused = False
     beta_in_kernel = True  # (fused blocks: see fused_draft.fuse_blocks)
@@ -237,8 +236,6 @@ class GDNBlock(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
-        if self.fused:
-            return fused_block_forward(self, x, state)
         return self.mlp_part(self.mixer_part(x, state))
 
     def mixer_part(self, x: torch.Tensor, state: RecurrentLayerState | None) -> torch.Tensor:
