@@ -23,6 +23,7 @@ import functools
 import torch
 
 from .gemv import _interpreted, tile_text, timed_choice
+from .int4_format import dequantize_packed
 
 # (BLOCK_N, BLOCK_K, warps): those that won a 4B or 0.8B draft linear, or the 537 M-weight one,
 # on the H200 (bench/int4_gemv.py), and smaller ones; a shape takes those whose BLOCK_K divides
@@ -51,17 +52,13 @@ def unprepare_x(ready: torch.Tensor) -> torch.Tensor:
 
 def int4_matvec_ref(ready: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
-    """The plain twin: the weight dequantized (unimax.int4.dequantize_packed), fp32 sums."""
-    from ..int4 import dequantize_packed
-
+    """The plain twin: the weight dequantized (ops.int4_format.dequantize_packed), fp32 sums."""
     return (unprepare_x(ready) @ dequantize_packed(packed, scale).t()).to(out_dtype)
 
 
 def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ dequant(W)^T in x's dtype, x rounded as the kernel takes it (rounded_x) and
     fp32 sums: the twin for any number of rows (Int4Linear's, ops.int4_fused's)."""
-    from ..int4 import dequantize_packed
-
     weight = dequantize_packed(packed, scale)
     return ((rounded_x(x).float() * 64.0) @ weight.t()).to(x.dtype)
 
