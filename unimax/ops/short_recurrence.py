@@ -46,7 +46,8 @@ from typing import Optional
 
 import torch
 
-from .gated_delta import fla_ops, fla_run, recurrent_gated_delta_rule_ref
+from .fla import fla_ops, fla_run
+from .gated_delta_ref import recurrent_gated_delta_rule_ref
 from .gemv import _interpreted, timed_choice
 
 # tokens: a verify block of up to 32 drafts, and the short prompts' buckets of 16 and 32
