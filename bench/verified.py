@@ -7,7 +7,7 @@ usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 2
        [--temperature 0.7]
        [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
-       [--ab-fold-blocks] [--ab-tape-apart] [--ab-span-4] [--probe-every 64 128] [--kernels]
+       [--ab-tape-apart] [--ab-span-4] [--probe-every 64 128] [--kernels]
        [--json FILE]
 
 Both engines run the fast step (compile_step=True). Random weights give flat logits whose top two
@@ -93,11 +93,6 @@ SWITCH_ABS = (
              "a second verified engine with the verify block's SwiGLU as a kernel of its own "
              "(ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced rows and verify block side by "
              "side", verify=True),
-    SwitchAB("--ab-fold-blocks", unimax.verifier, "FOLD_BLOCKS", True, "blocks_folded",
-             "a second verified engine whose verify blocks fold their norms, gates and "
-             "residual adds into the GEMMs (unimax.verifier.FOLD_BLOCKS: the tensor-core form "
-             "ops.fused_dot) as its one-token forwards do: forced rows and verify block side "
-             "by side", verify=True),
     SwitchAB("--ab-tape-apart", unimax.ops.in_proj_tape, "TAPE_EPILOGUE", False,
              "tape_apart",
              "a second verified engine whose verify blocks run the tape's kernel after the "

@@ -654,23 +654,18 @@ def test_heads_the_gated_prologue_cannot_take_keep_the_plain_mixer(monkeypatch):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("fold_blocks", [False, True], ids=["blocks-plain", "blocks-folded"])
-def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, fold_blocks,
-                                                        monkeypatch):
+def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypatch):
     """The verifier's view (unimax.verifier.exact_view) folds its blocks as BF16-only's step
     does for its one-token forwards, with sigmoid(b) outside the recurrence's kernel (in the
     in-projection's epilogue), and leaves its prompt and its recorded 9-token blocks to the
-    plain forms unless FOLD_BLOCKS (then forwards of up to GEMV_ROWS rows fold alike, through
-    the op's tensor-core form on CUDA); its logits and, after the rewind, its states are the
-    unfolded view's (fp32, the twin); with FUSE_BF16 off it folds nothing."""
+    plain forms; its logits and, after the rewind, its states are the unfolded view's (fp32,
+    the twin); with FUSE_BF16 off it folds nothing."""
     import unimax
-    import unimax.verifier as verifier
     from helpers import cache_states
     from unimax.verifier import exact_view
 
     model = pure_or_hybrid
-    assert fused_draft.FUSE_BF16 and not verifier.FOLD_BLOCKS  # (off by default)
-    monkeypatch.setattr(verifier, "FOLD_BLOCKS", fold_blocks)
+    assert fused_draft.FUSE_BF16
     view, plain = exact_view(model), gemv_view(model, fuse=False)
     assert all(b.fused and not b.beta_in_kernel for b in view.layers)
     assert not any(getattr(m, "fused", False) for m in model.modules())
@@ -717,8 +712,8 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, fold_blo
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     blocks = model.config.num_hidden_layers
     # the step through the fused op (4 linears per block); the 7-token prompt and the block
-    # with FOLD_BLOCKS (forwards of up to GEMV_ROWS rows), before the step
-    assert rows == ([7] * 4 * blocks + [9] * 4 * blocks) * fold_blocks + [1] * 4 * blocks, rows
+    # in the plain forms
+    assert rows == [1] * 4 * blocks, rows
     gdn = sum(not model.config.is_attention(i) for i in range(blocks))
     # (the one-token steps of both views: the folded one with beta from its in-projection's
     # epilogue, ops.in_proj_conv.BETA; the plain one rounds it from b)

@@ -11,7 +11,8 @@ from helpers import run_with_triton
 from unimax import GDNForCausalLM
 from unimax.fast_step import GemvLinear, GemvRecordingMixer, GemvSwiGLUMLP, gemv_view
 from unimax.fp8 import FP8Linear, quantize_rows, quantize_view
-from unimax.layers import GatedDeltaNetMixer, SwiGLUMLP
+from unimax.fused_draft import FusedBlock
+from unimax.layers import GatedDeltaNetMixer, GDNBlock, SwiGLUMLP
 from unimax.ops.gemv import gemv_ref
 from unimax.tiny import TINY_CONFIG
 
@@ -146,6 +147,8 @@ def test_gemv_view_shares_weights_and_keeps_fp8_linears():
                     type(original.in_proj) is torch.nn.Linear:
                 assert type(swapped) is GemvRecordingMixer, name  # (tests/test_in_proj_tape.py)
                 assert swapped.A_log is original.A_log, name
+            elif type(swapped) is FusedBlock:  # (a folded view's block: fused_draft)
+                assert isinstance(original, GDNBlock), name
             else:
                 assert type(swapped) is type(original), name
         assert torch.equal(view(ids).logits, source(ids).logits)

@@ -26,9 +26,9 @@ come from another reduction, and sigmoid(b) stays unrounded inside the recurrenc
 The verifier's view folds its one-token forwards too (unimax.verifier.exact_view), with
 sigmoid(b) rounded as the exact model rounds it, in the in-projection's epilogue
 (``in_proj_conv.BETA``; the torch forms without it); its blocks of k + 1 rows take the plain
-forms, or with unimax.verifier.FOLD_BLOCKS the same folds through the tensor-core form
-(ops.fused_dot). The exact model itself is never folded. Everything else (long prompts, rows past
-the block's ``fold_rows``, default grad mode) takes the block's own forward.
+forms (a tensor-core form of these folds was exact but slower than the plain GEMMs). The exact
+model itself is never folded. Everything else (long prompts, forwards of more than one row,
+default grad mode) takes the block's own forward.
 
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
@@ -60,11 +60,9 @@ FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
 # runs) the body took 1099 us and verified 1.58x / 1.34x. Its first form (the prologue inside
 # every GEMV program) measured slower than unfused and is gone.
 FUSE_INT4 = True
-# Blocks fold forwards of up to this many rows (the block's ``fold_rows``, set by fuse_blocks;
-# at most ops.gemv.GEMV_ROWS): one, the steps and the verifier's one-token forwards. The
-# verifier's blocks fold too where its view asks (unimax.verifier.FOLD_BLOCKS: the tensor-core
-# form, ops.fused_dot); otherwise they take the plain forms, whose GEMMs choose per shape
-# between the tensor-core kernels and cuBLAS.
+# Blocks fold forwards of this many rows: one, the steps and the verifier's one-token forwards;
+# the verifier's blocks take the plain forms, whose GEMMs choose per shape between the
+# tensor-core kernels and cuBLAS.
 FOLD_ROWS = 1
 
 
@@ -135,7 +133,7 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     batch, tokens, hidden = x.shape
     rows = batch * tokens
     # (the fused op has no backward: a caller in default grad mode gets the plain forms)
-    if rows > getattr(block, "fold_rows", FOLD_ROWS) or torch.is_grad_enabled() or \
+    if rows > FOLD_ROWS or torch.is_grad_enabled() or \
             not x.is_contiguous():
         return block.mlp_part(block.mixer_part(x, state))
     x2 = x.reshape(rows, hidden)
@@ -174,16 +172,15 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     return fused_linear(mlp.down_proj, gate_up, "swiglu", residual=h).reshape(x.shape)
 
 
-def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True,
-                fold_rows: int = FOLD_ROWS) -> int:
+def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True) -> int:
     """Mark the blocks of ``view`` (a view: its blocks and linears are its own shallow copies)
     that hold a fusable linear for the fused forward; returns how many. ``bf16``: its BF16
     GemvLinears too (the BF16 fast step: it already rounds as inductor's fusions do, not as the
     eager model; verified mode stays exact either way): ``FUSE_BF16``, on.
     ``beta_in_kernel``: a one-token step takes sigmoid(b) inside the recurrence's kernel,
     unrounded; the verifier's view (unimax.verifier.exact_view) says no, so that its one-token
-    forwards round beta as its blocks do. ``fold_rows``: the most rows a fused block's forward
-    folds (more: the block's own forward)."""
+    forwards round beta as its blocks do. A fused block folds one-token forwards
+    (``FOLD_ROWS``); larger ones take the block's own forward."""
     count = 0
     for block in view.layers:
         for module in block.modules() if bf16 else ():
@@ -193,6 +190,5 @@ def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True,
             block.__class__ = FusedBlock  # (a view's own block object: the exact model's
             # keeps its class)
             block.beta_in_kernel = beta_in_kernel
-            block.fold_rows = fold_rows
             count += 1
     return count

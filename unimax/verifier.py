@@ -42,7 +42,6 @@ from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_cho
 from .held import TokenToHost, choose, logits_buffer
 from .ops import fused_gemv
 from .ops.gated_delta import fla_ops
-from .ops.gemv import GEMV_ROWS
 from .ops.short_recurrence import choose_for_blocks
 from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
@@ -55,15 +54,6 @@ from .speculative import speculative_step
 # its copy into the cache and the full resync: read four times and written four (4B: 67 MB
 # each time). Read when a Verifier is built (the A/B in bench/verified.py builds one of each).
 ONE_PASS_REWIND = True
-
-# The verifier's blocks of k + 1 rows fold as its one-token forwards do (unimax.fused_draft:
-# the norms and gates into the GEMMs' prologues, the residual adds into their stores, through
-# the tensor-core form ops.fused_dot), instead of the plain forms with inductor's norm kernels
-# between the GEMMs (four a GDN layer). Read when the view is built (exact_view). Off: exact
-# (GPU tests) but slower, a 4B verify block 3.35 -> 5.22 ms (H200, thirty-first session,
-# bench/verified.py --ab-fold-blocks; before its tile-ahead loads, which took the four 4B
-# linears' excess over the plain GEMMs from +43 to +16 us a layer: ops.fused_dot).
-FOLD_BLOCKS = False
 
 # A block of k drafts runs a compiled forward of b + 1 rows, b the smallest span block >= k:
 # block_size itself and the powers of two from SHORTEST_SPAN_BLOCK up to it. A forward costs
@@ -110,9 +100,8 @@ def allow_recompiles(limit: int = 512) -> None:
 def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
     its one-token forwards (k = 0, exact runs) folded as BF16-only's step is
-    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows folded alike with ``FOLD_BLOCKS``
-    (through ops.fused_dot), else in the plain forms but for the MLPs' gate-up GEMM, which
-    takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
+    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows in the plain forms but for the MLPs'
+    gate-up GEMM, which takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
     is rounded as the block's torch forms round it, not inside the one-token recurrence
     kernel, so that the exact runs and the blocks round the gates alike."""
     from . import fused_draft
@@ -120,9 +109,7 @@ def exact_view(exact_model):
 
     view = gemv_view(exact_model, fuse=False)
     if fused_draft.FUSE and fused_draft.FUSE_BF16:
-        fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False,
-                                fold_rows=(GEMV_ROWS if FOLD_BLOCKS
-                                           else fused_draft.FOLD_ROWS))
+        fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False)
     return view
 
 

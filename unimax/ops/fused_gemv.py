@@ -16,9 +16,8 @@ reads it through a prologue instead:
 
 and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft, and
 (fused_draft.FUSE_BF16, on) the BF16 fast step and the verifier's one-token forwards; the exact
-model itself keeps its own kernels. Up to PROGRAM_ROWS rows, a program per row; more (the
-verifier's blocks, where its view folds them: unimax.verifier.FOLD_BLOCKS), the tensor-core
-form of ops.fused_dot. The prologues round where the torch forms round
+model itself keeps its own kernels. Up to PROGRAM_ROWS rows, a program per row. The prologues
+round where the torch forms round
 (``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
 """
 
@@ -34,8 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
-from .fused_dot import candidates as dot_candidates
-from .fused_dot import fused_dot
 from .gemv import (
     GEMV_TILES,
     MAX_TILES,
@@ -456,33 +453,31 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                          z: Optional[torch.Tensor],  # noqa: UP045
                          residual: Optional[torch.Tensor],  # noqa: UP045
                          eps: float, offset: float) -> torch.Tensor:
-    """prologue(x) (M <= GEMV_ROWS rows) @ W^T (* scale) (+ residual): on CUDA the fused
-    Triton kernel, a program per row up to PROGRAM_ROWS rows, else the tensor-core form
-    (ops.fused_dot: a verifier block's rows), its kernel chosen per shape; the twin elsewhere."""
+    """prologue(x) (M <= PROGRAM_ROWS rows) @ W^T (* scale) (+ residual): on CUDA the fused
+    Triton kernel, a program per row, its kernel chosen per shape; the twin elsewhere. (Folded
+    blocks fold one-token forwards only: unimax.fused_draft's FOLD_ROWS.)"""
     if not x.is_cuda:
         check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
         return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,
                                         norm_weight, z, residual, eps, offset)
-    many = x.shape[0] > PROGRAM_ROWS
+    if x.shape[0] > PROGRAM_ROWS:
+        raise ValueError(f"fused_small_m_linear: {x.shape[0]} rows, more than PROGRAM_ROWS "
+                         f"({PROGRAM_ROWS}); larger forwards take the plain forms")
     key = (prologue, residual is not None, x.shape[0], out_features, in_features,
            weight.dtype)
 
     def run(kernel: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        form = fused_dot if many else fused_gemv
-        return form(x, weight, scale, out_features, in_features, prologue,
+        return fused_gemv(x, weight, scale, out_features, in_features, prologue,
                     norm_weight=norm_weight, z=z, residual=residual, eps=eps, offset=offset,
                     kernel=kernel)
 
     if key in CHOICES:  # (every call after the first: no names to build)
         return run(CHOICES[key], weight, scale)
     head = _head(prologue, norm_weight)
-    if many:
-        names = dot_candidates(x, weight, scale, out_features, in_features, head)
-    else:
-        names = candidates(out_features, in_features, x.shape[0], scale is not None, head,
-                           tma_offered(weight, x))
-    return run(timed_choice(CHOICES, key, names, names[0] if many else "rows", True, run,
-                            (weight, scale)), weight, scale)
+    names = candidates(out_features, in_features, x.shape[0], scale is not None, head,
+                       tma_offered(weight, x))
+    return run(timed_choice(CHOICES, key, names, "rows", True, run, (weight, scale)), weight,
+               scale)
 
 
 def candidates(out_features: int, in_features: int, m: int, scaled: bool,

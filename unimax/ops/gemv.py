@@ -147,6 +147,7 @@ def _dot_kernel(scaled: bool, tiled: bool = False):
 # step) rather than leave the tile to Triton's autotuner, which times a lone call with L2
 # flushed: the way the form choice timed before it missed by up to 44% (ops/timing.py).
 
+DOT_TILE = (64, 256, 4, 3)  # "dot" where none is named (one of DOT_TILES)
 TILES = {"rows": GEMV_TILES, "rows16": GEMV_TILES, "dot": DOT_TILES, "dotsplit": DOTSPLIT_TILES}
 
 

@@ -117,12 +117,11 @@ def names() -> tuple[str, ...]:
 
 def candidates(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
     """What the per-shape choice times: "apart", the kernel at the plain GEMM's own tile for
-    this shape (ops.gemv's timed choice, where it took "dot" at a tile) and at ops.fused_dot's
-    default "dot" tile: two compiles per BLOCK_M at most, where every tile would be nine."""
+    this shape (ops.gemv's timed choice, where it took "dot" at a tile) and at ops.gemv's
+    default "dot" tile (DOT_TILE): two compiles per BLOCK_M at most, not nine."""
     from . import gemv
-    from .fused_dot import DOT_TILE
 
-    kernels = [f"dot@{tile_text(DOT_TILE)}"]
+    kernels = [f"dot@{tile_text(gemv.DOT_TILE)}"]
     plain = gemv.choose(x, weight, None)
     if plain.startswith("dot@"):
         kernels.insert(0, plain)
