@@ -135,19 +135,12 @@ def main(argv=None) -> int:
     start = step(f"loading {preset.model} (preset {preset.name})…")
     try:
         service = EngineService(preset)
-    except PresetError as err:  # a key only the loaded model can check (draft_vocab)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"error: could not load the model: {err}", file=sys.stderr)
         return 2
     cfg = service.model.config
     step(f"loaded {cfg.num_hidden_layers} GDN layers, hidden {cfg.hidden_size}, vocab "
          f"{cfg.vocab_size} on {service.device} in {time.perf_counter() - start:.1f} s")
-    if service.draft_vocab is not None:
-        step(f"verified mode's draft scores {len(service.draft_vocab)} of {cfg.vocab_size} "
-             f"tokens: {100 * service.draft_vocab_coverage:.1f}% of draft_vocab_text's tokens "
-             "(the acceptance panel shows what it costs)")
     service.start()
     app = build_app(service, api_only=args.api_only, access=access)
     if not args.no_warm_up:

@@ -42,9 +42,6 @@
 #   run: bash bench/gpu_bench.sh sampled    gdn-4b: BF16-only and verified sampling at T 0.7, 1.0
 #   run: bash bench/gpu_bench.sh steps      gdn-4b: the BF16 step and the full-FP8 draft step with
 #                                           the GDN step as one op and as torch forms ("-unfused")
-#   run: bash bench/gpu_bench.sh vocab      gdn-4b: the BF16 step, the full-FP8 draft step, and
-#                                           the draft step with its LM head over 32768 ids
-#                                           (unimax.draft_vocab; "vocab 16384 65536": those)
 #   run: bash bench/gpu_bench.sh fused      gdn-4b and qwen3.5-0.8b: the BF16 step and the
 #                                           draft step, fused (the default: unimax.fused_draft)
 #                                           and unfused ("-nofuse");
@@ -137,11 +134,6 @@ case "${1:-}" in
     timeout 500 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv \
       fla+gemv-unfused draft draft-unfused --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
     grep -v Assertion "$OUT/steps.log" | grep -v '^{' | quiet | cut -c1-130 | tail -84 ;;
-  vocab)
-    sizes=("${@:2}"); [ ${#sizes[@]} -eq 0 ] && sizes=(32768)
-    timeout 500 python3 bench/profile_step.py --shapes gdn-4b --variants fla+gemv draft \
-      "${sizes[@]/#/draft-vocab}" --json "$OUT/vocab.json" > "$OUT/vocab.log" 2>&1
-    grep -v Assertion "$OUT/vocab.log" | grep -v '^{' | quiet | cut -c1-130 | tail -60 ;;
   fused)
     timeout 560 python3 bench/profile_step.py --shapes ${2:-gdn-4b qwen3.5-0.8b} --variants \
       fla+gemv fla+gemv-nofuse draft draft-nofuse --json "$OUT/fused.json" > "$OUT/fused.log" 2>&1

@@ -27,8 +27,7 @@ default: fla's conv kernel then runs as a launch of its own); "-notma" before "-
 (unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them);
 "-rmsloop" in the same place (draft-rmsloop): the RMS prologues without their pre-pass
 where a form takes it (unimax.ops.fused_gemv.RMS_IN_LOOP, off by default; every fused
-choice timed again); "draft-vocabN" (draft-vocab32768): the draft with its LM head over the
-first N ids only (unimax.draft_vocab); "exact" (the verifier's view, unimax.verifier.exact_view,
+choice timed again); "exact" (the verifier's view, unimax.verifier.exact_view,
 as one-token steps: what an exact run of k = 0 blocks decodes, without the verifier's
 snapshot and resync), "exact-nobeta" (the same with sigmoid(b) as a kernel of its own per
 layer, not in the in-projection's epilogue: unimax.ops.in_proj_conv.BETA off);
@@ -68,13 +67,10 @@ def decoder_for(model, variant: str) -> MaxTurboGraphDecoder:
         from unimax.verifier import exact_view
 
         return MaxTurboGraphDecoder(exact_view(model), block_size=BLOCK, compile=True)
-    vocab = None
-    if variant.startswith("draft-vocab"):  # the draft's head over the first N ids only
-        variant, vocab = "draft", int(variant.removeprefix("draft-vocab"))
     variant, nofuse = variant.removesuffix("-nofuse"), variant.endswith("-nofuse")
     variant, unfused = variant.removesuffix("-unfused"), variant.endswith("-unfused")
     if variant == "draft":
-        variant, model = "fla+gemv", quantize_view(model, "full", vocab=vocab)
+        variant, model = "fla+gemv", quantize_view(model, "full")
     backend, _, gemv = variant.partition("+")
     view = gemv_view(model, fuse=not nofuse) if gemv == "gemv" else shallow_view(model)
     view.set_backend(backend)

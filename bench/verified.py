@@ -5,7 +5,7 @@ where a verified block's time goes.
 usage: python bench/verified.py [--shapes gdn-4b qwen3.5-4b gdn24-0.8b] [--new 256]
        [--acceptance 1.0 0.95 0.9 0.8] [--block 8] [--draft full] [--ab-draft int4]
        [--temperature 0.7]
-       [--fixed-only] [--seeds 4] [--draft-vocab 32768] [--ab-draft-vocab 32768] [--ab-rewind]
+       [--fixed-only] [--seeds 4] [--ab-rewind]
        [--ab-short-tile short@4x1x8] [--ab-swiglu] [--ab-beta]
        [--ab-tape-apart] [--ab-span-4] [--probe-every 64 128] [--kernels]
        [--json FILE]
@@ -139,14 +139,6 @@ def peak_head(model, num_tokens: int = 64, factor: float = 4.0, seed: int = 1) -
     rows = torch.randperm(model.config.vocab_size, generator=gen)[:num_tokens].cuda()
     model.lm_head.weight[rows] *= factor
     return rows.tolist()
-
-
-def draft_vocab(size: int | None, peaked: list[int]) -> list[int] | None:
-    """--draft-vocab's ids, at most ``size`` of them: the peaked rows (greedy replies are made
-    of them, so the natural row's drafts can match), then the first ids."""
-    if size is None:
-        return None
-    return sorted(set(peaked) | set(range(max(size - len(set(peaked)), 0))))[:size]
 
 
 # What a checked block teaches the draft-length policy (unimax.draft_length.DraftLength.observe
@@ -381,7 +373,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.max_context and config.has_attention:
         config = dataclasses.replace(config, max_context=args.max_context)
     model = GDNForCausalLM.random(config, device="cuda", dtype=torch.bfloat16, seed=0)
-    peaked = peak_head(model) if args.peak else []
+    if args.peak:
+        peak_head(model)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, PROMPT), device="cuda", generator=gen)
     start = time.perf_counter()
@@ -414,11 +407,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
 
-    def verified_engine(vocab: int | None = args.draft_vocab, draft: str = args.draft):
+    def verified_engine(draft: str = args.draft):
         """A verified engine as this run's (the A/Bs' second engines too: each differs from
-        the first in its one switch, --draft-vocab and --draft included)."""
+        the first in its one switch, --draft included)."""
         return build_engine(model, decode="fp8", draft=draft, block_size=k,
-                            compile_step=True, draft_vocab=draft_vocab(vocab, peaked))
+                            compile_step=True)
 
     start = time.perf_counter()
     engine = verified_engine()
@@ -534,9 +527,6 @@ def bench_shape(shape, args, bandwidth) -> dict:
                         parts, forced_row, verify=ab.verify, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, verified_engine, args, k, parts, forced_row)
-    if args.ab_draft_vocab:  # the same draft with its head over N tokens, side by side
-        other = verified_engine(args.ab_draft_vocab)
-        second_engine_rows(other, f"vocab{args.ab_draft_vocab}", args, k, parts, forced_row)
     if args.ab_draft:  # another draft format (int4: unimax.int4), its own acceptance too
         other = verified_engine(draft=args.ab_draft)
         result = timed_generate(other, ids, args.new, "verified", draft_block=k)
@@ -746,17 +736,10 @@ def main() -> None:
     parser.add_argument("--fixed-only", action="store_true",
                         help="only the fixed-k rows (no plain-loop or adaptive rows: their "
                              "graph captures take minutes; one device call then holds the run)")
-    parser.add_argument("--draft-vocab", type=int, default=None,
-                        help="the full draft's LM head over this many tokens (the first ids and "
-                             "the peaked rows: unimax.draft_vocab)")
     parser.add_argument("--ab-short-tile", default=None, metavar="NAME",
                         help="also a verified engine whose few-token recurrence runs at this "
                              "launch setting (e.g. short@4x1x8): forced rows and verify block "
                              "beside the verifier's own choice's")
-    parser.add_argument("--ab-draft-vocab", type=int, default=None, metavar="N",
-                        help="also a second verified engine whose draft's LM head scores N "
-                             "tokens (as --draft-vocab), its forced rows and draft step beside "
-                             "the first's")
     parser.add_argument("--max-context", type=int, default=None,
                         help="the hybrid shapes' KV buffers (tokens; default the shape's: "
                              "2048 at qwen3.5-4b, 4096 at qwen3.5-0.8b; the L4 presets' are "

@@ -49,20 +49,18 @@ def test_verified_sampling_on_gpu(model, draft):
 def test_compiled_verifier_is_exact(model):
     """Verified mode with the fast step: compiled draft step, the verifier's full block compiled
     through the small-M linears, rejections rewound from the tape with fla's kernel: exact
-    greedy decoding up to BF16 near-ties, against the one-token eager reference; and the full
-    draft with its head over half the vocabulary (unimax.draft_vocab) in the compiled step."""
+    greedy decoding up to BF16 near-ties, against the one-token eager reference."""
     from unimax.reference import first_divergence, is_near_tie
 
-    for draft, vocab in (("full", None), ("tail", None), ("full", model.config.vocab_size // 2)):
+    for draft in ("full", "tail"):
         x = prompt(80, seed=12)
-        engine = build_engine(model, decode="fp8", draft=draft, block_size=8, compile_step=True,
-                              draft_vocab=vocab)
+        engine = build_engine(model, decode="fp8", draft=draft, block_size=8, compile_step=True)
         assert engine.verifier.compiled is not None
         got, report = engine.generate_verified(x, 64)
         reference = unimax.exact_greedy_tokens(model, x, 64)[0].tolist()
         divergence = first_divergence(model, x, got[0].tolist(), reference)
         assert is_near_tie(divergence), (draft, divergence)
-        print(draft, vocab, "acceptance", report.acceptance_rate, "rejected",
+        print(draft, "acceptance", report.acceptance_rate, "rejected",
               report.rejected_blocks)
 
 

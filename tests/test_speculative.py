@@ -138,19 +138,14 @@ def chi_square_limit(dof: int, z: float = 3.719) -> float:
     return dof * (1 - a + z * math.sqrt(a)) ** 3
 
 
-@pytest.mark.parametrize("blocks", ["drafts", "exact runs", "draft vocabulary", "min-p"])
+@pytest.mark.parametrize("blocks", ["drafts", "exact runs", "min-p"])
 def test_verified_samples_follow_the_exact_distribution(model, blocks):
     """Every emitted token is distributed as sampling from the exact model: through drafts
     kept or refused by the speculative rule, or ("exact runs") through the exact steps the
-    draft-length policy falls back to when drafting does not pay, several to a block, or
-    ("draft vocabulary") from a full FP8 draft whose head scores tokens 0-2 only
-    (unimax.draft_vocab: its distribution is zero on the others, which still come out);
+    draft-length policy falls back to when drafting does not pay, several to a block;
     ("min-p") drafts again, warped by min-p instead of top-k."""
     warp = MIN_P if blocks == "min-p" else PARAMS
     engine = distorted_engine(model)
-    if blocks == "draft vocabulary":
-        engine = unimax.build_engine(model, decode="fp8", draft="full", block_size=3,
-                                     draft_vocab=[0, 1, 2])
     if blocks == "exact runs":  # every block after the first token: a run of the other two
         priced_out(engine)
     runs, counts, drafted, accepted, exact_steps = 3000, {}, 0, 0, 0
@@ -162,13 +157,10 @@ def test_verified_samples_follow_the_exact_distribution(model, blocks):
         drafted += result.verify.drafted_tokens
         accepted += result.verify.accepted_draft_tokens
         exact_steps += result.verify.verifier_blocks if not result.verify.drafted_tokens else 0
-    if blocks in ("drafts", "min-p"):
-        assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
-    elif blocks == "exact runs":
+    if blocks == "exact runs":
         assert drafted == 0 and exact_steps == runs * (NEW - 1)
-    else:  # drafts rejected, and tokens the draft cannot propose out of the residual
-        assert drafted > 1000 and accepted < drafted
-        assert any(t > 2 for key in counts for t in key[1:])
+    else:
+        assert drafted > 1000 and 0.2 < accepted / drafted < 0.9  # drafts kept and rejected
     exact = joint(model, warp)
     stat, dof = chi_square(counts, exact, runs)
     assert stat < chi_square_limit(dof), (stat, dof)
@@ -228,8 +220,9 @@ def test_sampled_reply_leaves_the_state_of_prompt_plus_reply(model, stop, runs, 
         assert result.stopped == "stop" and result.tokens[-1] == stop
     fresh = model.make_recurrent_cache()
     model(input_ids=torch.cat([x, torch.tensor([result.tokens])], dim=1), past_key_values=fresh)
+    # (fp32 states summed in another order: ~1e-5 apart on one thread; a wrong token, O(1))
     for got, want in zip(cache_states(engine.exact_cache), cache_states(fresh), strict=True):
-        assert torch.allclose(got, want, atol=1e-5)
+        assert torch.allclose(got, want, atol=1e-4)
     assert engine.exact_cache.seen_tokens == x.shape[1] + len(result.tokens)
     follow = torch.tensor([[4, 1]])
     kept = engine.generate(follow, 8, mode="verified", sampling=params, keep_state=True).tokens

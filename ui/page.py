@@ -45,14 +45,9 @@ def has_thinking_switch(tokenizer) -> bool:
 
 
 def header(service: EngineService, preset: Preset) -> str:
-    """The page's first line: the model, the preset and verified mode's draft (with a draft
-    vocabulary: how many tokens its head scores, which bounds its acceptance)."""
-    draft = f"`{preset.draft}`"
-    if service.draft_vocab is not None:
-        draft += (f" (its head over {len(service.draft_vocab)} of "
-                  f"{service.model.config.vocab_size} tokens)")
+    """The page's first line: the model, the preset and verified mode's draft."""
     return (f"**UNI MAX** · model `{preset.model}` on `{service.device}` · preset "
-            f"`{preset.name}` · block {preset.block_size} · verified draft {draft}")
+            f"`{preset.name}` · block {preset.block_size} · verified draft `{preset.draft}`")
 
 
 def build_demo(service: EngineService, preset: Preset) -> gr.Blocks:

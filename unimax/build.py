@@ -19,7 +19,7 @@ FAST_STEP_BACKEND = "auto"
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
                  use_graphs: bool | None = None, fp8_mode: str | None = None,
                  compile_step: bool | str = False,
-                 prefill_chunk: int = PREFILL_CHUNK, draft_vocab=None) -> UniMaxEngine:
+                 prefill_chunk: int = PREFILL_CHUNK) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only), or
@@ -37,11 +37,7 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     CUDA, or without Triton, True is ignored with a warning that says why; "auto" turns it on
     exactly where it can run, silently.
 
-    prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact).
-
-    draft_vocab (decode='fp8', draft='full' or 'int4'): the draft's LM head scores only these
-    tokens (the ids, e.g. draft_vocab.ranked_ids; a number N: ids 0..N-1, for speed benches),
-    reading N of its rows (unimax.draft_vocab). Off: None."""
+    prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact)."""
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):
@@ -52,13 +48,10 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     elif decode == "fp8":
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}; use one of {', '.join(DRAFTS)}")
-        decode_model = quantize_view(model, draft, mode=fp8_mode, vocab=draft_vocab)
+        decode_model = quantize_view(model, draft, mode=fp8_mode)
         state_safe = draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
-    if draft_vocab is not None and decode != "fp8":
-        raise ValueError("draft_vocab is for the full FP8 draft or the int4 one (decode='fp8', "
-                         "draft='full' or 'int4')")
     if compile_step not in (True, False, "auto"):
         raise ValueError(f"compile_step must be True, False or 'auto', got {compile_step!r}")
     reason = fast_step_unavailable(model.device) if compile_step else None

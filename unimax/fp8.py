@@ -155,12 +155,11 @@ def tail_linear_names(model) -> list[str]:
     return [f"{last}.gate_up_proj", f"{last}.down_proj", "lm_head"]
 
 
-def quantize_view(model, kind: str = "tail", mode: str | None = None, vocab=None):
+def quantize_view(model, kind: str = "tail", mode: str | None = None):
     """The model with FP8 linears: ``tail`` (state-safe) or ``full`` (every linear: a draft for
     verified mode only, since it changes the states), or ``int4``: the full draft with its body
     in 4 bits (unimax.int4: every linear but the LM head, which stays FP8; one whose columns no
-    int4 group divides stays FP8 too). ``vocab`` (``full``, ``int4``): its LM head scores those
-    tokens only (unimax.draft_vocab: a number N for ids 0..N-1, or the ids)."""
+    int4 group divides stays FP8 too)."""
     if kind == "tail":
         names = tail_linear_names(model)
     elif kind in ("full", "int4"):
@@ -168,18 +167,8 @@ def quantize_view(model, kind: str = "tail", mode: str | None = None, vocab=None
     else:
         raise ValueError(f"unknown quantization kind {kind!r}; use 'tail', 'full' or "
                          "'int4'")
-    if vocab is not None and kind == "tail":
-        raise ValueError("a draft vocabulary (draft_vocab) is for a full draft only (full, "
-                         "int4): it limits what the decoder can emit, and only verified mode "
-                         "checks that")
     view = shallow_view(model)
     for name in names:
-        if name == "lm_head" and vocab is not None:
-            from .draft_vocab import SubsetHead, subset_ids  # (it builds on FP8Linear)
-
-            view.lm_head = SubsetHead(model.lm_head,
-                                      subset_ids(model.config.vocab_size, vocab), mode)
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
         linear = getattr(parent, child)

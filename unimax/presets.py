@@ -27,11 +27,6 @@ class Preset:
     block_size: int = 8
     draft: str = "tail"  # verified mode's draft: tail (state-safe), full (every linear FP8)
     # or int4 (the body in 4 bits, the head FP8; opt-in: modes.DRAFTS)
-    # Verified mode's full draft scores only this many tokens, the most frequent in
-    # draft_vocab_text (and the stop ids): a faster draft step on large vocabularies, exact
-    # output either way, lower acceptance for each reply token outside them (docs/design.md)
-    draft_vocab: int | None = None
-    draft_vocab_text: str = ""  # a UTF-8 text like the chats served (relative: to the preset)
     compile_step: bool | str = "auto"  # the fast step: auto = on where CUDA and Triton run
     max_context: int = 4096  # the longest conversation (prompt + reply) in tokens
     prefill_chunk: int = 16384  # prompt tokens per prefill forward (engine.PREFILL_CHUNK)
@@ -56,7 +51,6 @@ class Preset:
         _check(is_int(self.block_size) and 1 <= self.block_size <= 64, "block_size",
                self.block_size, "an integer in 1..64")
         _check(self.draft in DRAFTS, "draft", self.draft, ", ".join(DRAFTS))
-        self._check_draft_vocab()
         _check(self.compile_step in (True, False, "auto"), "compile_step", self.compile_step,
                "auto (on where CUDA and Triton run), true or false")
         # A chat turn needs room for the template, a message and a reply; the page's slider of
@@ -76,26 +70,6 @@ class Preset:
         _check(isinstance(self.examples, tuple) and len(self.examples) <= MAX_EXAMPLES
                and all(isinstance(e, str) and e.strip() for e in self.examples), "examples",
                self.examples, f"a list of at most {MAX_EXAMPLES} non-empty messages")
-
-    def _check_draft_vocab(self) -> None:
-        _check(self.draft_vocab is None or (is_int(self.draft_vocab) and self.draft_vocab >= 1),
-               "draft_vocab", self.draft_vocab,
-               "null (the draft scores every token) or a number of tokens >= 1")
-        _check(isinstance(self.draft_vocab_text, str), "draft_vocab_text",
-               self.draft_vocab_text, "the path of a UTF-8 text file")
-        if self.draft_vocab is None:
-            _check(self.draft_vocab_text == "", "draft_vocab_text", self.draft_vocab_text,
-                   "empty unless draft_vocab is set (it ranks draft_vocab's tokens)")
-            return
-        _check(self.draft != "tail", "draft_vocab", self.draft_vocab,
-               "null with draft: tail (the tail draft reads the full LM head); set draft: full "
-               "(or int4) to use it")
-        _check(self.draft_vocab_text != "", "draft_vocab_text", self.draft_vocab_text,
-               "a UTF-8 text file like the chats served, whose most frequent tokens the draft "
-               "scores (required with draft_vocab)")
-        _check(Path(self.draft_vocab_text).is_file(), "draft_vocab_text",
-               self.draft_vocab_text, "an existing text file (a relative path is taken from "
-               "the preset file's folder)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,7 +119,4 @@ def load_preset(path: str | Path) -> Preset:
                           ) from err
     except yaml.YAMLError as err:
         raise PresetError(f"preset file {path} is not valid YAML: {err}") from err
-    if isinstance(raw, dict) and isinstance(raw.get("draft_vocab_text"), str) \
-            and raw["draft_vocab_text"]:  # a relative path is the preset's neighbour
-        raw["draft_vocab_text"] = str(path.parent / Path(raw["draft_vocab_text"]).expanduser())
     return preset_from_dict(raw, name=path.stem)

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -27,11 +26,10 @@ from .build import build_engine
 from .chat import check_messages, check_text, encode_chat, encode_text, history_end, stop_ids
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
-from .draft_vocab import ranked_ids
 from .errors import RequestError
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
-from .presets import Preset, PresetError
+from .presets import Preset
 from .reasoning import ThinkingEnd, opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
@@ -180,9 +178,6 @@ class EngineService:
                                 preset.host_state_memory_mib * 2**20)
         self.stop_ids = stop_ids(self.tokenizer, self.model.config.eos_token_id,
                                  self.model.config.vocab_size)
-        # verified mode's draft vocabulary (preset draft_vocab) and the share of its text's
-        # tokens inside it; None: the draft scores every token
-        self.draft_vocab, self.draft_vocab_coverage = self._draft_vocab()
         self.tokenizer_lock = threading.Lock()  # requests tokenize on their callers' threads
         # (and compile their response formats there: Grammars bounds their size and time)
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
@@ -200,34 +195,6 @@ class EngineService:
         # Called on the engine thread with each request it ran, once it ended (metrics); not
         # with the warm-up's own replies.
         self.listeners: list[Callable[[RequestHandle], None]] = []
-
-    def _draft_vocab(self) -> tuple[list[int] | None, float | None]:
-        """The preset's ``draft_vocab`` most frequent tokens of ``draft_vocab_text``, the stop
-        ids always among them (a reply's last block would otherwise be rejected at its stop),
-        and the share of the text's tokens they cover; (None, None) where it is off."""
-        p = self.preset
-        if p.draft_vocab is None:
-            return None, None
-        vocab_size = self.model.config.vocab_size
-        if p.draft_vocab > vocab_size:
-            raise PresetError(f"preset key 'draft_vocab' is {p.draft_vocab}, more than this "
-                              f"model's {vocab_size} tokens; pick fewer, or null for all")
-        if p.draft_vocab < len(self.stop_ids):
-            raise PresetError(f"preset key 'draft_vocab' is {p.draft_vocab}, fewer than this "
-                              f"model's {len(self.stop_ids)} stop ids, which it always holds; "
-                              "pick more")
-        try:
-            text = Path(p.draft_vocab_text).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise PresetError(f"preset key 'draft_vocab_text': cannot read "
-                              f"{p.draft_vocab_text} as UTF-8 text ({err})") from err
-        tokens = encode_text(self.tokenizer, text)
-        if not text.strip() or not tokens:
-            raise PresetError(f"preset key 'draft_vocab_text': {p.draft_vocab_text} has no "
-                              "text; give it text like the chats served")
-        ids = ranked_ids([tokens], p.draft_vocab, always=self.stop_ids)
-        inside = set(ids)
-        return ids, sum(t in inside for t in tokens) / len(tokens)  # (app.py reports it)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -560,9 +527,7 @@ class EngineService:
                                               draft=spec.draft or p.draft,
                                               block_size=p.block_size,
                                               compile_step=p.compile_step,
-                                              prefill_chunk=p.prefill_chunk,
-                                              draft_vocab=self.draft_vocab if spec.verified
-                                              else None)
+                                              prefill_chunk=p.prefill_chunk)
         return self.engines[mode]
 
     def render(self, messages: list[dict], thinking: bool | None = None,
