@@ -77,6 +77,13 @@ class Penalties:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.settings = torch.tensor([0.0, 0.0, 1.0], device=device)
         self.active = False
+        # a block's tokens reach the device without a host sync: through a pinned buffer, the
+        # copy queued (the next add comes after the host has read a later token, so the copy
+        # before it is done)
+        cuda = torch.device(device).type == "cuda"
+        self.host_ids = torch.zeros(rows + 1, dtype=torch.long, pin_memory=cuda)
+        self.ids = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        self.ones = torch.ones(rows + 1, device=device)
 
     def start(self, settings: PenaltySettings | None, prompt: list[int]) -> None:
         """A new held reply: ``settings`` (None or neutral: the graphs leave logits alone)
@@ -96,10 +103,17 @@ class Penalties:
 
     def add(self, tokens: list[int]) -> None:
         """Tokens the reply emitted: counted, and the next token's counts are the reply's."""
-        if self.active and tokens:
+        if not (self.active and tokens):
+            return
+        n = len(tokens)
+        if n > len(self.host_ids):  # (more than a block: a plain, synchronous copy)
             ids = torch.tensor(tokens, device=self.device)
-            self.base[0].index_add_(0, ids, torch.ones(len(tokens), device=self.device))
-            self.now.copy_(self.base)
+            self.base[0].index_add_(0, ids, torch.ones(n, device=self.device))
+        else:
+            self.host_ids[:n] = torch.tensor(tokens, dtype=torch.long)
+            self.ids[:n].copy_(self.host_ids[:n], non_blocking=True)
+            self.base[0].index_add_(0, self.ids[:n], self.ones[:n])
+        self.now.copy_(self.base)
 
     def row(self, i: int, draft: int | None = None) -> None:
         """A verify block's row i: the counts after its first i drafts (``draft``: the i-th,
