@@ -273,6 +273,26 @@ def test_the_status_leaves_prefilling_once_tokens_stream():
     assert statuses[-1].startswith("Done")
 
 
+def test_a_message_refused_mid_reply_stays_said_until_the_reply_ends():
+    """A message sent while a reply streamed said so for one update: the reply's next delta
+    put "Generating" back at once. Now the reply's status keeps the notice to its end."""
+    sessions = Sessions()
+    chat = ChatTab(Service(), sessions, preset=None)
+    gen = Gen("c", "bf16", "", 0.0, 1.0, 0, 16, None, None)
+    request = type("Request", (), {"session_hash": "s"})()
+    replying = chat.reply([{"role": "user", "content": "hi"}], gen, "s", sent="hi")
+    next(replying)  # the message leaves the box; the reply is submitted with its first event
+    statuses = [next(replying)[2]]
+    refused = list(chat.send("again", [], "c", "bf16", "", 0.0, 1.0, 0, 16, "", None, 0.0,
+                             0.0, 1.0, request))
+    assert "still streaming" in refused[0][2] and refused[0][1] == "again"
+    statuses += [u[2] for u in replying]
+    assert "still streaming" in statuses[1] and statuses[-1].startswith("Done"), statuses
+    # the next reply starts without it
+    again = [u[2] for u in chat.reply([{"role": "user", "content": "hi"}], gen, "s")]
+    assert not any("still streaming" in status for status in again), again
+
+
 def test_kept_chats_survive_what_a_browser_may_hold(tmp_path):
     """ui/chats.py: the stored value is read defensively, kept newest first and bounded, and an
     import takes only an exported chat."""

@@ -105,9 +105,10 @@ class ChatTab:
             yield history, message, "⚠️ Empty message: type something to send."
             return
         if self.sessions.running(request.session_hash):
-            # Enter and Send alike (Enter was swallowed by the page, Send cut the reply off)
-            yield gr.update(), message, "⚠️ A reply is still streaming: press Stop, or wait " \
-                "for it to finish, then send."
+            # Enter and Send alike (Enter was swallowed by the page, Send cut the reply off);
+            # the streaming reply's status keeps saying so (Sessions.notice)
+            notice = self.sessions.notice(request.session_hash, STILL_STREAMING)
+            yield gr.update(), message, notice
             return
         history.append({"role": "user", "content": message})
         gen = Gen(conversation_id, mode, system, temperature, top_p, top_k, max_new, seed,
@@ -172,6 +173,7 @@ class ChatTab:
         # it to "", wiping what was typed).
         box = gr.update()
         epoch = self.sessions.epoch(session)
+        self.sessions.notice(session, "")  # (a new reply: no refused message yet)
         for kind, text, data in stream(self.service, self.sessions, session,
                                        gen.conversation_id, messages, gen.mode, settings):
             if self.sessions.epoch(session) != epoch:  # cleared meanwhile
@@ -194,7 +196,8 @@ class ChatTab:
             elif kind == "delta":
                 _add(reply, reply["splitter"].feed(text))
                 history = base + _reply_messages(reply)
-                status = f"Generating ({gen.mode})…"  # not "prefilling" while tokens stream
+                # not "prefilling" while tokens stream; a message refused meanwhile says why
+                status = self.sessions.notice(session) or f"Generating ({gen.mode})…"
             elif kind == "error":
                 refused = sent is not None and not (reply["reasoning"] or reply["answer"])
                 history = base[:-1] if refused else base
@@ -247,6 +250,8 @@ class ChatTab:
 
 
 THINKING = "Thinking"  # the folded reasoning message's title
+STILL_STREAMING = ("⚠️ A reply is still streaming: press Stop, or wait for it to finish, then "
+                   "send. (Your message stays in the box.)")
 
 
 def _is_thinking(message: dict) -> bool:

@@ -18,6 +18,16 @@ class Sessions:
         self.handles: dict[str, object] = {}
         self.stats: dict[str, dict] = {}
         self.epochs: dict[str, int] = {}  # bumped by Clear: older replies stop writing
+        # a message refused while the session's reply streams: the reply's status says so
+        # until it ends (its next update would otherwise replace the notice at once)
+        self.notices: dict[str, str] = {}
+
+    def notice(self, session: str, text: str | None = None) -> str | None:
+        """Set (``text``) or read the session's notice; "" clears it."""
+        with self.lock:
+            if text is not None:
+                self.notices[session] = text
+            return self.notices.get(session) or None
 
     def epoch(self, session: str) -> int:
         with self.lock:
