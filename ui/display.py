@@ -56,6 +56,17 @@ def _unescape(text: str) -> str:
     return _UNESCAPE.sub(lambda m: "<" if m.group() == "&lt;" else "&", text)
 
 
+def _code_block(lines: list[str], n: int, fence: str, out: list[str]) -> int:
+    """Copy a code block's lines after its opening line (``lines[n - 1]``, ``fence`` its run)
+    to its closing fence or the text's end into ``out``; the index after it."""
+    while n < len(lines):
+        out.append(lines[n])
+        n += 1
+        if _closes(out[-1], fence):
+            break
+    return n
+
+
 def shown(text: str) -> str:
     """A message's text as the Chatbot shows it."""
     lines, out, n = text.split("\n"), [], 0
@@ -64,12 +75,7 @@ def shown(text: str) -> str:
         fence = _FENCE.match(line)
         if fence:  # the text's own code block, to its closing fence (or the end)
             out.append(line + " " if _OWN_PYCON.match(line) else line)
-            n += 1
-            while n < len(lines):
-                out.append(lines[n])
-                n += 1
-                if _closes(out[-1], fence.group(1)):
-                    break
+            n = _code_block(lines, n + 1, fence.group(1), out)
         elif _DOCTEST.match(line):
             end = n
             while end < len(lines) and lines[end].strip() and not _FENCE.match(lines[end]):
@@ -96,12 +102,7 @@ def raw(text: str) -> str:
             n += 1
         elif fence:
             out.append(line[:-1] if _OWN_PYCON.match(line) and line.endswith(" ") else line)
-            n += 1
-            while n < len(lines):
-                out.append(lines[n])
-                n += 1
-                if _closes(out[-1], fence.group(1)):
-                    break
+            n = _code_block(lines, n + 1, fence.group(1), out)
         else:
             out.append(_prose(line, _unescape))
             n += 1

@@ -416,9 +416,10 @@ class UniMaxEngine:
         first, out, result.bridge = prefilled
         self.decode_graph.set_sampling(None if sampling.is_greedy else sampling)
         if constraint is not None:  # (the held path's penalties: neutral for a grammar alone)
-            self.decode_graph.token_mask.penalties.start(
-                penalties, input_ids[0].tolist() if penalized_prompt is None
-                else penalized_prompt)
+            prompt = [] if not penalized else input_ids[0].tolist() \
+                if penalized_prompt is None else penalized_prompt
+            self.decode_graph.token_mask.penalties.start(penalties if penalized else None,
+                                                         prompt)
         if constraint is not None or not sampling.is_greedy:  # (else prefill_exact's argmax)
             first = self._first_token(out.logits[:, -1], constraint)
         self.decode_graph.static_token.copy_(first)

@@ -301,10 +301,7 @@ class EngineService:
         mode's engine serves it one token at a time, each masked before it is chosen
         (UniMaxEngine.generate's ``constraint``, unimax.held). The "done" event carries the
         reply's text and its token ids (no stop id)."""
-        mode = mode or self.preset.mode
-        settings = settings if settings is not None else self.default_settings()
-        handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []), mode,
-                               settings)
+        handle = self._handle(conversation_id, messages, mode, settings)
         handle.text, handle.tokens, handle.logprobs = text, tokens, logprobs
         handle.tools, handle.response_format = tools, response_format
         handle.internal = internal
@@ -319,16 +316,17 @@ class EngineService:
         both stream at once (the page's A/B race); each reply's decode rates leave out the
         time the others ran. Replies in the same mode share an engine, and so run one after
         the other. A request that fails its checks ends with its error; the others run."""
-        handles = []
-        for conversation_id, messages, mode, settings in requests:
-            handle = RequestHandle(next(self.ids), str(conversation_id), list(messages or []),
-                                   mode or self.preset.mode, settings if settings is not None
-                                   else self.default_settings())
-            handles.append(handle)
+        handles = [self._handle(*request) for request in requests]
         live = [handle for handle in handles if self._queued(handle)]
         if live:
             self.requests.put(_Race(live))
         return handles
+
+    def _handle(self, conversation_id, messages, mode, settings) -> RequestHandle:
+        """A new request's handle: the preset's mode and settings where none are given."""
+        return RequestHandle(next(self.ids), str(conversation_id), list(messages or []),
+                             mode or self.preset.mode,
+                             settings if settings is not None else self.default_settings())
 
     def _queued(self, handle: RequestHandle) -> bool:
         """Check and tokenize a new request (``prepare``) and add it to the waiting list;
