@@ -130,7 +130,10 @@ def main(argv=None) -> int:
               "fine for a smoke run, slow for real models)", flush=True)
     import uvicorn
 
+    from unimax.ops.choices import use_cache_folder
     from unimax.service import EngineService
+
+    use_cache_folder()  # compile caches kept there; kernel choices remembered, else timed later
 
     start = step(f"loading {preset.model} (preset {preset.name})…")
     try:
@@ -149,13 +152,26 @@ def main(argv=None) -> int:
             what = "compiling each mode's decode step and capturing its CUDA graphs: a minute " \
                    "or more per mode"
         step(f"warming up every mode, {preset.mode} first, while serving ({what}); a reply "
-             "sent meanwhile waits for it")
-        service.warm_up_in_background(on_done=warmed_up)
+             "sent meanwhile waits for it, and each mode serves at full speed once ready")
+        service.warm_up_in_background(on_done=warmed_up, on_ready=ready_bar(start))
     url = f"http://{args.host}:{args.port}"
     step(f"serving on {url}" + ("" if args.api_only else " (the page)") +
          f"; OpenAI API at {url}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def ready_bar(start: float):
+    """on_ready for the warm-up: a line with a bar of the modes ready so far, as each is."""
+    done = []
+
+    def on_ready(mode: str, _seconds: float) -> None:
+        done.append(mode)
+        bar = "#" * len(done) + "-" * (len(MODES) - len(done))
+        step(f"[{bar}] {mode} ready, {time.perf_counter() - start:.1f} s after start "
+             f"({len(done)} of {len(MODES)} modes)")
+
+    return on_ready
 
 
 def warmed_up(seconds: float, error: str | None) -> None:

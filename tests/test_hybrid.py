@@ -157,23 +157,32 @@ def test_hybrid_stop_and_next_turn(hybrid_model, mode):
         engine.generate(ids(10), 250, mode=mode, keep_state=True)
 
 
-def test_service_keeps_hybrid_conversations(tmp_path):
-    from unimax.logprobs import LogprobsRequest
+def hybrid_service(path, letters: bool = True, **preset):
+    """The app's service on a small hybrid checkpoint with tiny-random's byte tokenizer;
+    ``letters``: its replies mostly letters (else varied bytes, compared as token ids)."""
     from unimax.presets import Preset
-    from unimax.service import EngineService, GenerationSettings
+    from unimax.service import EngineService
 
-    write_qwen_checkpoint(tmp_path, seed=6, num_layers=4, layer_types=HYBRID, vocab=259)
-    model = unimax.load_model(tmp_path, dtype="float32", max_context=512)
+    write_qwen_checkpoint(path, seed=6, num_layers=4, layer_types=HYBRID, vocab=259)
+    model = unimax.load_model(path, dtype="float32", max_context=512)
     tokenizer = unimax.load_tokenizer("tiny-random")
     # Favour letters (as tiny-random does): a reply of random bytes would not survive the
     # text round trip, and the kept state is only reused for an exact token-prefix match.
     vocab = tokenizer.get_vocab()
     scale = torch.full((259, 1), 0.05)
     scale[[vocab[c] for c in "abcdefghijklmnopqrstuvwxyz\u0120"]] = 10.0
-    with torch.no_grad():
-        model.embed_tokens.weight.mul_(scale)
-    service = EngineService(Preset(model=str(tmp_path), max_context=512), model=model,
-                            tokenizer=tokenizer).start()
+    if letters:
+        with torch.no_grad():
+            model.embed_tokens.weight.mul_(scale)
+    return EngineService(Preset(model=str(path), max_context=512, **preset), model=model,
+                         tokenizer=tokenizer).start()
+
+
+def test_service_keeps_hybrid_conversations(tmp_path):
+    from unimax.logprobs import LogprobsRequest
+    from unimax.service import GenerationSettings
+
+    service = hybrid_service(tmp_path)
     try:
         first = [{"role": "user", "content": "hello"}]
         settings = GenerationSettings(max_new_tokens=8)
@@ -195,6 +204,57 @@ def test_service_keeps_hybrid_conversations(tmp_path):
                 kept = events[-1].data["reply"]
             else:
                 assert events[-1].data["reply"] == kept
+    finally:
+        service.stop()
+
+
+def test_modes_share_one_exact_side_and_a_race_swaps_it(tmp_path):
+    """Every mode's engine prefills, verifies and finishes on one exact side (one cache, one
+    set of KV buffers, one FP8 LM head); replies racing side by side (the page's A/B) each
+    park their exact state and KV at every turn, so each reply is what it is alone, on the
+    same conversation (same prompt, replies apart) and on two different ones, and the state
+    each keeps for its next turn is its own."""
+    from unimax.service import GenerationSettings
+
+    service = hybrid_service(tmp_path, letters=False, block_size=4, draft="full")
+    try:
+        settings = GenerationSettings(max_new_tokens=40)
+        talk = [[{"role": "user", "content": "hello there"}],
+                [{"role": "user", "content": "something else entirely, longer"}]]
+
+        def last(handle):
+            return list(handle.events(timeout=120))[-1]
+
+        alone = {(mode, n): last(service.submit(f"alone-{mode}-{n}", talk[n], mode,
+                                                settings)).data["tokens"]
+                 for mode in ("fp8", "verified") for n in (0, 1)}
+        for mode in ("fp8", "verified"):  # (the two conversations' replies apart, or no test)
+            assert alone[(mode, 0)] != alone[(mode, 1)]
+        engines = [service._engine(mode) for mode in ("bf16", "fp8", "verified")]
+        exact = service.exact
+        assert all(e.exact is exact and e.exact_cache is exact.cache for e in engines)
+        kv = {t.data_ptr() for e in engines for t in unimax.cache.kv_tensors(
+            e.decode_graph.cache)}
+        assert kv == {t.data_ptr() for t in unimax.cache.kv_tensors(exact.cache)}
+        assert engines[1].decode_model.lm_head is engines[2].decode_model.lm_head
+        assert engines[0]._verifier is engines[1]._verifier is None  # fast modes: none built
+        for first, second in ((0, 0), (0, 1), (1, 0)):
+            names = (f"race-{first}{second}-a", f"race-{first}{second}-b")
+            handles = service.race([(names[0], talk[first], "fp8", settings),
+                                    (names[1], talk[second], "verified", settings)])
+            done = [last(handle) for handle in handles]
+            assert done[0].data["tokens"] == alone[("fp8", first)]
+            assert done[1].data["tokens"] == alone[("verified", second)]
+            assert handles[0].waited > 0 and handles[1].waited > 0
+            # the next turn on each raced conversation's kept state == from scratch
+            for name, n, reply in zip(names, (first, second), done, strict=True):
+                follow = service.render(talk[n]) + reply.data["tokens"] + [40, 41, 42]
+                kept = list(service.submit(name, [], "bf16", settings, tokens=follow)
+                            .events(timeout=120))
+                assert next(e for e in kept if e.kind == "started").data["reused_tokens"] > 0
+                fresh = last(service.submit(f"{name}-fresh", [], "bf16", settings,
+                                            tokens=follow))
+                assert kept[-1].data["tokens"] == fresh.data["tokens"]
     finally:
         service.stop()
 

@@ -328,8 +328,9 @@ def test_background_warm_up_serves_meanwhile_and_says_so(monkeypatch):
             real_warm_up(modes)
 
         monkeypatch.setattr(svc, "warm_up", gated_warm_up)
-        finished = []
-        svc.warm_up_in_background(on_done=lambda s, err: (finished.append((s, err)), done.set()))
+        finished, ready = [], []
+        svc.warm_up_in_background(on_done=lambda s, err: (finished.append((s, err)), done.set()),
+                                  on_ready=lambda mode, s: ready.append((mode, s)))
         deadline = time.time() + 10
         while svc.warming_mode() is None:
             assert time.time() < deadline
@@ -342,8 +343,14 @@ def test_background_warm_up_serves_meanwhile_and_says_so(monkeypatch):
         assert events[0].kind == "queued" and events[0].data["warming_up"] == "fp8"
         assert events[-1].kind == "done" and events[-1].data["reply"]
         assert done.wait(120) and finished[0][1] is None and finished[0][0] > 0
-        assert svc.warm_up_snapshot() == {"running": None, "ready": ["fp8", "bf16", "verified"],
-                                          "pending": [], "error": None}
+        snapshot = svc.warm_up_snapshot()
+        assert {k: snapshot[k] for k in ("running", "ready", "pending", "error", "tuning")} == {
+            "running": None, "ready": ["fp8", "bf16", "verified"], "pending": [], "error": None,
+            "tuning": 0}
+        # each mode said as it was ready, its time from the warm-up's start
+        assert [mode for mode, _ in ready] == ["fp8", "bf16", "verified"]
+        assert snapshot["seconds"] == {mode: round(s, 2) for mode, s in ready}
+        assert 0 < ready[0][1] <= ready[1][1] <= ready[2][1] <= finished[0][0]
         assert seen == ["meanwhile"]  # the warm-up's replies are not users' requests
         later = svc.submit("later", [user("Hi")], "bf16", GenerationSettings(max_new_tokens=2))
         assert next(later.events(timeout=120)).data["warming_up"] is None

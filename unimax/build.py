@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 from .engine import PREFILL_CHUNK, UniMaxEngine
+from .exact import ExactSide
 from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
@@ -19,7 +20,8 @@ FAST_STEP_BACKEND = "auto"
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
                  use_graphs: bool | None = None, fp8_mode: str | None = None,
                  compile_step: bool | str = False,
-                 prefill_chunk: int = PREFILL_CHUNK) -> UniMaxEngine:
+                 prefill_chunk: int = PREFILL_CHUNK,
+                 exact: ExactSide | None = None) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only), or
@@ -37,7 +39,10 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     CUDA, or without Triton, True is ignored with a warning that says why; "auto" turns it on
     exactly where it can run, silently.
 
-    prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact)."""
+    prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact).
+
+    exact: the exact side (unimax.exact) shared with the other modes' engines of ``model``: its
+    cache and KV buffers, prefill graphs and quantized linears; by default one of its own."""
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):
@@ -48,7 +53,8 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     elif decode == "fp8":
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}; use one of {', '.join(DRAFTS)}")
-        decode_model = quantize_view(model, draft, mode=fp8_mode)
+        decode_model = quantize_view(model, draft, mode=fp8_mode,
+                                     store=exact.quantized if exact is not None else None)
         state_safe = draft == "tail"
     else:
         raise ValueError(f"unknown decode mode {decode!r}; use 'bf16' or 'fp8'")
@@ -66,6 +72,6 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     # The verifier's k-token forward of the exact model is compiled like the step: one weight
     # read per block is its floor, and uncompiled it pays the elementwise launches too.
     engine = UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
-                          compile_verifier=compile_step)
+                          compile_verifier=compile_step, exact=exact)
     engine.prefill_chunk = prefill_chunk
     return engine

@@ -22,11 +22,11 @@ import torch
 
 from .cache import CacheCopier, cache_payload_bytes
 from .draft_length import DraftLength
+from .exact import ExactSide
 from .graph import MaxTurboGraphDecoder
 from .held import HostTurns
 from .penalties import PenaltySettings
 from .sampling import SamplingParams, sample_from_logits
-from .short_prefill import ShortPrefill
 from .token_mask import NoGrammar, TokenMask
 from .verifier import Verifier, VerifyCounts
 
@@ -91,16 +91,24 @@ class UniMaxEngine:
     ``decode_model`` is the same model (BF16 only) or a quantized view sharing its weights."""
 
     def __init__(self, exact_model, decode_model, decode_graph: MaxTurboGraphDecoder,
-                 state_safe_draft: bool = True, compile_verifier: bool = False):
-        self.exact_model = exact_model.eval()
+                 state_safe_draft: bool = True, compile_verifier: bool = False,
+                 exact: ExactSide | None = None):
+        """``exact``: the exact side this engine shares with other modes' engines (its cache,
+        KV buffers and prefill graphs: unimax.exact); by default one of its own."""
+        if exact is None:
+            exact = ExactSide(exact_model, use_graphs=decode_graph.use_graphs)
+        elif exact.model is not exact_model:
+            raise ValueError("the shared exact side holds another model than exact_model")
+        self.exact = exact
+        self.exact_model = exact.model
         self.decode_model = decode_model.eval()
         self.decode_graph = decode_graph
-        self.device = self.exact_model.get_input_embeddings().weight.device
+        self.device = exact.device
         if self.device != self.decode_graph.device:
             raise ValueError("exact and decode engines must live on the same device")
         # False for the full-FP8 draft, whose states drift: it may draft, never decode alone.
         self.state_safe_draft = state_safe_draft
-        self.exact_cache = self.exact_model.make_recurrent_cache()
+        self.exact_cache = exact.cache
         # Hybrid models: both engines run the same attention weights, so the KV the exact
         # prefill writes is what the decoder needs: share the buffers, bridge only the
         # fixed-size state (and the position). Rejections roll KV back by position alone.
@@ -108,8 +116,9 @@ class UniMaxEngine:
         self.last_bridge: BridgeReport | None = None
         # A fixed cache pair, validated once; each copy is then one fused launch.
         self.bridge_copy = CacheCopier(decode_graph.cache, self.exact_cache)
-        self.verifier = Verifier(self.exact_model, self.exact_cache, decode_graph,
-                                 self.bridge_copy, compile=compile_verifier)
+        # built at verified mode's first use (``verifier``): a fast mode's engine needs none
+        self._verifier: Verifier | None = None
+        self.compile_verifier = compile_verifier
         # Queue each verified block's drafts before the host has read the block before (the
         # GPU drafts while the host streams); False: draft after reading, as the plain loop.
         self.pipelined = True
@@ -129,9 +138,18 @@ class UniMaxEngine:
         self.held_drafts = True
         # what such blocks' host turns add to their graphs' time, learned (unimax.held)
         self.held_host = HostTurns()
-        # Short prompts through captured graphs (with graphs only: eager, it is only slower)
-        self.short_prefill = (ShortPrefill(self.exact_model, self.exact_cache, use_graphs=True)
-                              if decode_graph.use_graphs else None)
+        # short prompts through the exact side's captured graphs (with graphs only)
+        self.short_prefill = exact.short_prefill if decode_graph.use_graphs else None
+
+    @property
+    def verifier(self) -> Verifier:
+        """Verified mode's checker of this engine's drafts (unimax.verifier), built at first
+        use: its snapshot cache, tape and compiled forwards cost memory and start-up time that
+        a fast mode never needs."""
+        if self._verifier is None:
+            self._verifier = Verifier(self.exact_model, self.exact_cache, self.decode_graph,
+                                      self.bridge_copy, compile=self.compile_verifier)
+        return self._verifier
 
     @property
     def block_size(self) -> int:

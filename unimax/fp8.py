@@ -155,11 +155,14 @@ def tail_linear_names(model) -> list[str]:
     return [f"{last}.gate_up_proj", f"{last}.down_proj", "lm_head"]
 
 
-def quantize_view(model, kind: str = "tail", mode: str | None = None):
+def quantize_view(model, kind: str = "tail", mode: str | None = None,
+                  store: dict | None = None):
     """The model with FP8 linears: ``tail`` (state-safe) or ``full`` (every linear: a draft for
     verified mode only, since it changes the states), or ``int4``: the full draft with its body
     in 4 bits (unimax.int4: every linear but the LM head, which stays FP8; one whose columns no
-    int4 group divides stays FP8 too)."""
+    int4 group divides stays FP8 too). ``store``: quantized linears by (name, storage, mode),
+    shared by every view made with it (unimax.exact.ExactSide.quantized: the tail's FP8 LM
+    head and last MLP are the full draft's too, stored once)."""
     if kind == "tail":
         names = tail_linear_names(model)
     elif kind in ("full", "int4"):
@@ -172,7 +175,14 @@ def quantize_view(model, kind: str = "tail", mode: str | None = None):
         parent_name, _, child = name.rpartition(".")
         parent = view.get_submodule(parent_name) if parent_name else view
         linear = getattr(parent, child)
-        setattr(parent, child, draft_linear(linear, kind, name == "lm_head", mode))
+        head = name == "lm_head"
+        if store is None:
+            setattr(parent, child, draft_linear(linear, kind, head, mode))
+            continue
+        key = (name, "int4" if kind == "int4" and not head else "fp8", mode)
+        if key not in store:
+            store[key] = draft_linear(linear, kind, head, mode)
+        setattr(parent, child, store[key])
     view.quantized = kind
     return view
 

@@ -27,8 +27,10 @@ from .chat import check_messages, check_text, encode_chat, encode_text, history_
 from .checkpoint import load_model, load_tokenizer
 from .detokenize import IncrementalDetokenizer
 from .errors import RequestError
+from .exact import ExactSide
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
+from .ops import choices
 from .presets import Preset
 from .reasoning import ThinkingEnd, opens_thinking
 from .settings import GenerationSettings
@@ -174,6 +176,7 @@ class EngineService:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(preset.model)
         self.device = self.model.device
         self.engines: dict[str, object] = {}
+        self.exact: ExactSide | None = None  # (exact_side)
         self.store = StateStore(preset.state_memory_mib * 2**20,
                                 preset.host_state_memory_mib * 2**20)
         self.stop_ids = stop_ids(self.tokenizer, self.model.config.eos_token_id,
@@ -212,21 +215,26 @@ class EngineService:
             self.racers.shutdown(wait=False)
 
     def warm_up_in_background(self, first: str | None = None,
-                              on_done: Callable[[float, str | None], None] | None = None
+                              on_done: Callable[[float, str | None], None] | None = None,
+                              on_ready: Callable[[str, float], None] | None = None
                               ) -> threading.Thread:
         """``warm_up`` of every mode on a thread of its own, ``first`` (the preset's mode by
-        default) first, so that the page and the API serve while it runs: on a GPU each mode
-        compiles its steps and captures its graphs, minutes in all. A reply sent meanwhile
-        waits for the engine thread behind the warm-up work queued before it, and says so
-        (its "queued" event carries ``warming_up``, the mode being warmed). ``warm_up_state``
-        tells how far it is (the /health route shows it); ``on_done(seconds, error or None)``
-        at the end. A mode that fails to warm up is logged and skipped: its replies capture on
-        first use or report their own error."""
+        default) first, so that the page and the API serve while it runs and each mode serves
+        at full speed as soon as it is ready: on a GPU each mode compiles its steps and
+        captures its graphs. A reply sent meanwhile waits for the engine thread behind the
+        warm-up work queued before it, and says so (its "queued" event carries
+        ``warming_up``, the mode being warmed). ``warm_up_state`` tells how far it is (the
+        /health route shows it); ``on_ready(mode, seconds)`` as each mode is ready,
+        ``on_done(seconds, error or None)`` once all are. Then the kernel choices the warm-up
+        left to their defaults (ops.choices, deferred by the app) are timed between replies, one
+        at a time, and remembered on disk for the next start (``tuning`` counts those left).
+        A mode that fails to warm up is logged and skipped: its replies capture on first use or
+        report their own error."""
         first = first or self.preset.mode
         order = (first,) + tuple(mode for mode in MODES if mode != first)
         with self.stats_lock:
             self.warm_up_state = {"running": None, "ready": [], "pending": list(order),
-                                  "error": None}
+                                  "error": None, "seconds": {}, "tuning": 0}
 
         def run() -> None:
             start, error = time.perf_counter(), None
@@ -240,17 +248,40 @@ class EngineService:
                 except Exception as err:
                     log.exception("warm-up of mode %s failed", mode)
                     failed = error = f"{mode}: {err}"
+                seconds = time.perf_counter() - start
                 with self.stats_lock:
                     self.warm_up_state["running"] = None
                     if failed is None:
                         self.warm_up_state["ready"].append(mode)
+                        self.warm_up_state["seconds"][mode] = round(seconds, 2)
                     self.warm_up_state["error"] = error
+                if failed is None and on_ready is not None:
+                    on_ready(mode, seconds)
             if on_done is not None:
                 on_done(time.perf_counter() - start, error)
+            self.tune_deferred()
 
         thread = threading.Thread(target=run, name="unimax-warm-up", daemon=True)
         thread.start()
         return thread
+
+    def tune_deferred(self) -> int:
+        """Time the kernel choices left to their defaults (ops.choices.PENDING), one per engine
+        task, so that a reply sent meanwhile waits for one choice at most; the winners go to
+        the disk cache for the next start. How many were timed."""
+        timed = 0
+        while choices.PENDING and self.thread.is_alive():
+            with self.stats_lock:
+                self.warm_up_state["tuning"] = len(choices.PENDING)
+            done = threading.Event()
+            self.requests.put(_Task(lambda: choices.tune_pending(1), done))
+            while not done.wait(1.0):
+                if not self.thread.is_alive():  # (stopped: the task will never run)
+                    return timed
+            timed += 1
+        with self.stats_lock:
+            self.warm_up_state["tuning"] = 0
+        return timed
 
     def warming_mode(self) -> str | None:
         """The mode a background warm-up is on now, or None."""
@@ -258,9 +289,10 @@ class EngineService:
             return self.warm_up_state["running"]
 
     def warm_up_snapshot(self) -> dict:
-        """A copy of ``warm_up_state`` (running, ready, pending, error)."""
+        """A copy of ``warm_up_state`` (running, ready, pending, error, seconds: each ready
+        mode's time from the warm-up's start, tuning: kernel choices left to time)."""
         with self.stats_lock:
-            return {key: list(value) if isinstance(value, list) else value
+            return {key: type(value)(value) if isinstance(value, list | dict) else value
                     for key, value in self.warm_up_state.items()}
 
     def warm_up(self, modes: tuple[str, ...] = MODES) -> None:
@@ -425,8 +457,8 @@ class EngineService:
             if isinstance(item, _Task):
                 try:
                     item.fn()
-                except Exception:  # capture can wait for first use; serving goes on
-                    log.exception("graph capture at start-up failed")
+                except Exception:  # capture and tuning can wait; serving goes on
+                    log.exception("start-up work on the engine thread failed")
                 finally:
                     item.done.set()
                 continue
@@ -477,10 +509,12 @@ class EngineService:
                     log.exception("a request listener failed")
 
     def _race(self, handles: list[RequestHandle]) -> None:
-        """Replies in different modes (each its own engine and caches), a block each in turn:
-        each runs on a thread of its own, but only the one holding the baton runs, so the
-        GPU's work stays one stream of blocks as the engine thread's own would be. The
-        engine thread waits for all of them."""
+        """Replies in different modes (each its own engine: decoder, draft and graphs), a block
+        each in turn: each runs on a thread of its own, but only the one holding the baton
+        runs, so the GPU's work stays one stream of blocks as the engine thread's own would
+        be. The exact side is one for all modes: at each turn a reply parks its exact state
+        and KV entries and takes them back when its turn comes again. The engine thread waits
+        for all of them."""
         baton = _Baton(len(handles))
 
         def run(racer: int, handle: RequestHandle) -> None:
@@ -491,8 +525,11 @@ class EngineService:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 start = time.perf_counter()
+                parked = self._park(handle) if len(baton.order) > 1 else None
                 baton.pass_on(racer)
                 baton.wait(racer)
+                if parked is not None:
+                    self.exact.unpark(parked)
                 handle.waited += time.perf_counter() - start
 
             baton.wait(racer)
@@ -516,6 +553,16 @@ class EngineService:
             except Exception:  # (each reply's own failure is its error event: _run)
                 log.exception("a race's thread failed")
 
+    def _park(self, handle: RequestHandle):
+        """``handle``'s exact state set aside for another racer's turn: the state and the KV
+        entries up to the furthest position its caches reached, and a block past it (verified
+        mode's next drafts, queued ahead, wrote their KV there)."""
+        decoder = self.engines[handle.mode].decode_graph.cache
+        cache = self.exact.cache
+        reached = max(int(cache.position), int(decoder.position), cache.seen_tokens,
+                      decoder.seen_tokens)
+        return self.exact.park(reached + self.preset.block_size + 2)
+
     def _engine(self, mode: str):
         if mode not in MODES:
             raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -525,8 +572,15 @@ class EngineService:
                                               draft=spec.draft or p.draft,
                                               block_size=p.block_size,
                                               compile_step=p.compile_step,
-                                              prefill_chunk=p.prefill_chunk)
+                                              prefill_chunk=p.prefill_chunk,
+                                              exact=self.exact_side())
         return self.engines[mode]
+
+    def exact_side(self) -> ExactSide:
+        """The exact side every mode's engine shares (unimax.exact), built at first use."""
+        if self.exact is None:
+            self.exact = ExactSide(self.model)
+        return self.exact
 
     def render(self, messages: list[dict], thinking: bool | None = None,
                tools: list[dict] | None = None) -> list[int]:
@@ -638,7 +692,7 @@ class EngineService:
         """A request for log-probabilities, on the exact model's eager forward (logprobs.py):
         the engines' graphs hand back tokens, not distributions. Held to a grammar as well
         (``response_format``), each token's logits are masked before it is chosen. Its cache is
-        its own, but its attention layers borrow the mode's engine's KV buffers (no second
+        its own, but its attention layers borrow the exact side's KV buffers (no second
         max_context buffer for a hybrid): every other request restores or resets its state
         before it runs. It starts from an empty state, on purpose: the prompt's figures must
         come from this prefill. Events: "prompt" (with echo: the prompt's text and entries),
@@ -646,7 +700,7 @@ class EngineService:
         want, settings, prompt = handle.logprobs or LogprobsRequest(), handle.settings, \
             handle.prompt
         constraint = self._constraint(handle)
-        cache = self._engine(handle.mode).exact_cache.empty_like(share_kv=True)
+        cache = self.exact_side().cache.empty_like(share_kv=True)
         started = time.perf_counter()
         handle.emit("started", prefill_tokens=len(prompt), reused_tokens=0,
                     thinking_open=handle.thinking_open)

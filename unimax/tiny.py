@@ -13,6 +13,7 @@ import torch
 from .config import GDNConfig
 from .export import save_checkpoint
 from .model import GDNForCausalLM
+from .ops.choices import cache_folder
 
 TINY_NAME = "tiny-random"
 TINY_VERSION = 3  # bump when the recipe changes, so cached folders are rebuilt
@@ -27,8 +28,7 @@ TINY_CONFIG = GDNConfig(vocab_size=256 + len(SPECIAL_TOKENS), hidden_size=128,
 
 
 def tiny_dir() -> Path:
-    base = Path(os.environ.get("UNIMAX_CACHE", Path.home() / ".cache" / "unimax"))
-    return base / f"{TINY_NAME}-v{TINY_VERSION}"
+    return cache_folder() / f"{TINY_NAME}-v{TINY_VERSION}"
 
 
 def _write_tokenizer(path: Path) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .choices import ChoiceTable
 from .conv import causal_conv1d
 from .decode_step import decay, write_strength
 from .gated_delta import fla_ops
@@ -46,7 +47,7 @@ from .short_recurrence import _pow2
 # all of the block's tokens (up to 64 rows, SHORT_MAX padded) in one program; 4B heads have
 # 8192 channels: 128, 64 or 32 programs. The timed choice picks.
 TILES = ((64, 1), (128, 2), (256, 4))
-CHOICES: dict[tuple, str] = {}  # (pow2(T), conv_dim, H, K, HV, V, dtype, neg) -> a name
+CHOICES = ChoiceTable("block_mixer")  # (pow2(T), conv_dim, H, K, HV, V, dtype, neg) -> name
 
 
 def check(mixed, a, b, conv_state, conv_weight, tape) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..norms import gated_rms_norm_ref, rms_norm_ref
+from .choices import ChoiceTable
 from .gemv import (
     GEMV_TILES,
     MAX_TILES,
@@ -441,7 +442,7 @@ def pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
     return {"PDL": True, "PDL_LATE": pdl_trigger() == "end", "launch_pdl": True}
 
 
-CHOICES: dict[tuple, str] = {}  # (prologue, residual?, M, N, K, weight dtype) -> a kernel
+CHOICES = ChoiceTable("fused_gemv")  # (prologue, residual?, M, N, K, weight dtype) -> kernel
 
 
 # (Optional, not "| None": torch reads the op's schema from these annotations)

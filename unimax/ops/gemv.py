@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from . import choices
 from .timing import graph_us, weight_copies
 
 # Rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS. 32 so that a
@@ -251,7 +252,7 @@ def _pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------
 
-CHOICES: dict[tuple, str] = {}  # (M, N, K, weight dtype) -> "form@tile" (TILES) or "cublas"
+CHOICES = choices.ChoiceTable("gemv")  # (M, N, K, weight dtype) -> "form@tile" or "cublas"
 
 
 TIMING_ERRORS: list[str] = []  # graph timings that failed (then timed call by call): none expected
@@ -314,12 +315,14 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
                  run, weights: tuple = (), keep_default: bool = False) -> str:
     """The fastest of ``names`` for ``key``, timed once and kept in ``table``: ``run(name,
     *weights)`` is one call with that kernel on those tensors (a weight and its scale), timed
-    in a captured graph over copies of them (``_time_us``, ops.timing). Off CUDA, in the
-    interpreter, and for a key first met while a CUDA graph is being captured (it cannot be
-    timed there): ``default``, not kept. Also the fused GEMVs' choice (ops/fused_gemv.py).
-    ``keep_default``: a key first met on CUDA while a graph is being captured keeps
-    ``default`` for good, for a choice that must stay one kernel for every later call
-    (ops.short_recurrence)."""
+    in a captured graph over copies of them (``_time_us``, ops.timing). A choice the shipped
+    table or the disk cache remembers (ops.choices) is taken as is; one they do not, while
+    choices are deferred (the app), takes ``default`` and is timed later, between replies.
+    Off CUDA, in the interpreter, and for a key first met while a CUDA graph is being
+    captured (it cannot be timed there): ``default``, not kept. Also the fused GEMVs' choice
+    (ops/fused_gemv.py). ``keep_default``: a key first met on CUDA while a graph is being
+    captured keeps ``default`` for good, for a choice that must stay one kernel for every later
+    call (ops.short_recurrence)."""
     if key not in table:
         if not on_cuda or _interpreted():
             return default
@@ -329,19 +332,34 @@ def timed_choice(table: dict, key: tuple, names: tuple[str, ...], default: str, 
             return default
         if len(names) == 1:
             table[key] = names[0]
+            return table[key]
+        known = choices.remembered(table, key, names) \
+            if isinstance(table, choices.ChoiceTable) else None
+        if known is not None:
+            table[key] = known
+        elif choices.deferred() and isinstance(table, choices.ChoiceTable):
+            table[key] = default
+            choices.keep_for_later(table, key,
+                                   lambda: _fastest(key, names, default, run, weights))
         else:
-            start = time.perf_counter()
-            copies = weight_copies(weights)
-            times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
-                                    f"{key} {name}")
-                     for name in names}
-            best = min(times, key=times.get)
-            TIMED_US[key] = times
-            TIMING_SPENT["keys"] += 1
-            TIMING_SPENT["candidates"] += len(names)
-            TIMING_SPENT["seconds"] += time.perf_counter() - start
-            table[key] = best if times[best] < math.inf else default  # (none ran: autotuned)
+            table[key] = _fastest(key, names, default, run, weights)
     return table[key]
+
+
+def _fastest(key: tuple, names: tuple[str, ...], default: str, run, weights: tuple) -> str:
+    """``timed_choice``'s timing: each of ``names`` in a captured graph over copies of the
+    weights; ``default`` where none ran."""
+    start = time.perf_counter()
+    copies = weight_copies(weights)
+    times = {name: _time_us(lambda i, name=name: run(name, *copies[i]), len(copies),
+                            f"{key} {name}")
+             for name in names}
+    best = min(times, key=times.get)
+    TIMED_US[key] = times
+    TIMING_SPENT["keys"] += 1
+    TIMING_SPENT["candidates"] += len(names)
+    TIMING_SPENT["seconds"] += time.perf_counter() - start
+    return best if times[best] < math.inf else default  # (none ran: autotuned)
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> str:

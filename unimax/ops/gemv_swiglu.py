@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .choices import ChoiceTable
 from .gemv import (
     GEMV_ROWS,
     TILES,
@@ -36,7 +37,7 @@ from .gemv import (
 )
 
 SWIGLU_EPILOGUE = True  # the verifier view's MLPs run this op (unimax.fast_step)
-CHOICES: dict[tuple, str] = {}  # (M, 2N, K, weight dtype) -> "dot@tile" or "cublas"
+CHOICES = ChoiceTable("gemv_swiglu")  # (M, 2N, K, weight dtype) -> "dot@tile" or "cublas"
 ACT_BLOCK = 1024  # swiglu_act's columns per program
 
 

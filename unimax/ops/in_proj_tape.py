@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import block_mixer
+from .choices import ChoiceTable
 from .gemv import (
     GEMV_ROWS,
     PROGRAM_ROWS,
@@ -49,7 +50,7 @@ from .gemv import (
 # 3.540 against 3.559 at 4B.
 # The per-shape timed choice still keeps "apart" wherever that is faster.
 TAPE_EPILOGUE = True
-CHOICES: dict[tuple, str] = {}  # (M, K, N, conv_dim, dtype, neg_eigval) -> a name
+CHOICES = ChoiceTable("in_proj_tape")  # (M, K, N, conv_dim, dtype, neg_eigval) -> a name
 
 
 def split(y: torch.Tensor, conv_dim: int, value_dim: int) -> tuple[torch.Tensor, ...]:

@@ -32,13 +32,14 @@ from typing import Optional
 
 import torch
 
+from .choices import ChoiceTable
 from .fused_gemv import PROLOGUES, _head, check, check_conv, pdl_launch, prologue_ref
 from .gemv import _interpreted, tile_text, timed_choice
 from .in_proj_conv import check_beta, conv_and_beta_ref
 from .int4_gemv import _tile, check_storage, int4_linear_ref, tiles_for
 
 PRE_BLOCK = 1024  # a prologue program's slice of x (at least one head)
-CHOICES: dict[tuple, str] = {}  # (prologue, residual?, conv?, N, K, group) -> tile text
+CHOICES = ChoiceTable("int4_fused")  # (prologue, residual?, conv?, N, K, group) -> tile text
 
 
 def int4_fused_ref(x, packed, scale, prologue: str, norm_weight=None, z=None, residual=None,

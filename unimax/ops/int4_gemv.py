@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from .choices import ChoiceTable
 from .gemv import _interpreted, tile_text, timed_choice
 from .int4_format import dequantize_packed
 
@@ -30,7 +31,7 @@ from .int4_format import dequantize_packed
 # K and is a multiple of its group.
 INT4_TILES = ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 4),
               (64, 256, 8), (32, 128, 4), (8, 128, 4))
-CHOICES: dict[tuple, str] = {}  # (N, K, group) -> tile text
+CHOICES = ChoiceTable("int4_gemv")  # (N, K, group) -> tile text
 
 
 def rounded_x(x: torch.Tensor) -> torch.Tensor:

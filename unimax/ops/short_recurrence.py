@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from .choices import ChoiceTable
 from .fla import fla_ops, fla_run
 from .gated_delta_ref import recurrent_gated_delta_rule_ref
 from .gemv import _interpreted, timed_choice
@@ -68,7 +69,7 @@ SHORT_MAX = 33
 # at short@4x1x8 (0.8B heads) and 9.6-10.7 against 8.1 (4B heads); faster only for the
 # 32-layer rewind (105 against 120 us at 4B heads), which must share the block's setting.
 TILES = ((4, 1, 16), (8, 1, 16), (16, 1, 16), (4, 1, 8), (8, 1, 8), (4, 1, 4), (8, 1, 4))
-CHOICES: dict[tuple, str] = {}  # (H, K, HV, V, dtype, no state?) -> a name
+CHOICES = ChoiceTable("short_recurrence")  # (H, K, HV, V, dtype, no state?) -> a name
 DEFAULT = "short@8x1x16"
 
 
