@@ -130,6 +130,7 @@ def main(argv=None) -> int:
               "fine for a smoke run, slow for real models)", flush=True)
     import uvicorn
 
+    from unimax.memory import MemoryPlanError
     from unimax.ops.choices import use_cache_folder
     from unimax.service import EngineService
 
@@ -138,12 +139,17 @@ def main(argv=None) -> int:
     start = step(f"loading {preset.model} (preset {preset.name})…")
     try:
         service = EngineService(preset)
+    except MemoryPlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"error: could not load the model: {err}", file=sys.stderr)
         return 2
     cfg = service.model.config
     step(f"loaded {cfg.num_hidden_layers} GDN layers, hidden {cfg.hidden_size}, vocab "
          f"{cfg.vocab_size} on {service.device} in {time.perf_counter() - start:.1f} s")
+    if service.memory_plan:
+        step("GPU memory plan:\n" + service.memory_said())
     service.start()
     app = build_app(service, api_only=args.api_only, access=access)
     if not args.no_warm_up:
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
                    "or more per mode"
         step(f"warming up every mode, {preset.mode} first, while serving ({what}); a reply "
              "sent meanwhile waits for it, and each mode serves at full speed once ready")
-        service.warm_up_in_background(on_done=warmed_up, on_ready=ready_bar(start))
+        service.warm_up_in_background(on_done=warmed_up(service), on_ready=ready_bar(start))
     url = f"http://{args.host}:{args.port}"
     step(f"serving on {url}" + ("" if args.api_only else " (the page)") +
          f"; OpenAI API at {url}/v1")
@@ -174,12 +180,20 @@ def ready_bar(start: float):
     return on_ready
 
 
-def warmed_up(seconds: float, error: str | None) -> None:
-    if error:
-        print(f"[unimax] warm-up failed ({error}); that mode compiles and captures on first "
-              f"use instead (warm-up ended after {seconds:.1f} s)", file=sys.stderr, flush=True)
-    else:
-        step(f"warm-up done in {seconds:.1f} s: every mode ready")
+def warmed_up(service):
+    """on_done for the warm-up: says how it ended, and the GPU memory it measured."""
+    def on_done(seconds: float, error: str | None) -> None:
+        if error:
+            print(f"[unimax] warm-up failed ({error}); that mode compiles and captures on "
+                  f"first use instead (warm-up ended after {seconds:.1f} s)", file=sys.stderr,
+                  flush=True)
+        else:
+            step(f"warm-up done in {seconds:.1f} s: every mode ready")
+        said = service.memory_said(after_warm_up=True)
+        if said:
+            step(said)
+
+    return on_done
 
 
 def build_app(service, api_only: bool = False, access: Access | None = None):

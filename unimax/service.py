@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from . import logprobs
+from . import logprobs, memory
 from .build import build_engine
 from .chat import check_messages, check_text, encode_chat, encode_text, history_end, stop_ids
 from .checkpoint import load_model, load_tokenizer
@@ -175,6 +175,12 @@ class EngineService:
             preset.model, device=device, dtype=preset.dtype, max_context=preset.max_context)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(preset.model)
         self.device = self.model.device
+        # what the preset's parts take on the GPU (unimax.memory), refused here if it cannot fit
+        self.memory_plan = memory.plan(self.model, preset) if self.device.type == "cuda" \
+            else []
+        if self.memory_plan:
+            with torch.cuda.device(self.device):
+                memory.check(self.memory_plan, memory.capacity())
         self.engines: dict[str, object] = {}
         self.exact: ExactSide | None = None  # (exact_side)
         self.store = StateStore(preset.state_memory_mib * 2**20,
@@ -282,6 +288,18 @@ class EngineService:
         with self.stats_lock:
             self.warm_up_state["tuning"] = 0
         return timed
+
+    def memory_said(self, after_warm_up: bool = False) -> str:
+        """The memory plan against the card (unimax.memory), and after the warm-up what it
+        measured; empty off CUDA."""
+        if not self.memory_plan:
+            return ""
+        with torch.cuda.device(self.device):
+            text = memory.describe(self.memory_plan, memory.capacity())
+            if after_warm_up:
+                kept = int(self.store.usage()["gpu_mib"] * 2**20)
+                text = memory.measured(self.memory_plan, kept)
+        return text
 
     def warming_mode(self) -> str | None:
         """The mode a background warm-up is on now, or None."""
