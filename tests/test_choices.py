@@ -31,9 +31,11 @@ def timing(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIMAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(choices, "SHIPPED", tmp_path / "shipped")
     monkeypatch.setattr(choices, "PENDING", [])
+    was = choices.deferred()  # (the app's tests in this process may have deferred them)
+    choices.defer(False)
     choices.forget_known()
     yield calls
-    choices.defer(False)
+    choices.defer(was)
     choices.forget_known()
 
 
