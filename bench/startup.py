@@ -61,7 +61,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         model = None
         if args.shape:
-            from service_ttft import random_model_folder
+            from ttft import random_model_folder
 
             model = stack.enter_context(random_model_folder(args.shape))
         cache = args.cache or Path(stack.enter_context(tempfile.TemporaryDirectory()))

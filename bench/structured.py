@@ -18,7 +18,7 @@ turns, unimax.held.HostTurns, as before the fifty-ninth session, which drafted w
 steps were faster). Verified rows say how many tokens were drafted and what the held host
 turns had learned (ms a draft / a step). Runs on the CPU too, where the figures are the CPU's.
 ``--shape``: the preset served with random weights of a bench/shapes.py hybrid shape (as
-bench/service_ttft.py serves them): where a step is bandwidth-bound, as on an L4, the
+lab-benches:bench/service_ttft.py serves them): where a step is bandwidth-bound, as on an L4, the
 per-token host work of a held reply (the grammar's mask, the sync) weighs less than on the
 launch-bound demo model.
 """
@@ -73,7 +73,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         preset = load_preset(args.preset)
         if args.shape:
-            from service_ttft import random_model_folder
+            from ttft import random_model_folder
 
             preset = dataclasses.replace(
                 preset, model=stack.enter_context(random_model_folder(args.shape)))

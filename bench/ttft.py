@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -218,6 +219,18 @@ def save_random_qwen(cfg, folder: str, device: str = "cuda") -> None:
     with torch.device(device):
         written = Qwen3_5ForCausalLM(transformers_config(cfg)).to(torch.bfloat16)
     written.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def random_model_folder(shape: str):
+    """A folder holding random weights of ``shape`` (transformers' Qwen3_5ForCausalLM, saved as
+    a user's download is) and the demo model's tokenizer files."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "unimax-demo"
+    with tempfile.TemporaryDirectory() as folder:
+        save_random_qwen(SHAPES[shape], folder, "cuda" if torch.cuda.is_available() else "cpu")
+        for name in ("tokenizer.model", "tokenizer_config.json"):
+            shutil.copy(demo / name, folder)
+        yield folder
 
 
 def bench_shape(shape: str, lengths: list[int], repeats: int, variants: list[str] = ()

@@ -1,5 +1,5 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused full-FP8 draft (unimax.fused_draft) and the
-fused BF16 fast step. A file of its own so that bench/gpu_tests.sh runs it in a process beside
+fused BF16 fast step. A file of its own so that tests/gpu.sh runs it in a process beside
 the other GPU test files (together they pass one call's 10 minutes); its compiled engines in
 test_gpu_fused_engine.py, for the same reason."""
 
@@ -91,7 +91,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
         lambda x, weight, scale, norm, state, conv_w: fused_in_proj_conv(
             x, weight, scale, 12352, 2560, norm, 1e-6, 1.0, state, conv_w), gen, "op")
 
-    print("twins checked; now the draft views")  # (the log's time marks: gpu_tests.sh)
+    print("twins checked; now the draft views")  # (the log's time marks: tests/gpu.sh)
     # In fp32 the fused view computes the unfused view's logits (up to the FP16 products' order,
     # bench/fused_accuracy.py: 0.0000 with fp32 products everywhere, 7e-4 with FP16). In BF16
     # the two round in different places (sums in other orders, sigmoid(b) unrounded) and on

@@ -1,7 +1,7 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a hybrid model's graphs and verified decoding, the
 tape rewind with fla's kernel, the verifier's attention on the tensor cores. Split from
 tests/test_gpu_verified.py (the two together ran past one device call's 560 s per file on the
-H200, fifteenth session) so that bench/gpu_tests.sh runs them side by side."""
+H200, fifteenth session) so that tests/gpu.sh runs them side by side."""
 
 import pytest
 import torch

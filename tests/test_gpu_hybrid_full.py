@@ -1,7 +1,7 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a hybrid model's verified decoding with the full-FP8
 draft, captured graphs against eager. A file of its own, split from tests/test_gpu_hybrid.py
 (that test took 487 s of a process's 560 with both drafts, twenty-third session), so that
-bench/gpu_tests.sh runs it side by side."""
+tests/gpu.sh runs it side by side."""
 
 import pytest
 from test_gpu_hybrid import assert_verified_graphs_match_eager, hybrid_model

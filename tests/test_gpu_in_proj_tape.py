@@ -2,7 +2,7 @@
 block's in-projection with the tape in its epilogue (unimax.ops.in_proj_tape) at a 4B layer's
 shape against the plain GEMM and the tape's kernel, bit for bit; and the compiled verifier with
 it on (in_proj_tape.TAPE_EPILOGUE) decoding exact greedy. A file of its own so that
-bench/gpu_tests.sh runs it in a process of its own."""
+tests/gpu.sh runs it in a process of its own."""
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ tape as one kernel (unimax.ops.block_mixer) against its twin; the split-K tensor
 for its narrow linears (unimax.ops.gemv's "dotsplit"); its gate-up GEMM with SwiGLU in the
 epilogue (unimax.ops.gemv_swiglu); the one-token in-projection with beta in its epilogue
 (unimax.ops.in_proj_conv). A file of its own: Triton
-compiles every launch setting, and bench/gpu_tests.sh runs each file in parallel."""
+compiles every launch setting, and tests/gpu.sh runs each file in parallel."""
 
 import itertools
 

@@ -4,7 +4,7 @@ and its graphs captured as app.py does at start-up), on the shipped demo model: 
 answers, and verified replies are the exact model's greedy tokens (up to BF16 near-ties): under
 the shipped draft-length policy (which may judge exact runs faster) and with every block drafting,
 most drafts accepted. The other GPU tests build engines directly; this is what app.py serves.
-A file of its own, so that bench/gpu_tests.sh runs it in a process beside the others."""
+A file of its own, so that tests/gpu.sh runs it in a process beside the others."""
 
 import dataclasses
 import time

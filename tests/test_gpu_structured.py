@@ -28,7 +28,7 @@ def test_structured_output_on_gpu(mode, runs):
     """``runs``: verified mode's policy calibrated with a host turn per draft dearer than a
     step (engine.held_host), so the reply takes exact runs of held steps, no drafts."""
     require_fla()
-    pytest.importorskip("xgrammar")  # carried in .whl (see bench/gpu_tests.sh)
+    pytest.importorskip("xgrammar")  # carried in .whl (see tests/gpu.sh)
 
     service = EngineService(Preset(model=str(DEMO), device="cuda")).start()
     try:

@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused GEMVs' TMA forms and their programmatic
 dependent launches (unimax.ops.fused_gemv). A file of its own, beside tests/test_gpu_fused.py,
-so that bench/gpu_tests.sh runs it in a process of its own (seventeenth session: the two tests
+so that tests/gpu.sh runs it in a process of its own (seventeenth session: the two tests
 in one file ran past its 560 s; twenty-third session: the PDL test, then in
 tests/test_gpu_engine.py, was cut there at 560 s)."""
 
