@@ -120,3 +120,39 @@ def test_the_service_tunes_deferred_choices_on_its_engine_thread_between_replies
         assert all(choose(fresh, key=(m, 64, 32, "bf16")) == "rows@b" for m in range(3))
     finally:
         svc.stop()
+
+
+def test_a_pdl_choice_is_remembered_and_then_captured_alone(timing, monkeypatch):
+    """PDL "auto"'s choice (unimax.graph.timed_pdl_choice): timed by capturing each setting,
+    written to the disk cache while choices are deferred (the app), and at the next start the
+    remembered setting is the only one captured."""
+    from unimax import graph
+
+    monkeypatch.setattr(graph.fused_gemv, "auto_triggers", lambda: ("start", "end"))
+    ms = {(False, "start"): 5.0, ("fp8", "start"): 4.0, ("fp8", "end"): 4.5}
+
+    class Runner:
+        def __init__(self):
+            self.graphs, self.replay_ms, self.captured = {}, {}, []
+
+        def forget(self, key):
+            self.graphs.pop(key, None)
+            self.replay_ms.pop(key, None)
+
+    def capture_into(runner):
+        def capture(setting, trigger):
+            runner.captured.append((setting, trigger))
+            runner.graphs["block"] = f"graph {setting} {trigger}"
+            runner.replay_ms["block"] = ms[setting, trigger]
+        return capture
+
+    choices.defer()
+    signature = ("decoder", "full", 32, 2560)
+    runner = Runner()
+    kept = graph.timed_pdl_choice(runner, "block", "fp8", capture_into(runner), signature)
+    assert kept[:2] == ("fp8", "start") and len(runner.captured) == 3
+    assert runner.graphs["block"] == "graph fp8 start"
+    choices.forget_known()  # the next start
+    again = Runner()
+    kept = graph.timed_pdl_choice(again, "block", "fp8", capture_into(again), signature)
+    assert kept == ("fp8", "start", {}) and again.captured == [("fp8", "start")]

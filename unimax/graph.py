@@ -16,7 +16,8 @@ import torch
 
 from .cache import RecurrentCache, copy_cache_
 from .held import TokenToHost, choose, logits_buffer
-from .ops import fused_gemv
+from .ops import choices, fused_gemv
+from .ops.choices import ChoiceTable
 from .ops.gated_delta import fla_ops
 from .ops.timing import gc_paused, median_replay_ms
 from .sampling import SamplingParams, sample_from_logits, sample_with_probs
@@ -157,17 +158,39 @@ def pdl_timable(candidate: bool | str, runner: GraphRunner) -> bool:
         fused_gemv.PDL == "auto" and fused_gemv.pdl_possible(runner.device)
 
 
+# PDL "auto"'s choices by (owner, pdl_signature), remembered as the kernel choices are
+PDL_CHOICES = ChoiceTable("pdl")
+
+
+def pdl_signature(model, block_size: int) -> tuple:
+    """What a PDL choice depends on beyond the card: the view (exact or quantized) and its
+    shape, and the block's length."""
+    cfg = model.config
+    return (getattr(model, "quantized", "bf16"), cfg.num_hidden_layers, cfg.hidden_size,
+            cfg.intermediate_size, cfg.vocab_size, cfg.num_v_heads, cfg.head_v_dim,
+            tuple(cfg.layer_types or ()), block_size)
+
+
 def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
-                     capture: Callable[[bool | str, str], None]) -> tuple[bool | str, str, dict]:
+                     capture: Callable[[bool | str, str], None],
+                     remember_as: tuple | None = None) -> tuple[bool | str, str, dict]:
     """PDL "auto"'s choice for one owner of graphs (a decoder, the verifier): ``capture(s,
     t)`` captures ``key`` into ``runner`` with its blocks in setting s, signalled at trigger t;
     captured plain and then in ``candidate`` at each of ``fused_gemv.auto_triggers()``, the
     fastest graph stays under ``key`` with its time (a tie, or a time that could not be
     taken, keeps the earlier: plain launches first). Returns (the setting kept, its trigger,
-    each timed setting's ms by ``fused_gemv.pdl_label``)."""
+    each timed setting's ms by ``fused_gemv.pdl_label``). ``remember_as``: the choice's key in
+    the remembered choices (ops.choices): one known there is captured alone, untimed; one timed
+    while choices are deferred (the app) is written to the disk cache for the next start."""
+    settings = [(False, "start")] + [(candidate, t) for t in fused_gemv.auto_triggers()]
+    if remember_as is not None:
+        known = choices.remembered(PDL_CHOICES, remember_as, settings)
+        if known is not None:
+            runner.forget(key)
+            capture(*known)
+            return *known, {}
     found = {}
-    for setting, trigger in [(False, "start")] + [(candidate, t)
-                                                  for t in fused_gemv.auto_triggers()]:
+    for setting, trigger in settings:
         runner.forget(key)
         capture(setting, trigger)
         found[setting, trigger] = (runner.graphs[key], runner.replay_ms.get(key))
@@ -177,6 +200,8 @@ def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
     runner.graphs[key] = found[kept][0]
     if times[kept] is not None:
         runner.replay_ms[key] = times[kept]
+    if remember_as is not None and choices.deferred():
+        choices.remember([(PDL_CHOICES, remember_as, kept)])
     return *kept, {fused_gemv.pdl_label(*choice): ms for choice, ms in times.items()}
 
 
@@ -322,8 +347,9 @@ class MaxTurboGraphDecoder:
             self.runner.prepare(key, lambda: self._block(self.block_size, False),
                                 writes=[self.cache], buffers=self._buffers(False))
 
-        self.pdl, self.pdl_trigger, self.pdl_ms = timed_pdl_choice(self.runner, key, candidate,
-                                                                   capture)
+        self.pdl, self.pdl_trigger, self.pdl_ms = timed_pdl_choice(
+            self.runner, key, candidate, capture,
+            ("decoder",) + pdl_signature(self.model, self.block_size))
 
     @torch.inference_mode()
     def capture_blocks(self, sampled: bool = False, record: bool = False) -> None:

@@ -38,7 +38,13 @@ import torch
 
 from .attention import kernel_attends
 from .cache import CacheCopier, RecurrentCache
-from .graph import GraphRunner, MaxTurboGraphDecoder, pdl_timable, timed_pdl_choice
+from .graph import (
+    GraphRunner,
+    MaxTurboGraphDecoder,
+    pdl_signature,
+    pdl_timable,
+    timed_pdl_choice,
+)
 from .held import TokenToHost, choose, logits_buffer
 from .ops import fused_gemv
 from .ops.gated_delta import fla_ops
@@ -451,11 +457,14 @@ class Verifier:
             self.pdl_run, self.pdl_run_trigger = setting, trigger
             capture(self.run_key(k, window, False), lambda: self._exact_steps(k))
 
+        signature = pdl_signature(self.model, k)
         self.pdl, self.pdl_trigger, self.pdl_ms = timed_pdl_choice(
-            self.runner, self.graph_key(k, span, window, False), True, capture_block)
+            self.runner, self.graph_key(k, span, window, False), True, capture_block,
+            ("verify",) + signature)
         if k > 1:  # (exact runs are 2..block_size steps)
             self.pdl_run, self.pdl_run_trigger, self.pdl_run_ms = timed_pdl_choice(
-                self.runner, self.run_key(k, window, False), True, capture_run)
+                self.runner, self.run_key(k, window, False), True, capture_run,
+                ("exact run",) + signature)
 
     @staticmethod
     def graph_key(k: int, span: int, window, sampled: bool, masked: bool = False):
