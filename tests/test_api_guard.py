@@ -94,7 +94,9 @@ def test_a_large_schema_neither_freezes_the_server_nor_compiles_for_minutes(api_
         waits.append(time.perf_counter() - start)
         time.sleep(0.05)
     assert done["r"].status_code == 200, done["r"].text
-    assert len(waits) >= 3 and max(waits) < 0.5, waits
+    # (a compile on the event loop held /health for seconds; on a CI machine whose cores other
+    # tests keep busy one reply took 0.68 s with the loop free)
+    assert len(waits) >= 3 and max(waits) < 2.0, waits
 
 
 def test_a_slow_grammar_is_refused_after_its_time():
