@@ -417,6 +417,24 @@ def upload(page, path):
     chooser.value.set_files(str(path))
 
 
+def open_past_chats(page, count: int):
+    """The past-chats list opened with ``count`` chats in it: a chat is listed once its reply
+    has ended and the page has kept it, which on a busy machine comes after the status says
+    so, and a list opened before it keeps its old entries: closed and opened again."""
+    options = page.locator("ul[role=listbox] li")
+
+    def listed():
+        page.click("#past-chats input")
+        if options.count() == count:
+            return True
+        page.keyboard.press("Escape")
+        time.sleep(0.3)
+        return False
+
+    wait_for(listed, timeout=60, show=lambda: options.all_inner_texts())
+    return options
+
+
 def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
     """A reload lost the chat: now the chat comes back, earlier chats are listed and can be
     opened again, and an exported chat can be imported."""
@@ -441,10 +459,7 @@ def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
     wait_for(lambda: len(bot_text(page)) > 0)
     page.click("#stop")
     wait_for(lambda: "Stopped" in page.inner_text("#status"))
-    time.sleep(1)
-    page.click("#past-chats input")
-    options = page.locator("ul[role=listbox] li")
-    wait_for(lambda: options.count() == 2)
+    options = open_past_chats(page, 2)
     assert "Second chat question" in options.nth(0).inner_text()
     options.nth(1).click()  # the first chat again
     wait_for(lambda: page.locator("#chatbot [data-testid='user']").count() == 1 and
@@ -457,8 +472,7 @@ def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
     upload(page, exported)
     wait_for(lambda: "Imported 2 messages" in page.inner_text("#status"), show=status_of(page))
     assert bot_text(page) == "Imported answer"
-    page.click("#past-chats input")
-    wait_for(lambda: options.count() == 3)
+    open_past_chats(page, 3)
     page.keyboard.press("Escape")
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
@@ -466,8 +480,7 @@ def test_chats_are_kept_across_reloads_listed_and_imported(page, tmp_path):
     wait_for(lambda: "Not imported" in page.inner_text("#status"), show=status_of(page))
     page.click("#clear")  # Clear forgets the chat it empties
     wait_for(lambda: "Cleared" in page.inner_text("#status"))
-    page.click("#past-chats input")
-    wait_for(lambda: options.count() == 2)
+    options = open_past_chats(page, 2)
     page.keyboard.press("Escape")
 
 
