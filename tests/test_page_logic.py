@@ -320,3 +320,17 @@ def test_kept_chats_survive_what_a_browser_may_hold(tmp_path):
         bad.write_text(text, encoding="latin-1")
         with pytest.raises(chats.NotAChat):
             chats.imported(bad)
+
+
+def test_the_panels_show_the_start_up_while_it_runs():
+    from ui.panels import warm_up_line
+
+    state = {"running": "bf16", "ready": ["fp8"], "pending": ["verified"], "error": None,
+             "seconds": {"fp8": 41.6}, "tuning": 0}
+    assert warm_up_line(state) == \
+        "_Start-up: fp8 ready (42 s) · bf16 warming up · verified waiting._\n\n"
+    done = {**state, "running": None, "ready": ["fp8", "bf16", "verified"], "pending": []}
+    assert warm_up_line({**done, "tuning": 12}).startswith(
+        "_Start-up: every mode ready; timing 12 kernel choices")
+    assert warm_up_line(done) == ""
+    assert warm_up_line({"running": None, "ready": [], "pending": [], "error": None}) == ""

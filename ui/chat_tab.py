@@ -21,7 +21,7 @@ from unimax.service import EngineService
 from unimax.settings import GenerationSettings
 
 from .display import raw
-from .panels import curve_svg, panel_markdown
+from .panels import curve_svg, panel_markdown, warm_up_line
 from .sessions import Sessions, stream
 
 
@@ -246,7 +246,8 @@ class ChatTab:
 
     def panels(self, request: gr.Request):
         stats = self.sessions.get_stats(request.session_hash)
-        return panel_markdown(stats), curve_svg(stats)
+        return (warm_up_line(self.service.warm_up_snapshot()) + panel_markdown(stats),
+                curve_svg(stats))
 
 
 THINKING = "Thinking"  # the folded reasoning message's title

@@ -44,6 +44,21 @@ def panel_markdown(stats: dict | None) -> str:
     return "\n".join(lines)
 
 
+def warm_up_line(state: dict) -> str:
+    """The start-up's progress while it runs (EngineService.warm_up_snapshot), for the top of
+    the panels: each mode ready (seconds after the warm-up began), warming up, or waiting;
+    then the kernel choices still being timed; empty once all is done."""
+    ready = [f"{mode} ready ({state.get('seconds', {}).get(mode, 0):.0f} s)"
+             for mode in state.get("ready", [])]
+    running = [f"{state['running']} warming up"] if state.get("running") else []
+    waiting = [f"{mode} waiting" for mode in state.get("pending", [])]
+    if not running and not waiting:
+        left = state.get("tuning") or 0
+        return f"_Start-up: every mode ready; timing {left} kernel choices for the next " \
+               "start, between replies._\n\n" if left else ""
+    return "_Start-up: " + " · ".join(ready + running + waiting) + "._\n\n"
+
+
 def nice_ceiling(value: float) -> float:
     """The smallest of 1, 2, 2.5, 5 x 10^n at or above ``value`` (an axis end)."""
     if value <= 0:
