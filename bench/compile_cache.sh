@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Carry Triton's and inductor's compile caches from one device call to the next.
 #
-# Why: every device call starts on a bare machine, and most of a cold call is compiling: the
-# twenty-seventh session's gdn-4b block-16 run spent ~380 s of its 470 before its first
+# Why: every device call starts on a bare machine, and most of a cold call is compiling: a
+# gdn-4b block-16 run spent ~380 s of its 470 before its first
 # verified row (fla's autotuned prompt kernels, our kernels' timed candidates, inductor's
 # graphs), while the same kind of run on a machine still warm from the call before took 195 s
 # in all. Both caches are keyed by content (kernel source, options, versions, the GPU), so an
@@ -15,8 +15,8 @@
 #
 # A cache per kind of call (GPUCACHE names the folder, as .gitignore's .gpucache*/): the GPU
 # suite's kernels are the tests' tiny shapes, of no use to a 4B bench, whose own (fla's and
-# our kernels at the 4B shapes, inductor's 4B graphs) a cold call spends minutes on (fifty-
-# eighth session: the reference 139 s, each engine's warm-up 134-141 s, on an H100 with the
+# our kernels at the 4B shapes, inductor's 4B graphs) a cold call spends minutes on (the
+# reference 139 s, each engine's warm-up 134-141 s, on an H100 with the
 # suite's cache loaded). Both together pass the carry's 64 MiB. So a 4B bench call clears, loads
 # its own and saves after the bench, even one cut by its timeout, into .gpucache-4b:
 #   bash bench/compile_cache.sh clear; GPUCACHE=.gpucache-4b bash bench/compile_cache.sh load

@@ -10,11 +10,11 @@ Each mode is warmed up first as the app does (graphs captured, the held steps' f
 choice among them), then one held reply (the grammar compiled); the figures are the medians of
 --repeats fresh conversations. Held replies run through the graphs with the engine's defaults,
 then with each switch off: ``held_ahead`` (each token's forward queued before the host reads
-the token, unimax.held; off, "one at a time": the host's turn between the GPU's steps, as
-before the fifty-eighth session) and in verified mode ``held_drafts`` (drafts under the
+the token, unimax.held; off, "one at a time": the host's turn between the GPU's steps, the
+plain loop) and in verified mode ``held_drafts`` (drafts under the
 grammar, each block verified against its masks; off, "exact steps": one exact step a token,
 as before), and ``held_host`` ("drafts unpriced": the draft-length policy without the host's
-turns, unimax.held.HostTurns, as before the fifty-ninth session, which drafted where exact
+turns, unimax.held.HostTurns: it drafted where exact
 steps were faster). Verified rows say how many tokens were drafted and what the held host
 turns had learned (ms a draft / a step). Runs on the CPU too, where the figures are the CPU's.
 ``--shape``: the preset served with random weights of a bench/shapes.py hybrid shape (as

@@ -120,7 +120,7 @@ SWITCH_ABS = (
              "a second verified engine with a compiled verify forward of 5 rows for blocks of "
              "up to 4 drafts as well (unimax.verifier.SHORTEST_SPAN_BLOCK 4; 8 by default: "
              "such blocks run the 9-row forward, padded). Under the app's policy at forced 0.95 "
-             "it drafts 4-5 a block (mean k 4.49 at 4B, fifty-sixth session), where a forward "
+             "it drafts 4-5 a block (mean k 4.49 at 4B), where a forward "
              "costs about its rows; the policy's cost model gives +1.8%% if 5 rows cost 1.15 "
              "BF16 steps against 9 rows' 1.227. Use with --adaptive-only: its policy costs "
              "(policy_costs_ms_span4) hold the 5-row block's time"),
@@ -195,7 +195,7 @@ class ForcedDrafts:
             # here, or, pipelined, the block was drafted before the last resync): its
             # rejection is the bench's, not the rate's. Its time counts; its evidence is taken
             # back from the draft-length policy, which would otherwise fall to k = 0 after a
-            # near tie at "acceptance 1.0" (twenty-seventh session: mean k 0.12 at 1.0).
+            # near tie at "acceptance 1.0" (mean k 0.12 at 1.0).
             for name, value in zip(EVIDENCE, self.before, strict=True):
                 setattr(policy, name, value)
             self.shielded += 1
@@ -207,7 +207,7 @@ class ForcedDrafts:
             prefix = torch.tensor([self.reply], device=self.ids.device)
             # whole blocks only after the first token: each shorter last block would be a graph
             # captured (and its step run eagerly first) in the middle of the row, seconds at 4B
-            # (twenty-eighth session: a 4B adaptive row at 1.0 took 28 s for 5 resyncs, and
+            # (a 4B adaptive row at 1.0 took 28 s for 5 resyncs, and
             # the next row's 16 patterns did not finish within the call)
             count = self.new + 16 - len(self.reply)
             count += -(count - 1) % self.bf16.block_size
@@ -299,7 +299,7 @@ def pooled_row(name, results, natural, weight_bytes, bandwidth, reference, model
     rejections summed; exactness the first run's (each replays the natural stream:
     ``same_as_natural`` says whether all did); each seed's tok/s beside. Why: one 128-token
     pattern at 0.95 holds ~6 wrong positions give or take 2.5, and where they fall moves the
-    row by ~10% (twenty-fifth session: seed 0's pattern had 5 in 128 and 4 rejections, and
+    row by ~10% (seed 0's pattern had 5 in 128 and 4 rejections, and
     its 1.25x BF16-only at k = 8 sat well above the ~1.1-1.15x that independent rejections
     at 0.95 give in bench/draft_policy.py's simulation with the same run's costs)."""
     row = row_of(name, results[0], weight_bytes, bandwidth, reference, model, ids)
@@ -331,10 +331,10 @@ def exact_parts(verifier, k: int, window, parts: dict, suffix: str = "") -> None
     ``parts`` (keys ending in ``suffix``): one exact step as a block of its own (snapshot,
     forward, resync) and, per step, an exact run of k steps in one graph, both captured here
     in the KV bucket ``window`` (the verifier's cache must hold a reply). BF16-only's step is
-    the mark: at a low acceptance verified mode should cost what it does (twenty-fourth
-    session: the adaptive rows at the random weights' own acceptance ran at 0.94x BF16-only,
-    the k = 0 block at 2.80 ms against BF16's 2.67; twenty-fifth: an exact run 1.026 BF16
-    steps a token, the exact view's own sigmoid(b) kernel per layer the one kernel more)."""
+    the mark: at a low acceptance verified mode should cost what it does (the adaptive rows at
+    the random weights' own acceptance ran at 0.94x BF16-only, the k = 0 block at 2.80 ms
+    against BF16's 2.67; later an exact run 1.026 BF16 steps a token, the exact view's own
+    sigmoid(b) kernel per layer the one kernel more)."""
     writes = [verifier.cache, verifier.snapshot, verifier.draft_cache]
     with verifier.cache.attending(window):
         verifier.runner.prepare(verifier.graph_key(0, 1, window, False),
@@ -428,7 +428,7 @@ def bench_shape(shape, args, bandwidth) -> dict:
         at 1.0, where none corrupts) the best of two runs, after a warm-up; pooled_row.
         ``draft`` names the engine's draft format in the label."""
         results, resyncs, shielded = [], [], []  # per pattern: a row's near-tie resyncs
-        # may fall in one pattern (fiftieth session: 4B at 0.8, 51 over 4 patterns, one at
+        # may fall in one pattern (4B at 0.8, 51 over 4 patterns, one at
         # 0.85x beside 0.96-0.98x, and no way to tell where they fell)
         for seed in range(1 if rate >= 1.0 else args.seeds):
             # each pattern starts from the stream the last one left (its resyncs' corrections
@@ -720,13 +720,11 @@ def main() -> None:
                         help="with --pdl: where each program lets the next kernel launch "
                              "(unimax.ops.fused_gemv.PDL_TRIGGER): auto (the default, as the "
                              "app): --pdl auto times both, 'all' and 'fp8' signal at the start; "
-                             "start or end: there only (before the thirty-sixth session every "
-                             "run was 'start')")
+                             "start or end: there only")
     parser.add_argument("--seeds", type=int, default=16,
                         help="corruption patterns per forced rate below 1.0, pooled into its "
-                             "row (seed 0 alone was the rows before the twenty-fifth session; "
-                             "four patterns at k = 8 had 17 rejections where 22.9 are expected, "
-                             "twenty-seventh; a 4B forced run takes ~0.3 s)")
+                             "row (one pattern alone misleads: four at k = 8 had 17 rejections "
+                             "where 22.9 are expected; a 4B forced run takes ~0.3 s)")
     parser.add_argument("--adaptive-only", action="store_true",
                         help="only the adaptive rows (the fixed-k rows' forced runs skipped)")
     parser.add_argument("--probe-every", type=int, nargs="*", default=[], metavar="N",

@@ -108,7 +108,7 @@ def test_probes_after_a_run_of_exact_steps_and_recovers():
 def test_failed_probes_space_out_the_next_up_to_a_cap():
     """Poor drafts: each failed probe doubles the run of exact steps before the next, up to
     probe_every_max, so a reply whose drafts never agree pays one draft step per ever longer
-    run (simulated at the H200's Qwen3.5-0.8B costs, bench/RESULTS.md forty-eighth session:
+    run (simulated at the H200's Qwen3.5-0.8B costs, bench/RESULTS.md:
     0.897 -> 0.949x BF16-only at acceptance 0.8). forget() starts over."""
     p = policy(probe_every=4, probe_every_max=32)
     for _ in range(50):
@@ -141,7 +141,7 @@ def test_a_replys_last_token_does_not_restart_the_count_to_a_probe():
 
 
 def test_a_fresh_policy_drafts_from_its_first_block():
-    """At the H200's measured 4B costs in BF16 steps (bench/RESULTS.md, fourth session: draft
+    """At the H200's measured 4B costs in BF16 steps (bench/RESULTS.md: draft
     step 0.655, a padded verify 1.25 for every k >= 1, an exact step through the verifier 1.02),
     the prior alone makes the first block draft, so good drafts are in use from the start of a
     reply instead of after the first probe, 32 exact steps in; poor ones cost that one block."""
@@ -183,8 +183,8 @@ def test_an_exact_run_is_the_k0_blocks_chosen_one_by_one():
 
 def test_exact_runs_pay_a_share_of_the_host_cost():
     """k = 0 runs as exact runs (up to k_max steps, one host sync), so a step's share of the
-    host cost is host_ms / k_max. At the H200's measured gdn24-0.8b costs (ms; thirty-seventh
-    session) exact runs win at acceptance 0.95 and drafting at 1.0; at its 4B costs drafting
+    host cost is host_ms / k_max. At the H200's measured gdn24-0.8b costs (ms)
+    exact runs win at acceptance 0.95 and drafting at 1.0; at its 4B costs drafting
     wins at 0.95 too. (Charged the whole host cost per step, the 0.8B policy drafted 4 at
     0.95, where it measured 0.95x BF16-only.)"""
     small = DraftLength(K, host_ms=0.1)
@@ -202,7 +202,7 @@ def test_exact_runs_pay_a_share_of_the_host_cost():
 
 def test_a_held_replys_host_turns_price_its_drafts():
     """A reply held to a grammar pays a host sync per draft that the graphs' costs do not hold
-    (fifty-ninth session, Qwen3.5-0.8B on an H100: drafted 802 tok/s, exact steps 977). Priced
+    (Qwen3.5-0.8B on an H100: drafted 802 tok/s, exact steps 977). Priced
     per draft (``extra``, unimax.held.HostTurns), it tips the choice to exact steps where it
     costs more than the drafts save, and not where it is small; k = 0 pays the per-step one."""
     from unimax.held import HostTurns

@@ -39,7 +39,7 @@ def cases(dtype, m, n, k, head):
 """
 
 # One child a dtype, and the rest (tiles, TMA, conv, RMS loop) in a third: all of it in one
-# child took 466 s of the 600 s that run_with_triton gives a child (fiftieth session's CI, 2
+# child took 466 s of the 600 s that run_with_triton gives a child (a CI run, 2
 # cores), 23% of the suite.
 LOOP_CHILD = CASES + """
 torch.manual_seed(0)

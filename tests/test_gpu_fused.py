@@ -55,8 +55,8 @@ def test_fused_draft_on_gpu(model, monkeypatch):
                                                       residual, 1e-6, 1.0)
             split = ("split", "split16") if n <= fused_gemv.SPLIT_MAX_N else ()  # (as offered)
             # each form at a named tile, the narrowest and the widest by turns (autotuning
-            # every form at every case compiled ~500 kernels: most of this file's 10 minutes,
-            # seventeenth session; every tile is checked on the interpreter,
+            # every form at every case compiled ~500 kernels: most of this file's 10 minutes;
+            # every tile is checked on the interpreter,
             # tests/test_fused_draft.py); a TMA form at every prologue (W through tensor
             # descriptors, pipelined; each form and tile at the 4B linears: test_gpu_tma.py)
             tiles = fused_gemv.tiles_for(fused_gemv._head(prologue, norm))

@@ -71,7 +71,7 @@ def test_short_recurrence_states_do_not_depend_on_block_cuts_on_gpu():
     from state S (the op, no final state) and, for every cut n, the rewind of n tokens (the op
     over 32 layers of a tape, span 9 with the steps past n masked, as
     GDNForCausalLM.rewind_unchecked runs it in a graph) followed by a block from the rewound
-    state give the same outputs bit for bit (the fourteenth session's H200 run: with the verify
+    state give the same outputs bit for bit (an H200 run: with the verify
     block's recurrence in a kernel of its own, 22 of 45 blocks of a forced acceptance of 1.0
     were rejected)."""
     from unimax.ops.gated_delta import first_steps_only

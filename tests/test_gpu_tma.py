@@ -1,7 +1,7 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused GEMVs' TMA forms and their programmatic
 dependent launches (unimax.ops.fused_gemv). A file of its own, beside tests/test_gpu_fused.py,
-so that tests/gpu.sh runs it in a process of its own (seventeenth session: the two tests
-in one file ran past its 560 s; twenty-third session: the PDL test, then in
+so that tests/gpu.sh runs it in a process of its own (the two tests
+in one file ran past its 560 s: the PDL test, then in
 tests/test_gpu_engine.py, was cut there at 560 s)."""
 
 import pytest
@@ -58,7 +58,7 @@ def test_tma_gemv_on_gpu():
                                                         kernel=kernel), x, gen, kernel)
     # the TMA forms with the convolution folded in, at their default tile (none named: the
     # conv's default tile is the rows form's, three numbers, where a TMA form needs four: an
-    # IndexError here, eighteenth session): the twin's outputs and windows at the 4B
+    # IndexError here): the twin's outputs and windows at the 4B
     # in-projection (tma16 for the FP8 weights, tma for the BF16 ones)
     assert_in_proj_conv_matches_twin(
         lambda x, weight, scale, norm, state, conv_w: fused_gemv.fused_gemv(
@@ -216,8 +216,7 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     # the verified reply with the kept draft and verifier equals the plain engine's (the same
     # sums in the same order), and exact greedy but where they meet a near tie: with this
     # prompt every PDL setting, plain launches too, leaves the one-token reference at token 3
-    # by one BF16 ulp, where its two exact paths agree (bench/pdl_exactness.py, thirtieth
-    # session)
+    # by one BF16 ulp, where its two exact paths agree (bench/pdl_exactness.py)
     tokens, _ = auto.generate_verified(x, 24)
     verifier = auto.verifier
     print("verifier PDL timed (ms a block of 8):", verifier.pdl_ms, "kept", verifier.pdl,

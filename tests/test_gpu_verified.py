@@ -2,7 +2,7 @@
 sampled, fixed and adaptive draft lengths, the compiled verifier). A file apart from
 tests/test_gpu_engine.py and tests/test_gpu_hybrid.py so that tests/gpu.sh runs them side
 by side, each in a process of its own, within one device call (alone, with the hybrid and
-rewind tests in it, it ran past 560 s on the H200: bench/RESULTS.md, fifteenth session)."""
+rewind tests in it, it ran past 560 s on the H200: bench/RESULTS.md)."""
 
 import pytest
 

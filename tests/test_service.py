@@ -181,7 +181,7 @@ def test_state_budget_drops_one_of_two_conversations_with_the_same_history():
     # Two chats that sent the same first message keep states with equal token histories: the
     # drop must remove the one it chose, by identity (comparing the two states' tensors raised
     # "Boolean value of Tensor ... is ambiguous" and failed the request being served: found by
-    # bench/structured.py at the Qwen3.5-4B shape, sixty-first session).
+    # bench/structured.py at the Qwen3.5-4B shape).
     from unimax.states import StateStore
 
     model = unimax.load_model("tiny-random")

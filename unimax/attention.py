@@ -14,13 +14,13 @@ A step of up to DECODE_KERNEL_TOKENS tokens over a graph's window (one-token dec
 verifier's blocks) goes through ops.decode_attention, which reads the position on the device and
 only the entries up to each token's: one graph serves every length (SDPA over the whole buffer
 under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k buffers, whatever the
-conversation's length; the kernel 7 us at 512 stored entries, bench/decode_attention.py,
-forty-sixth session). Several query rows under a mask (the verifier's block) are SDPA's slow
-case, 215 us per layer over 4k keys and 66 us over 512: where the op does not serve (no CUDA
-kernel for the shape, autograd recording, longer blocks) the verifier's graphs are keyed by
-bucket (engine.py) and rows_attention reads the bucket; eager forwards read exactly the stored
-entries (model.py). There the mask is not needed at all: the queries are the window's last T
-positions, which is causal attention aligned to the bottom right. A prefill from an empty cache
+conversation's length; the kernel 7 us at 512 stored entries, bench/decode_attention.py).
+Several query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer
+over 4k keys and 66 us over 512: where the op does not serve (no CUDA kernel for the shape,
+autograd recording, longer blocks) the verifier's graphs are keyed by bucket (engine.py) and
+rows_attention reads the bucket; eager forwards read exactly the stored entries (model.py).
+There the mask is not needed at all: the queries are the window's last T positions, which is
+causal attention aligned to the bottom right. A prefill from an empty cache
 runs SDPA's causal kernel (flash) on the new keys themselves; one on top of kept KV passes
 ``causal_lower_right`` (flash / memory-efficient kernels on CUDA, the same mask materialized
 elsewhere); a one-token eager step needs no mask. A 16k-token prefill's attention through the
@@ -47,7 +47,7 @@ DECODE_KERNEL = True
 # Up to this many tokens over a graph's window through the same op (the verifier's blocks of
 # k drafts + 1 up to k = 16, causal among themselves; the short prefill's 16-token bucket)
 # instead of rows_attention or SDPA over the window under a mask. H200, us per attention layer
-# (bench/decode_attention.py --blocks, forty-seventh session), 9 tokens over
+# (bench/decode_attention.py --blocks), 9 tokens over
 # 512 / 4096 stored entries: Qwen3.5-4B heads 26.9 / 56.0 with rows_attention, 9.4 / 13.4 with
 # the op; 0.8B heads 23.5 / 38.9 against 8.9 / 10.9; 17 tokens at 4B 27.3 / 69.6 against
 # 9.3 / 15.0 (SDPA under the mask 62-433). 1: one token only.
@@ -62,7 +62,7 @@ DECODE_KERNEL_TOKENS = 17
 ROWS_ATTENTION_MAX = 9
 # On CUDA its two matmuls on the tensor cores (BF16 in, fp32 out): in fp32 they were cuBLAS's
 # FFMA kernels, 33 us per attention layer of a 0.8B verify block on the H200, 197 of its 1838
-# us busy (bench/RESULTS.md, 2026-12-01). Tested on the H200 (eleventh session), not yet
+# us busy (bench/RESULTS.md, 2026-12-01). Tested on the H200, not yet
 # timed there (bench/attention.py's "rows" beside "rows-fp32"); False gives the fp32 form back.
 ROWS_TENSOR_CORES = True
 

@@ -24,8 +24,8 @@ fewer probe chains: at the H200's Qwen3.5-0.8B costs, simulated, 0.897 -> 0.949x
 acceptance 0.8 and 0.931 -> 0.941 at 0.95, the 4B costs' rows within 0.4%. The price: drafts
 that turn good after a long poor stretch are found up to probe_every_max exact steps later, not
 32 (simulated with acceptance alternating between 0.6 and 1.0 every 200 tokens, still a gain:
-0.972 -> 0.981; bench/RESULTS.md, forty-eighth session). Measured on the engine (forty-ninth
-session, Qwen3.5-0.8B shape, forced acceptance): 0.93 -> 0.98x at 0.95, 0.96-0.97x at 0.5-0.9.
+0.972 -> 0.981; bench/RESULTS.md). Measured on the engine (Qwen3.5-0.8B
+shape, forced acceptance): 0.93 -> 0.98x at 0.95, 0.96-0.97x at 0.5-0.9.
 
 The costs come from the engine's captured graphs (GraphRunner.replay_ms); without them (no CUDA
 graphs, or before capture) the policy is not calibrated and every block drafts k_max. A reply held
@@ -102,7 +102,7 @@ class DraftLength:
         """A block of k drafts' expected time; for k = 0 one exact step's. k = 0 runs as exact
         runs (``exact_run``: up to k_max steps in one graph, one host sync), so its step pays
         a share of the host's cost, not all of it. Charged whole, it tipped the model's choice
-        to drafting where exact steps were faster (thirty-seventh session, H200, gdn24-0.8b:
+        to drafting where exact steps were faster (H200, gdn24-0.8b:
         host 0.1 ms on a 0.756 ms step; at acceptance 0.95 the model put 4 drafts at 0.840 ms
         a token against exact runs' 0.768). In bench/draft_policy.py's simulation that choice
         was not what held the policy at ~0.93x there (0.929 -> 0.931 with this): the probes'

@@ -61,7 +61,7 @@ class VerifyReport:
 # Prompt tokens per prefill forward (prefill_exact): bounds its memory (a 16k chunk's
 # activations are a few hundred MB at 0.8B, ~2 GB at 4B). 16k rather than 8k: on the H200 a
 # 16k-token prompt took 98 ms in one chunk against 114-134 in two (bench/RESULTS.md,
-# 2026-11-30, fifth session), mostly attention: a chunk on kept KV attends through the
+# 2026-11-30), mostly attention: a chunk on kept KV attends through the
 # bottom-right causal bias, which only the flash kernel takes (2.9 ms per layer at 8k over
 # 16k keys, where cuDNN's causal kernel did the first chunk's 8k in 0.5).
 PREFILL_CHUNK = 16384

@@ -14,7 +14,7 @@ not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
     h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
 
 (five launches per GDN layer: four GEMVs and fla's recurrence; ~12 before, six before the
-convolution was folded (fifteenth session; ``in_proj_conv.FOLD``, on); a
+convolution was folded (``in_proj_conv.FOLD``, on); a
 gated-attention block folds its norm, its output gate and both residual adds the same way). The
 GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Where the linears
 are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's tokens are
@@ -33,7 +33,7 @@ default grad mode) takes the block's own forward.
 ``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
 "draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
 "fla+gemv-nofuse" times the BF16 step unfused). H200, 4B: draft step 2008 -> 1840 us, BF16
-step 2916 -> 2684 us; 0.8B BF16 step 1116 -> 988 us (bench/RESULTS.md, eighth session).
+step 2916 -> 2684 us; 0.8B BF16 step 1116 -> 988 us (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ FUSE = True
 FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
 # the int4 draft's blocks too (ops.int4_fused): on. Its two-launch form (the prologue a launch
 # of its own, then the GEMV with its epilogue) took the 4B body's linears 1269 us a step at their
-# best tiles against 1470 for the fused FP8 forms (bench/int4_gemv.py --fused, forty-third
-# session), and verified with it ran 1.48x / 1.25x BF16-only at forced acceptance 1.0 / 0.95
-# against 1.33x / 1.12x unfused (bench/verified.py --draft int4, now --ab-int4-unfused; same
-# run). Under PDL (forty-fourth session: the GEMV reads its first W tile while the prologue
+# best tiles against 1470 for the fused FP8 forms (bench/int4_gemv.py --fused), and verified
+# with it ran 1.48x / 1.25x BF16-only at forced acceptance 1.0 / 0.95 against 1.33x / 1.12x
+# unfused (bench/verified.py --draft int4, now --ab-int4-unfused; same
+# run). Under PDL (the GEMV reads its first W tile while the prologue
 # runs) the body took 1099 us and verified 1.58x / 1.34x. Its first form (the prologue inside
 # every GEMV program) measured slower than unfused and is gone.
 FUSE_INT4 = True

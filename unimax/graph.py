@@ -332,7 +332,7 @@ class MaxTurboGraphDecoder:
         elsewhere plain launches.
 
         Why timed: PDL's sign depends on the shape and the run. On the H200 it made the 0.8B
-        draft step 5-7% faster and the 4B one 4% slower (twenty-ninth session), where an earlier
+        draft step 5-7% faster and the 4B one 4% slower, where an earlier
         run had the 4B draft 3.8% faster (bench/RESULTS.md)."""
         if self.pdl is not None:
             return

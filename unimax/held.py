@@ -4,7 +4,7 @@ Every token of a held reply passes through the host: xgrammar's matcher takes it
 fills the mask of the token after it (unimax.structured, unimax.token_mask). Run as one graph
 per token, that turn (the token's trip to the host, the matcher, the mask's fill and copy, the
 next launch) leaves the GPU idle: at the Qwen3.5-0.8B shape on an H100 a held token took 1.495
-ms against a plain one's 1.073 (bench/RESULTS.md, fifty-eighth session). But only the choice
+ms against a plain one's 1.073 (bench/RESULTS.md). But only the choice
 needs the mask, not the forward before it. So each step is two graphs: the forward (feed the
 last token, its logits to a static buffer) and the choice (the mask, then argmax or a draw).
 The engine queues choice(t), then forward(t + 1) right behind it, which reads token t on the
@@ -22,7 +22,7 @@ masked by the grammar after the drafts before it, and verify each block against 
 (engine._held_verified_loop); sampled ones too, each draft's masked distribution recorded and
 each block checked by the speculative rule on the masked exact distributions. Drafting
 costs a host sync per draft, which nothing hides: at the Qwen3.5-0.8B shape on an H100 drafted
-held replies ran 802 tok/s against 977 for exact steps (fifty-ninth session). So the draft-length
+held replies ran 802 tok/s against 977 for exact steps. So the draft-length
 policy prices it (``HostTurns``, learned from the reply's blocks), and where drafts do not pay the
 reply takes exact runs of held steps, pipelined as above, between probes.
 

@@ -118,7 +118,7 @@ class GatedDeltaNetMixer(nn.Module):
         # writing the state after every drafted token first would only be overwritten. Its
         # recurrence reads the tape's copies of its inputs: one copy of q, k and v per block,
         # not a contiguous one for the kernel and another for the tape (the verify block had
-        # ~17 small kernels per layer: bench/RESULTS.md, thirteenth session).
+        # ~17 small kernels per layer: bench/RESULTS.md).
         if recording:
             q, k, v, g, beta = state.tape.record(conv_input, q, k, v, g, beta)
         o, new_recurrent_state = gated_delta_rule(q, k, v, g, beta, recurrent_state,

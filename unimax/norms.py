@@ -6,7 +6,7 @@ Each is a handful of fp32 elementwise kernels in eager mode; over a long prompt 
 CUDA, fla installed) fla's fused Triton kernels compute the same formulas in one pass each (the
 ones transformers' Qwen3.5 uses): ``FLA_PROMPT_KERNELS``, on since the prefill runs in one chunk
 of 16k and short prompts in captured graphs, where their Python no longer costs: on the H200
-(0.8B hybrid shape, bench/RESULTS.md, 2026-11-30 sixth session) they cut 16k tokens 100.0 ->
+(0.8B hybrid shape, bench/RESULTS.md) they cut 16k tokens 100.0 ->
 94.0 ms, 4096 32.3 -> 23.9, 1000 10.3 -> 8.3, 512 7.5 -> 6.1, 128 on a kept 4096 8.7 -> 7.3,
 with the same error against transformers in FP32 as the torch forms (they match those on the
 H200: tests/test_gpu.py). (Earlier, with 8k chunks and eager short prompts, they gave nothing

@@ -97,7 +97,7 @@ def is_near_tie(divergence: dict | None) -> bool:
     two correct BF16 computations of the model can have (different kernels, a k-token block
     against one-token steps), or no more than one BF16 ulp apart: where the two exact paths
     happen to agree (differ by 0), a third, the verifier's block forward, may still round one
-    ulp the other way (thirtieth session, the GPU tests' tiny model: a gap of one ulp, paths
+    ulp the other way (the GPU tests' tiny model: a gap of one ulp, paths
     equal). A bug shows as a gap far past that."""
     if divergence is None:
         return True

@@ -23,7 +23,7 @@ from .model import CausalLMOutput
 
 # Up to 4096 tokens since the H200 showed an eager prompt of 1000 tokens costing as much as one
 # of 4096 (~45 ms on the 0.8B hybrid shape: launches, not arithmetic); in the 1024 bucket it
-# took 10.1 ms and 4096 tokens 31.0 (bench/RESULTS.md, 2026-11-30, fifth session). Up to 1024
+# took 10.1 ms and 4096 tokens 31.0 (bench/RESULTS.md). Up to 1024
 # the buckets double (a prompt may run up to twice its tokens, cheap at those lengths); above,
 # they are 1024 apart, so a prompt runs at most 1.5x its tokens (2049 in the 3072 bucket).
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096)

@@ -67,8 +67,8 @@ ONE_PASS_REWIND = True
 # to 17 rows cost 4.16-4.24 ms, of 1..8 padded to 9 rows 3.51-3.61), so with one padded forward
 # a longer block_size taxes every short block; each span block is one more whole-model
 # compilation at warm-up (tens of seconds at 4B), hence none below 8, where the draft-length
-# policy's simulation gained nothing (bench/RESULTS.md, twenty-sixth session). Measured at 4
-# (fifty-ninth session, Qwen3.5-4B shape, H100, forced 0.95): 0.96x BF16-only against 1.23x
+# policy's simulation gained nothing (bench/RESULTS.md). Measured at 4
+# (Qwen3.5-4B shape, H100, forced 0.95): 0.96x BF16-only against 1.23x
 # at 8, its 5-row forward rounding apart from the 9-row one (the forced drafts resynced 8-32
 # times a seed; its cleanest seed 356 tok/s against 376).
 SHORTEST_SPAN_BLOCK = 8
@@ -430,10 +430,10 @@ class Verifier:
 
         Why: the verify block is what keeps 0.8B verified mode under BF16-only, 1.55-1.78 BF16
         steps for 9 rows on the H200 (4B: 1.30), its time per layer, not per byte; PDL made the
-        0.8B decoders' blocks 6-8% faster (bench/RESULTS.md, thirtieth session). Two choices,
+        0.8B decoders' blocks 6-8% faster (bench/RESULTS.md). Two choices,
         since the one-token forwards run the fused GEMVs, whose PDL made 4B steps slower and
         0.8B ones faster, and the blocks with drafts the tensor-core GEMMs. Measured so
-        (thirty-first session): the blocks keep plain launches at 0.8B and 4B (PDL 4-10%
+       : the blocks keep plain launches at 0.8B and 4B (PDL 4-10%
         slower), the exact runs take PDL at 0.8B (7-8% faster) and not at 4B."""
         if self.pdl is not None:
             return

@@ -13,10 +13,10 @@ unimax.tape); the tape is the layer's (conv input, q, k, v, g, beta) buffers
 Why: written as torch ops, this part compiled to ~10 kernels per layer of the 4B verify block
 (the block conv, q, k and v made contiguous, the gates, the tape's copies), ~1.2 us each plus
 the gaps between launches, in a block of 778 launches and ~1.1 ms of small kernels and gaps
-(bench/RESULTS.md, thirteenth session). As this op it is one Triton kernel
+(bench/RESULTS.md). As this op it is one Triton kernel
 (ops/short_recurrence_kernel.py: ``tape_record_kernel``).
 
-Why the recurrence is not in the kernel too (the fourteenth session had it there): the state
+Why the recurrence is not in the kernel too (an earlier version had it there): the state
 at any position must come out bit for bit the same whichever block boundary it was computed
 across: the verify block runs it from the block's start, the rewind from the block before's,
 and a different rounding makes the verified stream depend on where the blocks were cut (the
@@ -24,7 +24,7 @@ forced-acceptance bench then saw its own expected tokens rejected: 22 of 45 bloc
 acceptance of 1.0 on the H200). An fp32 sum's rounding follows the kernel's register layout,
 so one recurrence kernel at one launch setting for the block and the rewind is what guarantees
 it (ops.short_recurrence keys its choice by the heads alone). Nor is this op's work in the
-recurrence's kernel (thirty-second session, bench/RESULTS.md: each program writing the tape
+recurrence's kernel (bench/RESULTS.md: each program writing the tape
 entries it reads, then reading them back through the recurrence's own loads, was exact but
 made the 4B verify block 4.04 ms against 3.47: the recurrence's one-warp programs of 8 value
 columns, 32 per key head, each redid that head's q and k convolution).

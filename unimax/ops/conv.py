@@ -82,7 +82,7 @@ def conv_window_after(state: torch.Tensor, inputs: torch.Tensor, valid: torch.Te
 
     Gathered from each side, never concatenated: [state, inputs] of a 4096-token padded
     prompt is ~50 MB per layer at 0.8B, and its copy was 15% of that prompt's prefill on the
-    H200 (bench/RESULTS.md, 2026-11-30, seventh session); the window is W entries."""
+    H200 (bench/RESULTS.md); the window is W entries."""
     width = state.shape[-1]
     where = valid + torch.arange(width, device=state.device)  # in [state, inputs]
     from_state = state.to(inputs.dtype).index_select(-1, where.clamp(max=width - 1))

@@ -5,12 +5,12 @@ Why: a captured forward has fixed shapes, so torch's SDPA there reads the whole 
 graph's KV window) under a mask (keys at or below each query's position), whatever the
 conversation's length. For one token on the H200 that cost 17.8 / 30.5 / 65.2 us per
 attention layer at 4B heads for 2k / 8k / 32k buffers, against 7 us here at 512 stored entries
-(bench/decode_attention.py, forty-sixth session); on an L4 the whole buffer's bytes are what
+(bench/decode_attention.py); on an L4 the whole buffer's bytes are what
 count: a Qwen3.5-4B preset's 8 attention layers over 8k-entry buffers read 268 MB a token
 beside the weights' 8.4 GB, at 32k 1.07 GB. Every one-token step pays it: BF16-only, the FP8
 draft's steps and the verifier's exact runs. The verifier's block (k drafts + 1 rows, causal
 among themselves) ran ``attention.rows_attention`` over its graph's power-of-two window,
-64 us per layer over 512 entries and 259 over 4k (fp32 form, third session).
+64 us per layer over 512 entries and 259 over 4k (fp32 form).
 
 Here the position is read on the device, so one launch serves every step of a graph: the
 key blocks below the last token's position + 1 are split over SPLITS programs per KV head
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .gemv import _interpreted
 
 # Keys per block (one tensor-core product with the query rows) and programs per KV head.
-# Chosen on the H200 by bench/decode_attention.py (forty-sixth session); SPLITS is capped so a
+# Chosen on the H200 by bench/decode_attention.py; SPLITS is capped so a
 # batch's programs stay near one wave.
 BLOCK_N = 32
 SPLITS = 64

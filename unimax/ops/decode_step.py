@@ -12,7 +12,7 @@ small kernels per layer (the window's concatenation, its copy back into the cach
 beta made contiguous one kernel each, the recurrence, the fresh final state copied into the
 cache). As this op, a compiled 4B step went from 614 kernels to 390 and from 3330 to 2940 us
 (BF16) and 2401 to 2020 (full-FP8 draft) on the H200 (bench/profile_step.py, "-unfused" beside
-it; bench/RESULTS.md, 2026-11-30, fifth session). On CUDA this op is two launches of fla's kernels:
+it; bench/RESULTS.md). On CUDA this op is two launches of fla's kernels:
 ``causal_conv1d_update``'s (the window rolled in place, SiLU fused) and the fused recurrent kernel
 launched with its final state written over its initial state (each program reads its tile of
 the state before the loop and writes it after, so the same buffer can be both) and the gate

@@ -4,8 +4,8 @@ full-FP8 draft step (unimax.fused_draft): ``fused_small_m_linear(x, weight, scal
 Why: the draft step of a 4B GDN model is 390 kernels, and the FP8 GEMVs are only ~1.4 of its
 ~1.9 ms busy time on the H200: the rest is the same small kernels a BF16 step has (the residual
 add and RMSNorm before each in- and gate/up-projection, the mixer's gated norm, the SwiGLU, the
-gates), ~1.5-2.5 us each whatever their few kilobytes (bench/RESULTS.md, 2026-11-30, sixth and
-seventh sessions). Those do not shrink with the weights' bytes, so they hold the draft step at
+gates), ~1.5-2.5 us each whatever their few kilobytes (bench/RESULTS.md,
+2026-11-30). Those do not shrink with the weights' bytes, so they hold the draft step at
 ~0.71 of a BF16 step where its bytes say ~0.5. Each GEMV program reads all of x anyway; here it
 reads it through a prologue instead:
 
@@ -53,20 +53,20 @@ PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_ga
 # tile before waiting for the kernel before. Its first form (2026-11-30, the plain GEMVs) lost
 # 4% on the H200, but there no kernel signalled its dependents early (they launched only at
 # its end) and every GEMV followed a norm or gate kernel; folded, three of a layer's four
-# GEMVs follow a GEMV. Measured (bench/RESULTS.md, eleventh session) with the signal at each
+# GEMVs follow a GEMV. Measured (bench/RESULTS.md) with the signal at each
 # program's start: 0.8B steps 4.5-7% faster, 4B steps 5-8% slower; off. PDL_TRIGGER "end":
 # the signal after a program's K loop instead, so the next kernel's programs arrive for the
-# last one's tail only, not for its whole run: measured (fifteenth session) no faster anywhere.
+# last one's tail only, not for its whole run: measured no faster anywhere.
 # The same run had the start signal 3.8% faster on the 4B draft step (FP8 weights) and 5%
-# slower on the BF16 step, where the eleventh session had the draft 8% slower: PDL = "fp8",
+# slower on the BF16 step, where an earlier run had the draft 8% slower: PDL = "fp8",
 # programmatic launch for the FP8 weights' GEMVs only (the draft's), is the form to A/B end to
-# end (bench/verified.py --ab-pdl-fp8). Measured so (twenty-ninth session): the 0.8B draft step
+# end (bench/verified.py --ab-pdl-fp8). Measured so: the 0.8B draft step
 # 5-7% faster and verified 4-6% faster end to end, the 4B draft step 4% slower. So the sign
 # depends on the shape and the run: PDL "auto" (the default) leaves the choice to each graph
 # decoder, which times its largest block with and without at capture and keeps the faster
 # (unimax.graph.MaxTurboGraphDecoder.choose_pdl), and so does the compiled verifier with its
 # full verify block and, apart, its exact run; there the setting also covers ops.gemv's
-# tensor-core GEMMs (thirtieth session: at 0.8B BF16-only kept PDL, 6-8% faster, and the
+# tensor-core GEMMs (at 0.8B BF16-only kept PDL, 6-8% faster, and the
 # verify block, untouched by it, is what keeps verified mode under BF16-only;
 # unimax.verifier.Verifier.choose_pdl). "auto" asks for nothing outside those blocks
 # (prompts). False, True and "fp8" set it for every launch.
@@ -78,7 +78,7 @@ TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_
 # owner of graphs times plain launches, PDL signalled at the start and at the end, and keeps
 # the fastest: unimax.graph.timed_pdl_choice); PDL set (True, "fp8") signals at the start.
 # Why both are timed: the chain of the draft's fused FP8 GEMVs alone (bench/pdl_chain.py,
-# thirty-sixth session, H200) ran 11% slower at 4B with the start signal and 3% faster with the
+# H200) ran 11% slower at 4B with the start signal and 3% faster with the
 # end one, 14% / 11% faster at 0.8B; in the engine the 4B draft block kept PDL with the end
 # signal (-2.2%) where it had refused the start one (+4.3%), and the 0.8B BF16 step the start
 # one (-9%; end -4%).
@@ -179,8 +179,8 @@ def _kernel(f16: bool, head: int, tiled: bool = False):
 # launch by the last program of each tile): offered for FP8 weights where the output is narrow
 # (N <= SPLIT_MAX_N: the out- and down-projections, 2560 rows at 4B: only a few hundred
 # programs without it) and K at least SPLIT_K x 256 (slices are whole tiles: with wider tiles
-# the last slices are empty, which costs only their programs). On the H200 (bench/RESULTS.md,
-# eleventh session) it barely helps (down at 4B 0.8 us faster, out_proj slower); the per-shape
+# the last slices are empty, which costs only their programs). On the H200 (bench/RESULTS.md)
+# it barely helps (down at 4B 0.8 us faster, out_proj slower); the per-shape
 # timed choice takes it only where it is faster.
 KERNEL_NAMES = ("rows", "rows16", "split", "split16")
 SPLIT_K = 4
@@ -309,29 +309,29 @@ def _head(prologue: str, norm_weight: torch.Tensor | None) -> int:
 # TMA forms ("tma", "tma16", and split-K "tmasplit", "tmasplit16": the rows and split forms
 # with W's tiles through the Tensor Memory Accelerator, STAGES - 1 tiles in flight per program
 # ahead of its products, and x's slices loaded a tile ahead; see the kernel's TMA). Why: under
-# Nsight Compute (fifteenth session) the short GEMVs wait on their K loop's chain of dependent
+# Nsight Compute the short GEMVs wait on their K loop's chain of dependent
 # DRAM round trips (~1.2 us each: in_proj's 10 tiles take 13 us), with DRAM at 28-66% of its
 # peak and occupancy set by the grid; no plain-load form keeps more than one tile in flight per
 # program (Triton pipelines only TMA loads and loads that feed tl.dot), and the forms that
-# tried otherwise lost: two tiles in registers (fourteenth session), whole-K tiles (1.05-1.7x
-# slower on every 4B linear, sixteenth session: each program redoes x's prologue for 2-4
+# tried otherwise lost: two tiles in registers, whole-K tiles (1.05-1.7x
+# slower on every 4B linear: each program redoes x's prologue for 2-4
 # rows), L2 prefetches (fifteenth). Tiles are (BLOCK_N, BLOCK_K, warps, stages), BLOCK_K at
 # most 256 (a TMA box's limit) and at least one head. Offered on compute capability 9+ (an L4
 # has no TMA) where W's layout allows a descriptor (``tma_problem``), the split forms where
 # split-K is (``split_fits``); the timed choice takes one only where it is faster. Measured
-# (bench/tma_gemv.py, sixteenth session, FP8, x loaded a tile ahead): in_proj 5% faster than
+# (bench/tma_gemv.py, FP8, x loaded a tile ahead): in_proj 5% faster than
 # its plain choice, gate_up 8% slower, and the K-long narrow ones (out_proj, down: 80-160
 # programs of 16-36 tiles) 1.3x slower, the case split-K serves in the plain forms: hence the
-# TMA split forms. Those (seventeenth session, bench/tma_gemv.py): down 10.35 us against
+# TMA split forms. Those (bench/tma_gemv.py): down 10.35 us against
 # split16's 11.22 (-8%), out_proj 7.93 against rows' 7.23 (+10%); gate_up's best TMA form
 # 16.82 against rows16's 15.63; in_proj 12.14 against 12.68 (-4%).
 TMA_FORMS = ("tma", "tma16", "tmasplit", "tmasplit16")
 TMA_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))  # (8 x 256 and 6 stages:
-# slower at every 4B linear on the H200, sixteenth session)
+# slower at every 4B linear on the H200)
 # The tiles the timed choice is offered: each one a Triton compile per shape and prologue at
-# warm-up, and with all three a GPU test file's warm-ups ran past its 10 minutes (seventeenth
-# session). 32 x 256 was the best TMA tile or within 3% of it at every 4B linear and form (and
-# 3 or 5 stages were no better than 4 on the K-long ones); the others stay nameable for benches.
+# warm-up, and with all three a GPU test file's warm-ups ran past its 10 minutes. 32 x 256 was
+# the best TMA tile or within 3% of it at every 4B linear and form (and 3 or 5 stages were no
+# better than 4 on the K-long ones); the others stay nameable for benches.
 TMA_OFFERED = ((32, 256, 4, 4),)
 # where none is named (never autotuned: the descriptor's block is the tile's)
 TMA_TILE = TMA_OFFERED[0]

@@ -209,8 +209,8 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
 
     The RMS prologue's pre-pass (the row's norm) waits on an L2 round trip for x before the
     K loop; the first tile of W is loaded before it, so that the DRAM latency of W's first
-    tile, the longest wait of a short GEMV's chain, overlaps it (Nsight Compute, fifteenth
-    session: the 4B FP8 GEMVs with an RMS prologue took 0.9-1.9 us longer than without).
+    tile, the longest wait of a short GEMV's chain, overlaps it (Nsight Compute:
+    the 4B FP8 GEMVs with an RMS prologue took 0.9-1.9 us longer than without).
     The same tiles and sums in the same order as the loop's.
 
     ``PDL`` (launched with programmatic dependent launch, compute capability 9+): the kernel
@@ -225,18 +225,18 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     workspace ws (SPLIT, M, N, fp32); the last of a tile's SPLIT programs to finish (a counter
     per tile, cnt, which it sets back to 0) adds them in split order and applies the epilogue
     (gemv_kernels.split_k_sum): one launch, where a split-K GEMV with a reduce kernel after it
-    lost (bench/RESULTS.md, 2026-11-30, fourth session).
+    lost (bench/RESULTS.md).
 
     ``TMA`` (compute capability 9+; w_ptr is then a tensor descriptor of W over (N, K) with
     block (BLOCK_N, BLOCK_K), which fills zeros past N and K as the masks do): W's tiles come
     through the Tensor Memory Accelerator, which Triton's loop pipeliner (STAGES) issues
     STAGES - 1 tiles ahead into shared memory, and x's slices (with z, the norm's weight, the
     up half) are loaded a tile ahead into registers: with W's wait gone, each iteration's
-    L2 round trip for x would otherwise be the chain (sixteenth session: W alone pipelined,
+    L2 round trip for x would otherwise be the chain (W alone pipelined,
     the TMA forms ran 1.04-2.9x slower than the plain ones). A plain tl.load that feeds no
     tl.dot is never pipelined (checked in the compiled TTGIR: no async copies at any
     num_stages), so each program of the plain forms waits out one DRAM round trip per tile:
-    the short GEMVs' fixed cost (bench/RESULTS.md, fifteenth session, Nsight Compute).
+    the short GEMVs' fixed cost (bench/RESULTS.md, Nsight Compute).
 
     ``RMS_LOOP`` (the RMS prologue, one slice of K a program, fp32 products): no pre-pass.
     The K loop sums x's squares from the slices it loads anyway and multiplies x by the

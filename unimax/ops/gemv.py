@@ -34,7 +34,7 @@ from .timing import graph_us, weight_copies
 # Rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS. 32 so that a
 # block_size-16 verifier's 17-row forward has the tensor-core kernel among its timed choices too
 # (it went to cuBLAS: verifying 16 drafts cost 1.59 BF16 steps at 4B on the H200, 8 drafts in 9
-# rows 1.30-1.33; bench/RESULTS.md, twenty-sixth session).
+# rows 1.30-1.33; bench/RESULTS.md).
 GEMV_ROWS = 32
 PROGRAM_ROWS = 4  # up to this many rows: one program per row (the GEMV kernel)
 
@@ -111,7 +111,7 @@ DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3),
 # slices), reduced in the same launch by each tile's last program. For the verifier's narrow,
 # K-long linears at M = k + 1 (4B: the out- and down-projections, 2560 rows: 20-80 programs
 # of "dot" on 132 SMs), where cuBLAS took the down-projection with a split-K GEMM and a reduce
-# kernel after it, 16.4 us for 47 MB (69% of copy bandwidth, sixteenth session's verify
+# kernel after it, 16.4 us for 47 MB (69% of copy bandwidth, in a verify
 # block). Offered where N <= DOTSPLIT_MAX_N and K >= 4 tiles of 256; the timed choice takes
 # it only where faster. Never autotuned (the workspace's size is the tile's).
 DOTSPLIT_TILES = ((32, 256, 4, 3, 4), (64, 256, 4, 3, 4), (32, 256, 4, 3, 8),

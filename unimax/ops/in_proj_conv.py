@@ -16,7 +16,7 @@ sigmoid(b) to BF16 as the exact model does, where the draft and BF16-only take i
 inside the recurrence's kernel) the b channels, beta_start .. beta_start + beta_heads - 1,
 come out as beta itself (ops.decode_step.write_strength; the kernel's ``beta_epilogue``):
 that was an inductor kernel of its own per layer, ~1 us busy plus its gap (32 in a 4B exact
-step, 31.6 us busy: bench/RESULTS.md, twenty-fifth session), the one kernel the verifier's
+step, 31.6 us busy: bench/RESULTS.md), the one kernel the verifier's
 one-token step had that BF16-only's has not, so a run of k = 0 blocks (drafts too poor to
 pay) cost 1.026 BF16 steps a token. With it the 4B one-token step went 2709 -> 2673 us
 against BF16-only's 2652 (bench/profile_step.py's "exact" and "exact-nobeta", same run).

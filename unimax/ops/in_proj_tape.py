@@ -5,12 +5,12 @@ tape's first M tokens filled as ops.block_mixer.gdn_block_record fills them from
 
 Why: the verify block ran the in-projection's tensor-core GEMM, then the tape's kernel, per GDN
 layer. At 4B on the H200 the tape kernel is ~4.6 us a layer (147 us in 32 launches a block,
-bench/RESULTS.md, twenty-ninth session) with a gap before it: the verify block's 1.30 BF16
+bench/RESULTS.md) with a gap before it: the verify block's 1.30 BF16
 steps hold ~0.06 of it. The GEMM's programs hold every token of their columns, so the causal
 convolution over tokens and the gates fit its epilogue (``in_proj_tape_kernel``), and each
 channel is written once (putting the tape into the recurrence's kernel instead made every
-one of a head's programs redo its convolution: 4.04 against 3.47 ms a block, thirty-second
-session, reverted).
+one of a head's programs redo its convolution: 4.04 against 3.47 ms a block,
+reverted).
 
 Which form runs is a timed choice per shape (ops.gemv.timed_choice, in graphs): the kernel at
 the plain GEMM's tile for the shape and at a default tile (``candidates``), or "apart", the
@@ -43,8 +43,8 @@ from .gemv import (
     timed_choice,
 )
 
-# Whether the verifier view's recording mixers run this op (unimax.fast_step). On since the
-# thirty-third session: its GPU tests passed (bit-equal to the GEMM + tape kernel at 4B, the
+# Whether the verifier view's recording mixers run this op (unimax.fast_step). On since
+# its GPU tests passed (bit-equal to the GEMM + tape kernel at 4B, the
 # compiled verifier exact) and the A/B (bench/verified.py, then --ab-tape-epilogue, now
 # --ab-tape-apart; H200) had the verify 8 block at 1.349 against 1.488 ms at 0.8B (gdn24) and
 # 3.540 against 3.559 at 4B.

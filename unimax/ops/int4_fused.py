@@ -3,7 +3,7 @@ draft's are (ops.fused_gemv, ops.in_proj_conv): ``int4_fused_linear`` (a prologu
 gated norm, SwiGLU, the sigmoid gate; and the residual add) and ``int4_in_proj_conv`` (RMSNorm,
 the short convolution and beta in the epilogue), two launches each (below), for one-token steps.
 
-Why: unfused, the int4 draft's 4B step (H200, forty-first session, bench/verified.py --kernels)
+Why: unfused, the int4 draft's 4B step (H200, bench/verified.py --kernels)
 was 454 kernels, its four int4 GEMVs a layer 1032 us of 1708 busy, with ~360 us of small
 inductor kernels (norms, x made ready, gates) and the gaps between them, and took 1.841 ms a
 step against the fused FP8 draft's ~1.75: the GEMVs' savings spent on launches.
@@ -12,14 +12,14 @@ How: two launches a linear. int4_gemv_kernels.int4_ready_kernel runs the prologu
 ready (ops.int4_gemv.prepare_x's form), a slice a program; int4_epilogue_kernel is
 ops.int4_gemv's GEMV on it with the epilogue (the convolution, beta, the residual). The first
 form ran the prologue inside the GEMV, each program over all of x before its tile: measured
-(forty-second session, bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
+(bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
 1059 on x made ready, so it was replaced. This form costs ~1.7 us a linear over the ready GEMV,
-1269 us a step against 1470 for the fused FP8 forms (forty-third session), and is the default
+1269 us a step against 1470 for the fused FP8 forms, and is the default
 (fused_draft.FUSE_INT4). Under programmatic dependent launch (ops.fused_gemv.pdl_launch: the
 draft's setting, as for its FP8 GEMVs; compute capability 9+, so not on an L4) the ready
 kernel lets the GEMV launch at once, which reads its first tile of W before it waits for x:
-that launch's gap is what the second form added, and PDL hides nearly all of it (forty-fourth
-session: 1099 us a step with the signal at the end, against 1066 on x made ready).
+that launch's gap is what the second form added, and PDL hides nearly all of it (1099
+us a step with the signal at the end, against 1066 on x made ready).
 
 ``int4_fused_ref`` is the twin: the prologue's torch form (ops.fused_gemv.prologue_ref), x
 rounded as the kernel takes it, the dequantized weight in fp32, then the convolution, beta and

@@ -7,7 +7,7 @@ int4 GEMV's threads each hold their own rows, so whatever the kernel does to x i
 every weight; with x loaded, converted and scaled inside, every int4 kernel measured on the H200
 (ours, and torch's tinygemm) stopped near 0.5 of the copy bandwidth at ~6 instructions a weight,
 issue-bound, and with x ready the same kernel needed 2.9 and reached 0.82 (bench/int4_gemv.py,
-bench/RESULTS.md, fortieth session). Inside a compiled step ``prepare_x`` is plain torch, so
+bench/RESULTS.md). Inside a compiled step ``prepare_x`` is plain torch, so
 inductor folds it into the kernel that makes x (the RMSNorm, the gated norm, the SwiGLU); where
 the draft's blocks are fused (unimax.fused_draft, the default) ops.int4_fused makes x ready in
 the GEMV's own launch instead, and this op serves Int4Linear's plain forward.

@@ -140,8 +140,8 @@ def int4_ready_kernel(x_ptr, z_ptr, nw_ptr, ready_ptr, K, eps, offset, PRO: tl.c
     A launch of its own, not run inside the GEMV: there every program ran it over all of x
     before its tile, and that serial pass cost each program about what a narrow tile's GEMV
     does (the 4B body's linears 2170 us a step at their best tiles, against 1059 for the GEMV
-    on x made ready: bench/int4_gemv.py --fused, forty-second session). A separate launch
-    costs ~1.7 us a linear instead (forty-third session: 1269 us).
+    on x made ready: bench/int4_gemv.py --fused). A separate launch
+    costs ~1.7 us a linear instead (1269 us).
 
     ``PDL`` (programmatic dependent launch): the GEMV after it may launch at once and read its
     first tile of W while this runs; this waits for the kernel before it (which writes x)

@@ -5,7 +5,7 @@ Who runs a few tokens: the verifier's block (k + 1 rows, every GDN layer), its r
 layers at once, layers as the batch) and short prompts. fla's fused recurrent kernel loads each
 token's inputs inside its time loop, so a token waits a memory round trip before its step: at
 4B heads on the H200 its 9-token launches took ~14 us each in the verify block (33 launches,
-0.56 ms of a 4.5 ms block, bench/RESULTS.md, thirteenth session) where one token takes ~3.6.
+0.56 ms of a 4.5 ms block, bench/RESULTS.md) where one token takes ~3.6.
 Our kernel (short_recurrence_kernel.py) has fla's arithmetic but requests every token's inputs
 before the first step.
 
@@ -24,11 +24,11 @@ held in registers fixed by the launch setting: the verify block and the rewind m
 state bit for bit alike. An fp32 sum's rounding follows the kernel's register layout, which
 follows the launch setting and the tile shapes; a state computed across another block
 boundary, by another setting, rounds otherwise, and the verified stream then depends on where
-its blocks were cut (bench/RESULTS.md, fourteenth session: with a recurrence of its own in the
+its blocks were cut (bench/RESULTS.md: with a recurrence of its own in the
 verify block the forced-acceptance bench saw 22 of 45 blocks rejected at a forced acceptance
 of 1.0). For the same reason a choice first met while a graph is being captured keeps its
 default (our kernel at 8 columns and 16-token chunks: the fastest at every 4B shape the H200
-timed in the thirteenth session; on an H100, sixty-third session, 8-token chunks ran a 9-token
+timed; on an H100, 8-token chunks ran a 9-token
 block 0.4 us faster) rather than taking it for that graph only. The verifier's choice
 (``choose_for_blocks``) is made before any capture, so the default is a fallback only.
 
@@ -56,15 +56,15 @@ from .gemv import _interpreted, timed_choice
 SHORT_MAX = 33
 # launch settings (BV, warps, TC: tokens whose inputs one program holds in registers at once)
 # offered to the choice, beside fla's kernel. One warp a program, as fla launches its own: on
-# the H200 at 4B heads (bench/RESULTS.md, thirteenth session) BV 4 and 8 on one warp with TC 16
+# the H200 at 4B heads (bench/RESULTS.md) BV 4 and 8 on one warp with TC 16
 # took 8.3-8.6 us for 9 tokens (fla's kernel 22.0) and 13.5 for 17 (40.1); every setting with 2
 # to 8 warps was 2-6x slower than those (the per-step row picks and sums cross warps). Each
 # step picks its token's q, k and v out of the chunk's registers by a masked sum over the
 # chunk, work in proportion to TC: chunks of 8 and 4 tokens halve and quarter it for one more
-# round trip of loads per chunk (H100, sixty-third session: TC 8 the fastest for 9- and
+# round trip of loads per chunk (H100: TC 8 the fastest for 9- and
 # 17-token blocks at 0.8B and 4B heads, e.g. 6.3 us at 4x1x8 against 7.0 at 4x1x16). The chunk is
 # the setting's, never the length's: see the module's docstring. Tried and dropped (H100,
-# bench/RESULTS.md, sixty-third session): each step loading its own token's vectors, the
+# bench/RESULTS.md): each step loading its own token's vectors, the
 # outputs stored after the last step ("direct"): 9.4-10.4 us for a 9-token block against 6.3
 # at short@4x1x8 (0.8B heads) and 9.6-10.7 against 8.1 (4B heads); faster only for the
 # 32-layer rewind (105 against 120 us at 4B heads), which must share the block's setting.
@@ -250,7 +250,7 @@ def choose_for_blocks(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_
     batch: ``rewind_states_``; fla's kernel: the rewind's steps). Timed per call, as ``choose``
     does at the first call it meets, the block alone decides, and the rewind pays for it:
     at 4B heads on the H200 the one-pass rewind took 246 us at the batch-1 choice
-    short@4x1x8 and 118 at short@8x1x8 (bench/rewind.py, twenty-third session), where the
+    short@4x1x8 and 118 at short@8x1x8 (bench/rewind.py), where the
     9-token block's launches differ by well under 1 us. A key already chosen keeps its choice
     (graphs may hold it); off CUDA, None."""
     key = (num_k_heads, head_k_dim, num_v_heads, head_v_dim, dtype, False)
