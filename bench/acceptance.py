@@ -8,7 +8,7 @@ usage: python bench/acceptance.py MODEL_DIR CORPUS.jsonl [--prompts 50] [--new 1
 
 --temperatures adds verified rows that sample (speculative sampling, top-k/top-p off, seed = the
 prompt's index): the acceptance of sampled drafts next to the greedy one. Their tokens are not
-compared with a reference (sampled text has no single right answer: tests/test_speculative.py
+compared with a reference (sampled text has no single right answer: tests/engine/test_speculative.py
 holds its distribution to the exact model's). On the CPU (--device cpu) FP8 is emulated: the
 acceptance is the model's, the speed is not a GPU's.
 """

@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/ (helpers, app_server) and each component's folder: a test imports another's helpers
+# by module name (from test_engine import erring_engine), wherever the two live
+HERE = Path(__file__).resolve().parent
+for folder in (HERE, *sorted(p for p in HERE.iterdir() if p.is_dir() and
+                             p.name not in ("__pycache__",))):
+    sys.path.insert(0, str(folder))
 
 # The CPU suite's models are tiny: an op is microseconds of work, and a second intra-op thread
 # costs more in hand-offs than it saves (a verified reply of test_speculative.py's: 19 ms with

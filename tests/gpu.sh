@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU test suite in one command (10 minutes at most, cold compiles included):
-#   bash tests/gpu.sh                       every tests/test_gpu*.py file, each in a pytest
+#   bash tests/gpu.sh                       every tests/gpu/test_gpu*.py file, each in a pytest
 #                                           process of its own, all at once
-#   bash tests/gpu.sh tests/test_gpu.py -k x  arguments: one pytest process with them
+#   bash tests/gpu.sh tests/gpu/test_gpu.py -k x  arguments: one pytest process with them
 #   GPU_TEST_FILES="tests/a.py tests/b.py"  those files side by side; GPU_TEST_LIMIT: each
 #                                           process's seconds (560)
-# fla's wheels (fla-core, flash-linear-attention) and, for tests/test_gpu_structured.py,
+# fla's wheels (fla-core, flash-linear-attention) and, for tests/gpu/test_gpu_structured.py,
 # xgrammar's cp312 wheels with its pydantic (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform
 # manylinux_2_17_x86_64 -d .whl xgrammar==0.2.9 apache-tvm-ffi pydantic pydantic_core
@@ -40,7 +40,7 @@ suite() {  # $1: log name; the rest: pytest arguments
     done > "$log"
 }
 if [ $# -eq 0 ]; then
-  for file in ${GPU_TEST_FILES:-tests/test_gpu*.py}; do
+  for file in ${GPU_TEST_FILES:-tests/gpu/test_gpu*.py}; do
     suite "$(basename "$file" .py)" "$file" &
   done
   wait

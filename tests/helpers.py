@@ -22,7 +22,7 @@ def cache_states(cache) -> list[torch.Tensor]:
                       *getattr(layer, "recurrent_states", {}).values())]
 
 
-# The GPU tests' model (tests/test_gpu_engine.py, test_gpu_verified.py, test_gpu_fused.py;
+# The GPU tests' model (tests/gpu/test_gpu_engine.py, test_gpu_verified.py, test_gpu_fused.py;
 # test_gpu_hybrid.py's rewind test takes its config)
 GPU_CONFIG = GDNConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_k_heads=2,
                        num_v_heads=4, head_k_dim=64, head_v_dim=64, intermediate_size=512)

@@ -30,7 +30,7 @@ HELD_OUT_ONE_IN = 20  # names whose hash falls here go to the held-out split
 ALIASES = (("builtins.", ""), ("posixpath.", "os.path."), ("genericpath.", "os.path."),
            ("posix.", "os."))
 # Names people ask about first: always in the training split, and the demo model's evaluation
-# (tests/test_demo.py: its first sentence must be the documentation's for >= 80% of them).
+# (tests/models/test_demo.py: its first sentence must be the documentation's for >= 80% of them).
 COMMON_NAMES = (
     "os.path.join", "os.getcwd", "os.listdir", "os.path.exists", "os.path.basename",
     "os.path.dirname", "os.mkdir", "os.remove", "os.rename", "os.path.splitext",

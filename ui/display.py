@@ -1,6 +1,6 @@
 """Chat text as the page's Chatbot shows it: Markdown, but no HTML from the text itself and
 doctest lines as code. ``shown`` makes the Chatbot's text from a message's, ``raw`` gives it
-back exactly (``raw(shown(t)) == t`` for every text: tests/test_display.py), so the handlers and
+back exactly (``raw(shown(t)) == t`` for every text: tests/app/test_display.py), so the handlers and
 the kept chats hold what was typed and generated, never the display's escapes.
 
 Three rewrites, all outside code (fenced blocks and inline code spans, which Markdown shows

@@ -27,7 +27,7 @@ policy prices it (``HostTurns``, learned from the reply's blocks), and where dra
 reply takes exact runs of held steps, pipelined as above, between probes.
 
 The naive twin of a held reply is a full forward per token without a cache, its logits masked
-alike (tests/test_token_mask.py); this file holds what the decoder and the verifier share.
+alike (tests/engine/test_token_mask.py); this file holds what the decoder and the verifier share.
 """
 
 from __future__ import annotations

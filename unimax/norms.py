@@ -9,7 +9,7 @@ of 16k and short prompts in captured graphs, where their Python no longer costs:
 (0.8B hybrid shape, bench/RESULTS.md) they cut 16k tokens 100.0 ->
 94.0 ms, 4096 32.3 -> 23.9, 1000 10.3 -> 8.3, 512 7.5 -> 6.1, 128 on a kept 4096 8.7 -> 7.3,
 with the same error against transformers in FP32 as the torch forms (they match those on the
-H200: tests/test_gpu.py). (Earlier, with 8k chunks and eager short prompts, they gave nothing
+H200: tests/gpu/test_gpu.py). (Earlier, with 8k chunks and eager short prompts, they gave nothing
 at 512 and were slower at 16k.) bench/ttft.py --variants torch-norms and
 bench/profile_prefill.py --torch-norms time the torch forms beside them. Decode steps and
 verify blocks (<= LONG tokens) keep the torch forms, which inductor fuses in the compiled step.

@@ -7,7 +7,7 @@ token t is allowed. The host fills a pinned copy from the grammar's matcher befo
 queues its copy to the device; the graph reads the device copy, so one captured graph serves
 every step and every grammar. Unpacking it is a gather and a shift, plain torch with fixed
 shapes (graph-safe, no compiler for the card); its naive twin is xgrammar's own
-``apply_token_bitmask_inplace`` (tests/test_token_mask.py).
+``apply_token_bitmask_inplace`` (tests/engine/test_token_mask.py).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def fla_conv_step(mixed: torch.Tensor, conv_state: torch.Tensor,
     """fla's ``causal_conv1d_update`` kernel, launched as its wrapper launches it but reading
     mixed in place: SiLU(conv) of the new token (B, 1, conv_dim), the window rolled in place.
     (Triton's interpreter casts its output to BF16 by truncation where the GPU rounds to
-    nearest: tests/test_decode_step.py.)"""
+    nearest: tests/ops/test_decode_step.py.)"""
     import triton
     from fla.modules.causal_conv1d.ops import causal_conv1d_update_kernel as kernel
 

@@ -1,5 +1,5 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the engines compiled over the fused GEMVs (the
-fused full-FP8 draft and the fused BF16 fast step). Apart from tests/test_gpu_fused.py so
+fused full-FP8 draft and the fused BF16 fast step). Apart from tests/gpu/test_gpu_fused.py so
 that tests/gpu.sh runs the two side by side (together they ran
 past one file's 560 s)."""
 

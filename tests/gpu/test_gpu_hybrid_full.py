@@ -1,5 +1,5 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a hybrid model's verified decoding with the full-FP8
-draft, captured graphs against eager. A file of its own, split from tests/test_gpu_hybrid.py
+draft, captured graphs against eager. A file of its own, split from tests/gpu/test_gpu_hybrid.py
 (that test took 487 s of a process's 560 with both drafts), so that
 tests/gpu.sh runs it side by side."""
 

@@ -170,6 +170,7 @@ def test_exports_are_cleaned_up(tmp_path):
     import sys
     import time
 
+    from helpers import ROOT
     from ui.chat_tab import Exports
 
     exports = Exports(max_age_s=60)
@@ -180,7 +181,7 @@ def test_exports_are_cleaned_up(tmp_path):
     assert not os.path.exists(first) and os.path.exists(second)
     child = ("from ui.chat_tab import Exports; e = Exports(); print(e.write({'x': 1}))")
     path = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                          check=True, cwd=os.path.dirname(os.path.dirname(__file__))
+                          check=True, cwd=ROOT
                           ).stdout.strip()
     assert path.endswith(".json") and not os.path.exists(os.path.dirname(path))
 

@@ -122,7 +122,7 @@ def test_tokenizing_happens_on_the_callers_thread(service, monkeypatch):
 def test_bad_settings_reach_service_callers_as_errors(service):
     got = events(service, "mode", [user("x")], mode="turbo")
     assert got[-1].kind == "error" and "unknown mode 'turbo'" in got[-1].text
-    # a temperature in verified mode is no error: it samples (tests/test_speculative.py)
+    # a temperature in verified mode is no error: it samples (tests/engine/test_speculative.py)
     got = events(service, "v", [user("x")], mode="verified",
                  settings=GenerationSettings(temperature=0.7))
     assert got[-1].kind == "done"

@@ -1,7 +1,7 @@
 """The opt-in int4 draft (unimax.int4, ops.int4_gemv) on the CPU: its storage against a hand
 computation, the op's twin against the dequantized weight, the int4 view's linears, and verified
 mode with it, whose output is exact greedy decoding whatever the draft. The Triton kernel (inline
-PTX, GPU only) is checked against the twin in tests/test_gpu_int4.py."""
+PTX, GPU only) is checked against the twin in tests/gpu/test_gpu_int4.py."""
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ choose_pdl); the verifier does the same with its full verify block (unimax.verif
 choose_pdl). On the CPU there are no graphs and no PDL: a runner that really runs each body
 once (through GraphRunner's own prepare and forget) stands in for capture, and "times" a body
 by the PDL setting its launches asked for. The real thing on the GPU:
-tests/test_gpu_tma.py::test_pdl_auto_is_timed_per_decoder_on_gpu."""
+tests/gpu/test_gpu_tma.py::test_pdl_auto_is_timed_per_decoder_on_gpu."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): the fused GEMVs' TMA forms and their programmatic
-dependent launches (unimax.ops.fused_gemv). A file of its own, beside tests/test_gpu_fused.py,
+dependent launches (unimax.ops.fused_gemv). A file of its own, beside tests/gpu/test_gpu_fused.py,
 so that tests/gpu.sh runs it in a process of its own (the two tests
 in one file ran past its 560 s: the PDL test, then in
-tests/test_gpu_engine.py, was cut there at 560 s)."""
+tests/gpu/test_gpu_engine.py, was cut there at 560 s)."""
 
 import pytest
 import torch
@@ -187,7 +187,7 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     plain decoder decodes; the compiled verifier times its full block and its exact run plain
     and with PDL on its Triton GEMMs and GEMVs, and a verified reply with both choices equals
     the all-plain engine's, bit for bit, and exact greedy up to a near tie. (The choices'
-    logic: tests/test_pdl_auto.py.)"""
+    logic: tests/ops/test_pdl_auto.py.)"""
     import unimax.ops.fused_gemv as fused_gemv
     from unimax import exact_greedy_tokens
     from unimax.graph import pdl_candidate

@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a checkpoint written by transformers' Qwen3.5 loads
 on CUDA to the CPU's logits and greedy tokens. A file of its own so that tests/gpu.sh runs
-it in a process of its own (at the end of tests/test_gpu.py it was cut by
+it in a process of its own (at the end of tests/gpu/test_gpu.py it was cut by
 that process's 560 s)."""
 
 import pytest

@@ -510,7 +510,7 @@ def test_fused_gemv_pdl_form_compiles_for_hopper():
     tile) before it waits for the kernel before, and waits once; with the signal at the end
     (PDL_TRIGGER "end"), the load, the wait, then the signal, before it stores; without PDL,
     neither instruction. (Its sums equal the PDL-free form's on the GPU:
-    tests/test_gpu_engine.py.)"""
+    tests/gpu/test_gpu_engine.py.)"""
     out = run_with_triton(PDL_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     assert rows == [["1", "False", "False", "0", "-"], ["1", "True", "False", "2", "True"],

@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a hybrid model's graphs and verified decoding, the
 tape rewind with fla's kernel, the verifier's attention on the tensor cores. Split from
-tests/test_gpu_verified.py (the two together ran past one device call's 560 s per file on the
+tests/gpu/test_gpu_verified.py (the two together ran past one device call's 560 s per file on the
 H200) so that tests/gpu.sh runs them side by side."""
 
 import pytest
@@ -34,9 +34,9 @@ def assert_verified_graphs_match_eager(model, x, draft: str) -> None:
 def test_hybrid_graphs_on_gpu(tmp_path):
     """Hybrid model (gated attention over static KV buffers) on the GPU: graph decoding equals
     eager decoding; verified decoding with captured verifier/replay rolls KV back correctly
-    (the tail draft here, the full-FP8 one in tests/test_gpu_hybrid_full.py: together they
+    (the tail draft here, the full-FP8 one in tests/gpu/test_gpu_hybrid_full.py: together they
     took 487 s of a process's 560). (Every graph captured up front, then
-    a prompt as long as the KV buffers allow: tests/test_gpu_hybrid_capture.py, a file of its
+    a prompt as long as the KV buffers allow: tests/gpu/test_gpu_hybrid_capture.py, a file of its
     own: together they took 496 s of the 560 a file has.)"""
     model, x = hybrid_model(tmp_path)
     graphs = build_engine(model, decode="bf16", block_size=8)

@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): a hybrid model's every graph captured up front, as
 the app does, then a prompt that leaves the context's last tokens to a verified reply. Split
-from tests/test_gpu_hybrid.py (its hybrid test took 496 s of a file's 560 on the H200)
+from tests/gpu/test_gpu_hybrid.py (its hybrid test took 496 s of a file's 560 on the H200)
 so that tests/gpu.sh runs the two side by side."""
 
 import pytest

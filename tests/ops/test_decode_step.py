@@ -1,5 +1,5 @@
 """The GDN mixer's one-op decode step (unimax.ops.decode_step): fla's kernels against the twin in
-Triton's interpreter (a child process, as tests/test_gemv.py), the mixer's op path against its
+Triton's interpreter (a child process, as tests/ops/test_gemv.py), the mixer's op path against its
 torch forms, the op under inductor writing the cache's own buffers, and its input checks."""
 
 import dataclasses
@@ -36,7 +36,7 @@ for batch, heads, value_heads, dk, dv, width, conv_dtype in [
         mixed, a = proj[..., :conv_dim], proj[..., -value_heads:]
         beta = proj[..., conv_dim:conv_dim + value_heads].sigmoid()
         # the convolution: the window exactly; the output within one BF16 rounding (the
-        # interpreter truncates where the GPU rounds to nearest: tests/test_gpu_engine.py)
+        # interpreter truncates where the GPU rounds to nearest: tests/gpu/test_gpu_engine.py)
         y = fla_conv_step(mixed, conv[0], weight)
         y_ref, window = causal_conv1d_step(mixed, weight, conv[1])
         conv[1].copy_(window)

@@ -109,7 +109,7 @@ def test_conv_matches_padded_conv_and_steps():
 @pytest.mark.parametrize("length", [65, 300])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_long_conv_matches_the_block_form(length, fresh):
-    """The prompt form (a depthwise fp32 conv1d here; fla's kernel on CUDA, tests/test_gpu.py)
+    """The prompt form (a depthwise fp32 conv1d here; fla's kernel on CUDA, tests/gpu/test_gpu.py)
     against the block form the steps agree with: same outputs to rounding, same state."""
     gen = torch.Generator().manual_seed(length)
     x = torch.randn(2, length, 6, generator=gen).to(torch.bfloat16)

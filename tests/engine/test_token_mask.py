@@ -1,6 +1,6 @@
 """The grammar's mask inside the engines' graphs (unimax.token_mask) against its naive twin,
 xgrammar's own ``apply_token_bitmask_inplace``, on random bitmasks, and the held steps' guards.
-The replies it serves are tested against the twin decoder in tests/test_structured.py."""
+The replies it serves are tested against the twin decoder in tests/service/test_structured.py."""
 
 from unittest import mock
 

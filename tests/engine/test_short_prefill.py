@@ -1,7 +1,7 @@
 """Short prompts through a padded bucket (unimax.short_prefill): the same first token, logits
 and state as the eager prefill, fresh and on kept state, at lengths around every bucket edge,
 on pure and hybrid models; whatever the padding holds never reaches the state. (Eager on the
-CPU: the same code the CUDA graphs capture; tests/test_gpu_engine.py replays the graphs.)"""
+CPU: the same code the CUDA graphs capture; tests/gpu/test_gpu_engine.py replays the graphs.)"""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """The int4 draft's kernels (ops.int4_gemv, ops.int4_fused) against their twins in Triton's
 interpreter (the PTX dequantizer swapped for integer arithmetic there: its values are checked
-on the GPU, tests/test_gpu_int4.py), and the fused int4 draft view (unimax.fused_draft)
+on the GPU, tests/gpu/test_gpu_int4.py), and the fused int4 draft view (unimax.fused_draft)
 against the unfused one on the CPU, where the ops run their twins."""
 
 import torch

@@ -118,7 +118,7 @@ def test_int4_draft_engine_on_gpu(monkeypatch):
     # The fused int4 view against the unfused one, one-token steps. In fp32 the two compute
     # the same logits up to sum order; in BF16 they round in different places and drift apart
     # on this random model (the FP8 fused draft's ~2% on average, single steps more:
-    # tests/test_gpu_fused.py; an earlier run saw a 2.7% step), so the
+    # tests/gpu/test_gpu_fused.py; an earlier run saw a 2.7% step), so the
     # BF16 bound is on the mean, as there.
     monkeypatch.setattr(fused_draft, "FUSE_INT4", True)
     drafts = [quantize_view(m, "int4") for m in (model, copy.deepcopy(model).float())]

@@ -145,7 +145,7 @@ def test_gemv_view_shares_weights_and_keeps_fp8_linears():
                 assert type(swapped) is GemvSwiGLUMLP, name
             elif type(original) is GatedDeltaNetMixer and \
                     type(original.in_proj) is torch.nn.Linear:
-                assert type(swapped) is GemvRecordingMixer, name  # (tests/test_in_proj_tape.py)
+                assert type(swapped) is GemvRecordingMixer, name  # (tests/ops/test_in_proj_tape.py)
                 assert swapped.A_log is original.A_log, name
             elif type(swapped) is FusedBlock:  # (a folded view's block: fused_draft)
                 assert isinstance(original, GDNBlock), name

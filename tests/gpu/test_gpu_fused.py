@@ -30,7 +30,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
     model's shapes, each prologue, FP8 weights with fp32 and FP16 products (a TMA form
     too; the RMS prologue also without its pre-pass), with and without the residual; a
     full-FP8 draft view's fused steps track the unfused view's logits with the fused kernel
-    really taken. (The compiled engines over them: tests/test_gpu_fused_engine.py.)"""
+    really taken. (The compiled engines over them: tests/gpu/test_gpu_fused_engine.py.)"""
     import unimax.fused_draft as fused_draft
     import unimax.ops.fused_gemv as fused_gemv
     from helpers import spied
@@ -57,7 +57,7 @@ def test_fused_draft_on_gpu(model, monkeypatch):
             # each form at a named tile, the narrowest and the widest by turns (autotuning
             # every form at every case compiled ~500 kernels: most of this file's 10 minutes;
             # every tile is checked on the interpreter,
-            # tests/test_fused_draft.py); a TMA form at every prologue (W through tensor
+            # tests/engine/test_fused_draft.py); a TMA form at every prologue (W through tensor
             # descriptors, pipelined; each form and tile at the 4B linears: test_gpu_tma.py)
             tiles = fused_gemv.tiles_for(fused_gemv._head(prologue, norm))
             for j, form in enumerate(("rows", "rows16") + split + ("tma16",)):

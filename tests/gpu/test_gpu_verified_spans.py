@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): verified decoding at block_size 16, where the verifier
 compiles forwards of 1, 9 and 17 rows (unimax.verifier.span_blocks). A file of its own so that
-tests/gpu.sh runs it beside tests/test_gpu_verified.py: alone, cold, this test ran past
+tests/gpu.sh runs it beside tests/gpu/test_gpu_verified.py: alone, cold, this test ran past
 300 s on the H200 (its compiles and 16-long captures; bench/RESULTS.md),
 which that file's other tests (292 s) leave no room for within one process's limit."""
 

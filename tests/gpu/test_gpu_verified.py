@@ -1,6 +1,6 @@
 """GPU (UNIMAX_ALLOW_FLA=1 pytest -m gpu): verified decoding in captured graphs (greedy and
 sampled, fixed and adaptive draft lengths, the compiled verifier). A file apart from
-tests/test_gpu_engine.py and tests/test_gpu_hybrid.py so that tests/gpu.sh runs them side
+tests/gpu/test_gpu_engine.py and tests/gpu/test_gpu_hybrid.py so that tests/gpu.sh runs them side
 by side, each in a process of its own, within one device call (alone, with the hybrid and
 rewind tests in it, it ran past 560 s on the H200: bench/RESULTS.md)."""
 
@@ -24,7 +24,7 @@ def test_verified_sampling_on_gpu(model, draft):
     """Speculative sampling in captured graphs (the draft's recorded distributions, the
     sampled verifier, the rewind): the eager engine's tokens for the same seed, a seed
     reproduces, and the drafts are both kept and refused. (Its distribution is tested on the
-    CPU, tests/test_speculative.py.)"""
+    CPU, tests/engine/test_speculative.py.)"""
     x = prompt(60, seed=5)
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11)
     graphs = build_engine(model, decode="fp8", draft=draft, block_size=8)

@@ -222,7 +222,7 @@ def test_bad_input(model):
         engine.generate_verified(prompt(3), 4, draft_block=9)
     with pytest.raises(ValueError, match="unknown mode 'turbo'"):
         engine.generate(prompt(3), 4, mode="turbo")
-    # verified mode samples too (speculative sampling, tests/test_speculative.py)
+    # verified mode samples too (speculative sampling, tests/engine/test_speculative.py)
     assert len(engine.generate(prompt(3), 4, mode="verified",
                                sampling=SamplingParams(0.7, seed=1)).tokens) == 4
     with pytest.raises(ValueError, match="unknown decode mode 'int4'"):
