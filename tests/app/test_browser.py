@@ -425,8 +425,11 @@ def open_past_chats(page, count: int):
 
     def listed():
         page.click("#past-chats input")
-        if options.count() == count:
-            return True
+        deadline = time.time() + 3  # (the open list renders a moment after the click)
+        while time.time() < deadline:
+            if options.count() == count:
+                return True
+            time.sleep(0.1)
         page.keyboard.press("Escape")
         time.sleep(0.3)
         return False
