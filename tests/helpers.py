@@ -400,3 +400,20 @@ def grammar_processor(tokenizer, vocab_size: int, stops: list[int], build):
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=stops)
     return xgrammar.contrib.hf.LogitsProcessor(build(xgr.GrammarCompiler(info)))
+
+
+def second_choice_every_third(graph) -> None:
+    """The decoder's held draft steps made to take their second choice (under the grammar's
+    mask and the penalties) every third step: verified blocks meet rejections at every
+    position."""
+    import itertools
+
+    calls, original = itertools.count(), graph._held_choice
+
+    def wrong(sampled, record=False):
+        original(sampled, record)
+        if next(calls) % 3 == 1:
+            scores = graph.token_mask.apply(graph.held_logits)
+            graph.static_token.copy_(scores.topk(2, dim=-1).indices[:, 1:])
+
+    graph._held_choice = wrong

@@ -11,22 +11,10 @@ state; replies that race side by side (EngineService.race) swap it at each turn 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .cache import FLAG_TABLES, kv_tensors, state_tensors
 from .short_prefill import ShortPrefill
-
-
-@dataclass
-class Parked:
-    """One reply's exact state set aside while another runs (``ExactSide.park``)."""
-
-    state: list[torch.Tensor]  # conv and recurrent buffers and the position
-    kv: list[torch.Tensor]  # each attention layer's keys and values, its first ``rows``
-    flags: list[dict]  # each layer's flag tables
-    seen_tokens: int
+from .states import copy_on_device, held_tensors, put_back
 
 
 class ExactSide:
@@ -36,7 +24,6 @@ class ExactSide:
         self.cache = model.make_recurrent_cache()
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
-        self.use_graphs = use_graphs
         # Short prompts through captured graphs (with graphs only: eager, it is only slower)
         self.short_prefill = ShortPrefill(model, self.cache, use_graphs=True) \
             if use_graphs else None
@@ -46,28 +33,13 @@ class ExactSide:
         self.quantized: dict[tuple, torch.nn.Module] = {}
 
     @torch.inference_mode()
-    def park(self, rows: int) -> Parked:
+    def park(self, rows: int) -> tuple[list[torch.Tensor], int]:
         """A copy of the cache's state and of the first ``rows`` KV entries of each attention
-        layer (a reply's prompt and reply so far, and any drafts written past them)."""
+        layer (a reply's prompt and reply so far, and any drafts written past them), taken as
+        a conversation's kept state is (unimax.states), with the tokens it has seen."""
         rows = min(rows, self.cache.max_kv_length) if self.cache.has_attention else 0
-        return Parked([t.clone() for t in state_tensors(self.cache)],
-                      [t[:, :, :rows].clone() for t in kv_tensors(self.cache)],
-                      [_flags(layer) for layer in self.cache.layers],
-                      int(self.cache.seen_tokens))
+        return copy_on_device(held_tensors(self.cache, rows)), self.cache.seen_tokens
 
-    @torch.inference_mode()
-    def unpark(self, parked: Parked) -> None:
-        """Put a parked state back (the cache's addresses kept: graphs read them)."""
-        for dst, src in zip(state_tensors(self.cache), parked.state, strict=True):
-            dst.copy_(src)
-        for dst, src in zip(kv_tensors(self.cache), parked.kv, strict=True):
-            dst[:, :, :src.shape[2]].copy_(src)
-        for layer, flags in zip(self.cache.layers, parked.flags, strict=True):
-            for table, values in flags.items():
-                getattr(layer, table).clear()
-                getattr(layer, table).update(values)
-        self.cache.seen_tokens = parked.seen_tokens
-
-
-def _flags(layer) -> dict:
-    return {table: dict(getattr(layer, table)) for table in FLAG_TABLES if hasattr(layer, table)}
+    def unpark(self, parked: tuple[list[torch.Tensor], int]) -> None:
+        """Put a parked state back (a reply's, after its prefill: unimax.states.put_back)."""
+        put_back(self.cache, *parked)

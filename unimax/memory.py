@@ -13,6 +13,7 @@ after the warm-up (``measured``), not planned.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +85,10 @@ def _cache_bytes(model) -> tuple[int, int]:
     element = torch.finfo(model.dtype).bits // 8
     for spec in model.layer_state_specs():
         if isinstance(spec, AttentionStateSpec):
-            kv += 2 * _prod(spec.kv_shape) * element
+            kv += 2 * math.prod(spec.kv_shape) * element
         elif isinstance(spec, LayerStateSpec):  # (conv states in the model's dtype, the
-            state += _prod(spec.conv_shape) * element + _prod(spec.recurrent_shape) * 4
+            state += math.prod(spec.conv_shape) * element + math.prod(spec.recurrent_shape) * 4
     return kv, 6 * state  # recurrent ones in fp32)
-
-
-def _prod(shape) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def capacity() -> int:

@@ -295,11 +295,10 @@ class EngineService:
         if not self.memory_plan:
             return ""
         with torch.cuda.device(self.device):
-            text = memory.describe(self.memory_plan, memory.capacity())
             if after_warm_up:
                 kept = int(self.store.usage()["gpu_mib"] * 2**20)
-                text = memory.measured(self.memory_plan, kept)
-        return text
+                return memory.measured(self.memory_plan, kept)
+            return memory.describe(self.memory_plan, memory.capacity())
 
     def warming_mode(self) -> str | None:
         """The mode a background warm-up is on now, or None."""

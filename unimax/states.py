@@ -61,18 +61,16 @@ class StateStore:
 
     @torch.inference_mode()
     def save(self, conversation_id: str, tokens: list[int], cache: RecurrentCache) -> None:
-        state = state_tensors(cache)
-        # Hybrid models: the attention KV written so far grows with the conversation.
-        kv = [t[:, :, :len(tokens)] for t in kv_tensors(cache)]
+        held = held_tensors(cache, len(tokens))
         try:
-            tensors = copy_on_device(state + kv)
+            tensors = copy_on_device(held)
         except torch.OutOfMemoryError:
             # a card full to the brim (a big model on a 24 GB L4): the copy goes to host
             # memory instead, where the budget would have moved it anyway; the reply that is
             # being served must not fail for the sake of a later turn's prefill
-            tensors = [t.to("cpu") for t in state + kv]
+            tensors = [t.to("cpu") for t in held]
         ckpt = KeptState(tuple(tokens), tensors, last_used=next(self.clock),
-                          num_state=len(state))
+                          num_state=len(state_tensors(cache)))
         with self.lock:
             kept = [c for c in self.conversations.get(conversation_id, [])
                     if c.tokens != ckpt.tokens]
@@ -81,14 +79,7 @@ class StateStore:
 
     @torch.inference_mode()
     def restore(self, ckpt: KeptState, cache: RecurrentCache) -> None:
-        n = ckpt.num_state
-        for dst, src in zip(state_tensors(cache), ckpt.tensors[:n], strict=True):
-            dst.copy_(src, non_blocking=True)
-        for dst, src in zip(kv_tensors(cache), ckpt.tensors[n:], strict=True):
-            dst[:, :, :src.shape[2]].copy_(src, non_blocking=True)
-        for layer in cache.layers:
-            layer.has_previous_state[0] = True
-        cache.seen_tokens = len(ckpt.tokens)
+        put_back(cache, ckpt.tensors, len(ckpt.tokens))
 
     def forget(self, conversation_id: str) -> None:
         with self.lock:
@@ -122,6 +113,26 @@ class StateStore:
                         if not cs:  # the panel counts conversations with a kept state
                             del self.conversations[cid]
                 host -= ckpt.nbytes
+
+
+def held_tensors(cache: RecurrentCache, rows: int) -> list[torch.Tensor]:
+    """What a cache holds after ``rows`` tokens: the fixed-size state, then (hybrid models) each
+    attention layer's first ``rows`` KV entries (views, not copies)."""
+    return state_tensors(cache) + [t[:, :, :rows] for t in kv_tensors(cache)]
+
+
+@torch.inference_mode()
+def put_back(cache: RecurrentCache, tensors: list[torch.Tensor], seen: int) -> None:
+    """Copy ``held_tensors``' copies back into the cache (its addresses kept: graphs read
+    them), as the state after ``seen`` tokens."""
+    n = len(state_tensors(cache))
+    for dst, src in zip(state_tensors(cache), tensors[:n], strict=True):
+        dst.copy_(src, non_blocking=True)
+    for dst, src in zip(kv_tensors(cache), tensors[n:], strict=True):
+        dst[:, :, :src.shape[2]].copy_(src, non_blocking=True)
+    for layer in cache.layers:
+        layer.has_previous_state[0] = True
+    cache.seen_tokens = seen
 
 
 def copy_on_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

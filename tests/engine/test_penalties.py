@@ -3,13 +3,12 @@ the plain definition, and penalized replies in every mode against a naive twin (
 without a cache, each step's logits penalized by the plain definition, greedy); verified mode
 with forced rejections stays the exact model's greedy reply under the penalties."""
 
-import itertools
 
 import pytest
 import torch
 
 import unimax
-from helpers import write_qwen_checkpoint
+from helpers import second_choice_every_third, write_qwen_checkpoint
 from unimax.build import build_engine
 from unimax.penalties import PenaltySettings, penalize, penalize_reference
 from unimax.settings import GenerationSettings, SettingsError
@@ -107,16 +106,7 @@ def test_verified_penalized_blocks_with_forced_rejections(tmp_path, hybrid, draf
     model = model_at(tmp_path, hybrid)
     engine = build_engine(model, decode="fp8", draft=draft, block_size=4, use_graphs=False)
     engine.draft_length.forget()
-    graph, calls = engine.decode_graph, itertools.count()
-    original = graph._held_choice
-
-    def wrong(sampled, record=False):
-        original(sampled, record)
-        if next(calls) % 3 == 1:
-            scores = graph.token_mask.apply(graph.held_logits)
-            graph.static_token.copy_(scores.topk(2, dim=-1).indices[:, 1:])
-
-    graph._held_choice = wrong
+    second_choice_every_third(engine.decode_graph)
     prompt = torch.randint(0, model.config.vocab_size, (1, 9),
                            generator=torch.Generator().manual_seed(5))
     want = twin(model, model, prompt, 20, STRONG)

@@ -265,10 +265,8 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
     token every third draft (so rejections fall at every position of the 4-token blocks),
     the reply is still the masked twin's (exact greedy under the grammar), the grammar took
     back every rejected draft, and the next turn goes on from the kept state."""
-    import itertools
-
     import unimax
-    from helpers import write_qwen_checkpoint
+    from helpers import second_choice_every_third, write_qwen_checkpoint
     from unimax.build import build_engine
 
     types = ["linear_attention", "full_attention"] if hybrid else ["linear_attention"] * 2
@@ -276,16 +274,7 @@ def test_verified_blocks_under_a_grammar_with_forced_rejections(tmp_path, hybrid
     model = unimax.load_model(tmp_path, dtype="float32", max_context=128)
     vocab = model.config.vocab_size
     engine = build_engine(model, decode="fp8", draft=draft, block_size=4, use_graphs=False)
-    graph, calls = engine.decode_graph, itertools.count()
-    original = graph._held_choice
-
-    def wrong(sampled, record=False):
-        original(sampled, record)
-        if next(calls) % 3 == 1:
-            allowed = graph.token_mask.apply(graph.held_logits)
-            graph.static_token.copy_(allowed.topk(2, dim=-1).indices[:, 1:])
-
-    graph._held_choice = wrong
+    second_choice_every_third(engine.decode_graph)
     prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(5))
     reply = masked_twin(model, model, prompt, 20, Subsets(vocab))
     grammar = Subsets(vocab)

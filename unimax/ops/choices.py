@@ -57,7 +57,7 @@ class Pending:
 
 
 _lock = threading.Lock()
-_state = {"deferred": False, "folder": None, "machine": None, "known": None}
+_state = {"deferred": False, "machine": None, "known": None}
 PENDING: list[Pending] = []
 # what the remembered choices saved: keys answered from the shipped table and the disk cache
 REMEMBERED = {"shipped": 0, "cache": 0, "deferred": 0, "tuned": 0}
