@@ -5,36 +5,30 @@ usage: python bench/profile_step.py [--shapes gdn24-0.8b] [--variants graphs com
        [--json FILE]
 Variants: graphs (plain captured steps, fla's recurrent kernel); fla, torch (the step compiled by
 inductor with fla's recurrent kernel or the torch one); fla+gemv, torch+gemv (compiled, plain
-linears through the Triton GEMV: unimax.fast_step; the BF16 fast step, its norms, gates and
-residual adds folded into the GEMVs: unimax.fused_draft.FUSE_BF16); draft (the full-FP8
-draft of verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these
-with "-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around
-fla's recurrent kernel instead of one op (unimax.ops.decode_step); "-nofuse" (draft-nofuse,
+linears through the Triton GEMV: unimax.fast_step; the BF16 fast step, its norms, gates and residual
+adds folded into the GEMVs: the kernel configuration's fuse_bf16); draft (the full-FP8 draft of
+verified mode as the engine builds it: every linear FP8, then fla+gemv); any of these with
+"-unfused" (fla+gemv-unfused, draft-unfused): the GDN mixer's step as torch forms around fla's
+recurrent kernel instead of one op (unimax.ops.decode_step); "-nofuse" (draft-nofuse,
 fla+gemv-nofuse): without the norms, gates and residual adds folded into the GEMVs
-(unimax.fused_draft, on by default; draft-unfused-nofuse: neither); engine-bf16,
-engine-draft, engine-verify (the graphs the app replays, from ``build_engine(...,
-compile_step=True)`` after a verified reply and ``capture_graphs``: the BF16 step, the full-FP8
-draft step, and the verifier's block of 8 drafts + 1, whose figures are per block, not per
-token, with the rollback inside); any variant with "-combo" last (engine-verify-combo): the
-same with inductor's combo kernels, which launch independent small kernels (the verify
-block's ~24 per layer: copies for the tape and the recurrence, gates, norms) as one; "-pdl"
-before it (draft-pdl, engine-bf16-pdl): the fused GEMVs with programmatic dependent launch
-(unimax.ops.fused_gemv.PDL, off by default), "-pdlend" with its signal at the end of each
-program's K loop (PDL_TRIGGER "end"); "-noconv" before those (draft-noconv): the GDN
-in-projection without the convolution folded in (unimax.ops.in_proj_conv.FOLD, on by
-default: fla's conv kernel then runs as a launch of its own); "-notma" before "-noconv"
-(draft-notma, fla+gemv-notma): the fused GEMVs without their TMA forms offered
-(unimax.ops.fused_gemv.TMA, on by default; the choices timed again without them);
-"-rmsloop" in the same place (draft-rmsloop): the RMS prologues without their pre-pass
-where a form takes it (unimax.ops.fused_gemv.RMS_IN_LOOP, off by default; every fused
-choice timed again); "exact" (the verifier's view, unimax.verifier.exact_view,
-as one-token steps: what an exact run of k = 0 blocks decodes, without the verifier's
-snapshot and resync), "exact-nobeta" (the same with sigmoid(b) as a kernel of its own per
-layer, not in the in-projection's epilogue: unimax.ops.in_proj_conv.BETA off);
-"-blockrows" last before any "-combo" (engine-verify-blockrows): the verifier's blocks
-attending by rows_attention over their KV bucket (unimax.attention.DECODE_KERNEL_TOKENS at 1)
-instead of through ops.decode_attention.
-Random weights, batch 1; the state after a 64-token prompt.
+(unimax.fused_draft, on by default; draft-unfused-nofuse: neither); engine-bf16, engine-draft,
+engine-verify (the graphs the app replays, from ``build_engine(..., compile_step=True)`` after a
+verified reply and ``capture_graphs``: the BF16 step, the full-FP8 draft step, and the verifier's
+block of 8 drafts + 1, whose figures are per block, not per token, with the rollback inside); any
+variant with "-combo" last (engine-verify-combo): the same with inductor's combo kernels, which
+launch independent small kernels (the verify block's ~24 per layer: copies for the tape and the
+recurrence, gates, norms) as one; "-pdl" before it (draft-pdl, engine-bf16-pdl): the fused GEMVs
+with programmatic dependent launch (its pdl, off here by default), "-pdlend" with its signal at the
+end of each program's K loop (pdl_trigger "end"); "-noconv" before those (draft-noconv): the GDN
+in-projection without the convolution folded in (fold_conv, on by default: fla's conv kernel then
+runs as a launch of its own); "-notma" before "-noconv" (draft-notma, fla+gemv-notma): the fused
+GEMVs without their TMA forms offered (tma, on by default; the choices timed again without them);
+"exact" (the verifier's view, unimax.verifier.exact_view, as one-token steps: what an exact run of k
+= 0 blocks decodes, without the verifier's snapshot and resync), "exact-nobeta" (the same with
+sigmoid(b) as a kernel of its own per layer, not in the in-projection's epilogue: fold_beta off);
+"-blockrows" last before any "-combo" (engine-verify-blockrows): the verifier's blocks attending by
+rows_attention over their KV bucket (decode_attention_tokens at 1) instead of through
+ops.decode_attention. Random weights, batch 1; the state after a 64-token prompt.
 """
 
 from __future__ import annotations
@@ -194,17 +188,16 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     """``variant`` as in the module docstring; with "-combo" last, everything it compiles is
     compiled with inductor's combo kernels (independent small kernels launched as one); with
     "-pdl" (before any "-combo"), its graphs are captured with the fused GEMVs launched with
-    programmatic dependent launch (unimax.ops.fused_gemv.PDL); "-pdlend": the same with
-    PDL_TRIGGER "end"."""
-    import unimax.attention as attention
+    programmatic dependent launch (the kernel configuration's pdl); "-pdlend": the same with
+    its pdl_trigger "end"."""
+    import unimax.kernels as kernels
     import unimax.ops.fused_gemv as fused_gemv
-    import unimax.ops.in_proj_conv as in_proj_conv
 
     base = variant.removesuffix("-combo")
     combo = torch._inductor.config.patch(combo_kernels=base != variant)
     # "-blockrows": the verifier's blocks attend by rows_attention over their KV bucket, not
     # through ops.decode_attention (the one-token steps keep the op)
-    block_tokens = 1 if base.endswith("-blockrows") else attention.DECODE_KERNEL_TOKENS
+    block_tokens = 1 if base.endswith("-blockrows") else kernels.DEFAULT.decode_attention_tokens
     base = base.removesuffix("-blockrows")
     beta = not base.endswith("-nobeta")
     base = base.removesuffix("-nobeta")
@@ -212,30 +205,22 @@ def profile_variant(model, variant: str, bandwidth: float) -> dict:
     base = base.removesuffix("-noconv")
     tma = not base.endswith("-notma")
     base = base.removesuffix("-notma")
-    rms_loop = base.endswith("-rmsloop")
-    base = base.removesuffix("-rmsloop")
     trigger = "end" if base.endswith("-pdlend") else "start"
     pdl = base.endswith(("-pdl", "-pdlend"))
-    saved = (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-             fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS)
-    (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-     fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS) = (
-        pdl, trigger, fold, tma, rms_loop, beta, block_tokens)
+    # the variant's kernel configuration, in force for what it builds and runs
+    config = kernels.DEFAULT.but(pdl=pdl, pdl_trigger=trigger, fold_conv=fold, tma=tma,
+                                 fold_beta=beta, decode_attention_tokens=block_tokens)
     choices = dict(fused_gemv.CHOICES)  # (the TMA variants' choices, timed again without)
     if not tma:
         for key in [key for key, name in choices.items() if name.startswith("tma")]:
             del fused_gemv.CHOICES[key]
-    if rms_loop:  # (every choice timed again, the forms without the pre-pass among them)
-        fused_gemv.CHOICES.clear()
     try:
-        with combo, torch.inference_mode():
+        with combo, torch.inference_mode(), kernels.using(config):
             row = measure_variant(model, base.removesuffix("-pdlend").removesuffix("-pdl"),
                                   bandwidth)
         chosen = sorted(f"{key}: {name}" for key, name in kernel_choices().items())
     finally:
-        (fused_gemv.PDL, fused_gemv.PDL_TRIGGER, in_proj_conv.FOLD, fused_gemv.TMA,
-         fused_gemv.RMS_IN_LOOP, in_proj_conv.BETA, attention.DECODE_KERNEL_TOKENS) = saved
-        if not tma or rms_loop:
+        if not tma:
             fused_gemv.CHOICES.clear()
             fused_gemv.CHOICES.update(choices)
     return {**row, "variant": variant, "gemv_choices": chosen}

@@ -165,13 +165,14 @@ def variant(engine, name: str):
     norms and SwiGLU as torch forms, not fla's fused kernels: the default before), "chunk8k"
     (prompts in chunks of 8192 tokens, the default before 16384), "graphs512" (the short
     prefill's graphs up to 512 tokens only, the buckets before 4096). Restored after."""
-    saved = (unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill)
+    saved = (engine.kernels, engine.prefill_chunk, engine.short_prefill)
     parts = name.split("+")
     unknown = set(parts) - {"torch-norms", "chunk8k", "graphs512"}
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}: torch-norms, chunk8k, "
                          "graphs512")
-    unimax.norms.FLA_PROMPT_KERNELS = "torch-norms" not in parts
+    # (the engine puts its kernel configuration in force for each of its calls)
+    engine.kernels = engine.kernels.but(fla_prompt_kernels="torch-norms" not in parts)
     if "chunk8k" in parts:
         engine.prefill_chunk = 8192
     if engine.short_prefill is not None:
@@ -182,7 +183,7 @@ def variant(engine, name: str):
     try:
         yield
     finally:
-        unimax.norms.FLA_PROMPT_KERNELS, engine.prefill_chunk, engine.short_prefill = saved
+        engine.kernels, engine.prefill_chunk, engine.short_prefill = saved
 
 
 def kept_kv_kernels(cfg, new: int = 512, kept: int = 1024) -> dict:

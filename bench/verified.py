@@ -36,7 +36,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -46,16 +45,10 @@ from profile_step import choice_margins, kernel_choices, kernel_table  # noqa: E
 from shapes import SHAPES, decode_weight_bytes  # noqa: E402
 
 import unimax  # noqa: E402
-import unimax.fused_draft  # noqa: E402
-import unimax.layers  # noqa: E402
-import unimax.ops.fused_gemv  # noqa: E402
-import unimax.ops.gemv_swiglu  # noqa: E402
-import unimax.ops.in_proj_conv  # noqa: E402
-import unimax.ops.in_proj_tape  # noqa: E402
-import unimax.verifier  # noqa: E402
+import unimax.kernels  # noqa: E402
 from unimax import GDNForCausalLM, build_engine  # noqa: E402
 from unimax.modes import DRAFTS  # noqa: E402
-from unimax.ops.fused_gemv import pdl_label  # noqa: E402
+from unimax.ops.pdl import pdl_label  # noqa: E402
 from unimax.reference import is_near_tie  # noqa: E402
 
 STARTED = time.perf_counter()
@@ -64,13 +57,12 @@ PROMPT = 512  # tokens of every row's prompt (random ids)
 
 @dataclass(frozen=True)
 class SwitchAB:
-    """An A/B option: a second verified engine built and run with ``owner.name`` set to
-    ``value`` (with_switch), its rows and parts labelled ``label``; ``verify``: its verify
-    block timed too; ``exact``: its exact step and exact run (exact_parts)."""
+    """An A/B option: a second verified engine built with the run's kernel configuration
+    (unimax.kernels) but ``changes`` (with_switch), its rows and parts labelled ``label``;
+    ``verify``: its verify block timed too; ``exact``: its exact step and exact run
+    (exact_parts)."""
     flag: str
-    owner: object
-    name: str
-    value: object
+    changes: dict
     label: str
     help: str
     verify: bool = False
@@ -78,55 +70,53 @@ class SwitchAB:
 
 
 SWITCH_ABS = (
-    SwitchAB("--ab-pdl-fp8", unimax.ops.fused_gemv, "PDL", "fp8", "pdl_fp8",
+    SwitchAB("--ab-pdl-fp8", {"pdl": "fp8"}, "pdl_fp8",
              "also a second verified engine with PDL for FP8 weights only (the draft's "
              "GEMVs; the verifier's and BF16-only's stay plain), its forced rows and draft "
              "step beside the first's (whose PDL is --pdl's: auto by default; --pdl off for "
              "plain against PDL)"),
-    SwitchAB("--ab-rewind", unimax.verifier, "ONE_PASS_REWIND", False, "rewind_in_steps",
+    SwitchAB("--ab-rewind", {"one_pass_rewind": False}, "rewind_in_steps",
              "also a verified engine whose rewind runs as a snapshot, a recurrence and copies "
-             "(unimax.verifier.ONE_PASS_REWIND off: the states read and written three more "
+             "(one_pass_rewind off: the states read and written three more "
              "times): its forced rows and verify block beside the one-pass rewind's",
              verify=True),
-    SwitchAB("--ab-swiglu", unimax.ops.gemv_swiglu, "SWIGLU_EPILOGUE", False,
-             "swiglu_unfused",
+    SwitchAB("--ab-swiglu", {"swiglu_epilogue": False}, "swiglu_unfused",
              "a second verified engine with the verify block's SwiGLU as a kernel of its own "
-             "(ops.gemv_swiglu.SWIGLU_EPILOGUE off): forced rows and verify block side by "
+             "(swiglu_epilogue off): forced rows and verify block side by "
              "side", verify=True),
-    SwitchAB("--ab-tape-apart", unimax.ops.in_proj_tape, "TAPE_EPILOGUE", False,
-             "tape_apart",
+    SwitchAB("--ab-tape-apart", {"tape_epilogue": False}, "tape_apart",
              "a second verified engine whose verify blocks run the tape's kernel after the "
-             "in-projection's GEMM (ops.in_proj_tape.TAPE_EPILOGUE off; on by default: the "
+             "in-projection's GEMM (tape_epilogue off; on by default: the "
              "tape written in the GEMM's epilogue where its timing chooses): forced rows and "
              "verify block side by side", verify=True),
-    SwitchAB("--ab-int4-unfused", unimax.fused_draft, "FUSE_INT4", False, "int4_unfused",
+    SwitchAB("--ab-int4-unfused", {"fuse_int4": False}, "int4_unfused",
              "with --draft int4: a second verified engine whose int4 draft leaves its blocks' "
-             "small kernels to inductor (unimax.fused_draft.FUSE_INT4 off; on by default: "
+             "small kernels to inductor (fuse_int4 off; on by default: "
              "ops.int4_fused, the prologue a launch of its own, then the GEMV with its "
              "epilogue): forced rows and draft step side by side"),
-    SwitchAB("--ab-decode-sdpa", unimax.attention, "DECODE_KERNEL", False, "decode_sdpa",
+    SwitchAB("--ab-decode-sdpa", {"decode_attention_tokens": 0}, "decode_sdpa",
              "hybrid shapes: a second verified engine whose one-token steps (the draft's, the "
              "exact runs') attend through SDPA over the whole KV buffer under a mask "
-             "(unimax.attention.DECODE_KERNEL off; on by default: ops.decode_attention reads "
+             "(decode_attention_tokens 0; 17 by default: ops.decode_attention reads "
              "only the stored entries): forced rows, draft step, exact step and exact run side "
              "by side (see --max-context)", exact=True),
-    SwitchAB("--ab-block-rows", unimax.attention, "DECODE_KERNEL_TOKENS", 1, "block_rows",
+    SwitchAB("--ab-block-rows", {"decode_attention_tokens": 1}, "block_rows",
              "hybrid shapes: a second verified engine whose verify blocks attend through "
-             "rows_attention over their graph's KV window under a mask (unimax.attention."
-             "DECODE_KERNEL_TOKENS at 1; 17 by default: ops.decode_attention's block form reads "
+             "rows_attention over their graph's KV window under a mask ("
+             "decode_attention_tokens at 1; 17 by default: ops.decode_attention's block form reads "
              "only the stored entries): forced rows and verify block side by side",
              verify=True),
-    SwitchAB("--ab-span-4", unimax.verifier, "SHORTEST_SPAN_BLOCK", 4, "span4",
+    SwitchAB("--ab-span-4", {"shortest_span_block": 4}, "span4",
              "a second verified engine with a compiled verify forward of 5 rows for blocks of "
-             "up to 4 drafts as well (unimax.verifier.SHORTEST_SPAN_BLOCK 4; 8 by default: "
+             "up to 4 drafts as well (shortest_span_block 4; 8 by default: "
              "such blocks run the 9-row forward, padded). Under the app's policy at forced 0.95 "
              "it drafts 4-5 a block (mean k 4.49 at 4B), where a forward "
              "costs about its rows; the policy's cost model gives +1.8%% if 5 rows cost 1.15 "
              "BF16 steps against 9 rows' 1.227. Use with --adaptive-only: its policy costs "
              "(policy_costs_ms_span4) hold the 5-row block's time"),
-    SwitchAB("--ab-beta", unimax.ops.in_proj_conv, "BETA", False, "beta_unfused",
+    SwitchAB("--ab-beta", {"fold_beta": False}, "beta_unfused",
              "a second verified engine whose one-token exact steps take sigmoid(b) as a kernel "
-             "of their own (ops.in_proj_conv.BETA off): forced rows, exact step and exact run "
+             "of their own (fold_beta off): forced rows, exact step and exact run "
              "side by side", exact=True),
 )
 
@@ -407,11 +397,11 @@ def bench_shape(shape, args, bandwidth) -> dict:
     if args.kernels:  # the profile of the graphs measured here (no second engine to build)
         kernels["bf16 step"] = kernels_of(bf16.decode_graph.runner, (k, False), k)
 
-    def verified_engine(draft: str = args.draft):
+    def verified_engine(draft: str = args.draft, config=None):
         """A verified engine as this run's (the A/Bs' second engines too: each differs from
-        the first in its one switch, --draft included)."""
+        the first in its kernel configuration or its --draft)."""
         return build_engine(model, decode="fp8", draft=draft, block_size=k,
-                            compile_step=True)
+                            compile_step=True, kernels=config)
 
     start = time.perf_counter()
     engine = verified_engine()
@@ -523,8 +513,8 @@ def bench_shape(shape, args, bandwidth) -> dict:
         verify_without_block_op(verified_engine, ids, args, k, window, parts, kernels)
     for ab in SWITCH_ABS:  # second engines with one module flag flipped
         if getattr(args, ab.flag.removeprefix("--").replace("-", "_")):
-            with_switch(ab.owner, ab.name, ab.value, ab.label, verified_engine, args, k,
-                        parts, forced_row, verify=ab.verify, exact=ab.exact)
+            with_switch(ab.changes, ab.label, verified_engine, args, k, parts, forced_row,
+                        verify=ab.verify, exact=ab.exact)
     if args.ab_short_tile:  # the few-token recurrence at another launch setting
         with_short_tile(model, verified_engine, args, k, parts, forced_row)
     if args.ab_draft:  # another draft format (int4: unimax.int4), its own acceptance too
@@ -559,38 +549,29 @@ def bench_shape(shape, args, bandwidth) -> dict:
 
 def verify_without_block_op(verified_engine, ids, args, k: int, window, parts: dict,
                             kernels: dict) -> None:
-    """A second verified engine with unimax.layers.GatedDeltaNetMixer.block_op off (the
-    recording forward's conv, gates and tape copies as the torch forms, not ops.block_mixer's
-    one kernel; the recurrence is the few-token op either way): its verify block of k drafts
-    timed (and profiled) beside the first engine's, in the same process, on the same model."""
-    was = unimax.layers.GatedDeltaNetMixer.block_op
-    unimax.layers.GatedDeltaNetMixer.block_op = False
-    try:
-        other = verified_engine()
-        other.generate(ids, 4 * (k + 1), mode="verified", draft_block=k)  # captures the block
-        verifier = other.verifier
-        key = verifier.graph_key(k, k + 1, window, sampled=False)
-        parts[f"verify_{k}_ms_without_block_op"] = replay_ms(verifier.runner, key)
-        if args.kernels:
-            kernels[f"verify {k} without the block op (per block)"] = kernels_of(
-                verifier.runner, key, 1)
-    finally:
-        unimax.layers.GatedDeltaNetMixer.block_op = was
+    """A second verified engine with the kernel configuration's block_op off (the recording
+    forward's conv, gates and tape copies as the torch forms, not ops.block_mixer's one
+    kernel; the recurrence is the few-token op either way): its verify block of k drafts timed
+    (and profiled) beside the first engine's, in the same process, on the same model."""
+    other = verified_engine(config=unimax.kernels.active().but(block_op=False))
+    other.generate(ids, 4 * (k + 1), mode="verified", draft_block=k)  # captures the block
+    verifier = other.verifier
+    key = verifier.graph_key(k, k + 1, window, sampled=False)
+    parts[f"verify_{k}_ms_without_block_op"] = replay_ms(verifier.runner, key)
+    if args.kernels:
+        kernels[f"verify {k} without the block op (per block)"] = kernels_of(
+            verifier.runner, key, 1)
 
 
-def with_switch(owner, name: str, value, label: str, verified_engine, args, k: int,
-                parts: dict, forced_row, verify: bool = False, exact: bool = False) -> None:
-    """A second verified engine built, captured and run with ``owner.name`` set to ``value``
-    (restored after): its forced rows and draft step (``verify``: its verify block too)
-    beside the first engine's, in the same process, under ``label`` (second_engine_rows).
-    The switches the A/Bs flip are read as graphs are
-    captured or as the verifier's forward is traced (a guard), so the flag stays set while
-    the second engine runs and the first engine's graphs keep what they were built with.
-    ``exact``: its exact step and exact run too (exact_parts)."""
-    with mock.patch.object(owner, name, value):
-        other = verified_engine()
-        second_engine_rows(other, label, args, k, parts, forced_row, verify=verify,
-                           exact=exact)
+def with_switch(changes: dict, label: str, verified_engine, args, k: int, parts: dict,
+                forced_row, verify: bool = False, exact: bool = False) -> None:
+    """A second verified engine built with the run's kernel configuration but ``changes``
+    (unimax.kernels; the engine keeps it for its calls): its forced rows and draft step
+    (``verify``: its verify block too) beside the first engine's, in the same process, under
+    ``label`` (second_engine_rows). ``exact``: its exact step and exact run too
+    (exact_parts)."""
+    other = verified_engine(config=unimax.kernels.active().but(**changes))
+    second_engine_rows(other, label, args, k, parts, forced_row, verify=verify, exact=exact)
 
 
 def with_short_tile(model, verified_engine, args, k: int, parts: dict, forced_row) -> None:
@@ -698,11 +679,12 @@ def main() -> None:
                              "block and an exact run (the captured graphs measured here)")
     parser.add_argument("--no-fuse-bf16", action="store_true",
                         help="BF16-only's fast step and the verifier's view without the "
-                             "folded GEMVs (unimax.fused_draft.FUSE_BF16 off; on by default)")
+                             "folded GEMVs (the kernel configuration's fuse_bf16 off; on by "
+                             "default)")
     parser.add_argument("--no-block-op", action="store_true",
                         help="the verifier's recording forwards write the tape through the "
                              "torch forms, not one op per GDN layer "
-                             "(unimax.layers.GatedDeltaNetMixer.block_op; on by default)")
+                             "(the kernel configuration's block_op; on by default)")
     parser.add_argument("--ab-block-op", action="store_true",
                         help="also a second verified engine without the block op, its verify "
                              "block timed beside the first's (parts: verify_K_ms_without_"
@@ -710,7 +692,7 @@ def main() -> None:
     parser.add_argument("--pdl", nargs="?", const="all", default="auto",
                         choices=["auto", "off", "all", "fp8"],
                         help="programmatic dependent launch of the fused GEMVs and the "
-                             "verifier's tensor-core GEMMs (unimax.ops.fused_gemv.PDL): auto "
+                             "verifier's tensor-core GEMMs (the kernel configuration's pdl): auto "
                              "(the default, as the app): each decoder, and the compiled "
                              "verifier for its blocks and its exact runs apart, times a block "
                              "with and without and keeps the faster (the choices print as "
@@ -718,7 +700,7 @@ def main() -> None:
                              "over FP8 weights only (the draft's)")
     parser.add_argument("--pdl-trigger", choices=["auto", "start", "end"], default="auto",
                         help="with --pdl: where each program lets the next kernel launch "
-                             "(unimax.ops.fused_gemv.PDL_TRIGGER): auto (the default, as the "
+                             "(its pdl_trigger): auto (the default, as the "
                              "app): --pdl auto times both, 'all' and 'fp8' signal at the start; "
                              "start or end: there only")
     parser.add_argument("--seeds", type=int, default=16,
@@ -750,23 +732,24 @@ def main() -> None:
         parser.error(f"--probe-every takes intervals of at least 1 step, got {args.probe_every}")
     if args.probe_every and args.fixed_only:
         parser.error("--probe-every sets the adaptive policy's interval: drop --fixed-only")
-    unimax.fused_draft.FUSE_BF16 = not args.no_fuse_bf16
-    unimax.layers.GatedDeltaNetMixer.block_op = not args.no_block_op
-    unimax.ops.fused_gemv.PDL = {"auto": "auto", "off": False, "all": True,
-                                 "fp8": "fp8"}[args.pdl]
-    unimax.ops.fused_gemv.PDL_TRIGGER = args.pdl_trigger
-    bandwidth = copy_bandwidth()
-    report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
-              "shapes": {}}
-    for shape in args.shapes:
-        try:
-            report["shapes"][shape] = bench_shape(shape, args, bandwidth)
-        except Exception as err:  # record, go on with the next shape
-            report["shapes"][shape] = {"error": repr(err)[:500]}
-            print(json.dumps({"shape": shape, "error": repr(err)[:500]}), flush=True)
-        torch.cuda.empty_cache()
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=1))
+    # the run's kernel configuration, in force for every engine it builds (unimax.kernels)
+    run_config = unimax.kernels.DEFAULT.but(
+        fuse_bf16=not args.no_fuse_bf16, block_op=not args.no_block_op,
+        pdl={"auto": "auto", "off": False, "all": True, "fp8": "fp8"}[args.pdl],
+        pdl_trigger=args.pdl_trigger)
+    with unimax.kernels.using(run_config):
+        bandwidth = copy_bandwidth()
+        report = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth / 1e9,
+                  "shapes": {}}
+        for shape in args.shapes:
+            try:
+                report["shapes"][shape] = bench_shape(shape, args, bandwidth)
+            except Exception as err:  # record, go on with the next shape
+                report["shapes"][shape] = {"error": repr(err)[:500]}
+                print(json.dumps({"shape": shape, "error": repr(err)[:500]}), flush=True)
+            torch.cuda.empty_cache()
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=1))
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s, block {args.block}")
     for shape, data in report["shapes"].items():
         if "error" in data:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from unimax import GDNConfig, GDNForCausalLM, exact_greedy_tokens
+from unimax import GDNConfig, GDNForCausalLM, exact_greedy_tokens, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +20,15 @@ def cache_states(cache) -> list[torch.Tensor]:
     return [t for layer in cache.layers
             for t in (*getattr(layer, "conv_states", {}).values(),
                       *getattr(layer, "recurrent_states", {}).values())]
+
+
+def kernels_for_test(monkeypatch, **changes) -> kernels.KernelConfig:
+    """The configuration in force with ``changes``, put in force on the test's thread for the
+    rest of the test: the ops and views a test drives, and the engines it builds after (an
+    engine keeps the configuration in force when it is built)."""
+    config = kernels.active().but(**changes)
+    monkeypatch.setattr(kernels._ACTIVE, "config", config, raising=False)
+    return config
 
 
 # The GPU tests' model (tests/gpu/test_gpu_engine.py, test_gpu_verified.py, test_gpu_fused.py;

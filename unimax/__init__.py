@@ -13,6 +13,7 @@ from .config import GDNConfig
 from .engine import BridgeReport, Generation, UniMaxEngine, VerifyReport
 from .fp8 import FP8Linear, quantize_view
 from .graph import MaxTurboGraphDecoder
+from .kernels import KernelConfig
 from .model import CausalLMOutput, GDNForCausalLM
 from .reference import exact_greedy_tokens
 from .sampling import SamplingParams
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "GDNConfig",
     "GDNForCausalLM",
+    "KernelConfig",
     "RecurrentCache",
     "cache_payload_bytes",
     "copy_cache_",

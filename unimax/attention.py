@@ -7,24 +7,24 @@ is multiplied by sigmoid(gate) before o_proj. Port of transformers' ``Qwen3_5Att
 positions, which is plain RoPE on the first ``rotary_dim`` channels.
 
 With a cache, new keys/values are written at the cache's device-side position and every query
-attends over the leading ``attend_length`` entries of the buffer under a mask (key index <=
-query position): fixed shapes and no host sync, so the step can be captured in a CUDA graph.
-``attend_length`` is the whole buffer unless the host set a window (RecurrentCache.set_window).
-A step of up to DECODE_KERNEL_TOKENS tokens over a graph's window (one-token decode steps, the
-verifier's blocks) goes through ops.decode_attention, which reads the position on the device and
-only the entries up to each token's: one graph serves every length (SDPA over the whole buffer
-under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k buffers, whatever the
-conversation's length; the kernel 7 us at 512 stored entries, bench/decode_attention.py).
-Several query rows under a mask (the verifier's block) are SDPA's slow case, 215 us per layer
-over 4k keys and 66 us over 512: where the op does not serve (no CUDA kernel for the shape,
-autograd recording, longer blocks) the verifier's graphs are keyed by bucket (engine.py) and
-rows_attention reads the bucket; eager forwards read exactly the stored entries (model.py).
-There the mask is not needed at all: the queries are the window's last T positions, which is
-causal attention aligned to the bottom right. A prefill from an empty cache
-runs SDPA's causal kernel (flash) on the new keys themselves; one on top of kept KV passes
+attends over the leading ``attend_length`` entries of the buffer under a mask (key index <= query
+position): fixed shapes and no host sync, so the step can be captured in a CUDA graph.
+``attend_length`` is the whole buffer unless the host set a window (RecurrentCache.set_window). A
+step of up to the kernel configuration's ``decode_attention_tokens`` tokens over a graph's window
+(one-token decode steps, the verifier's blocks) goes through ops.decode_attention, which reads the
+position on the device and only the entries up to each token's: one graph serves every length (SDPA
+over the whole buffer under the mask cost 18-65 us per layer at 4B heads on the H200 for 2k-32k
+buffers, whatever the conversation's length; the kernel 7 us at 512 stored entries,
+bench/decode_attention.py). Several query rows under a mask (the verifier's block) are SDPA's slow
+case, 215 us per layer over 4k keys and 66 us over 512: where the op does not serve (no CUDA kernel
+for the shape, autograd recording, longer blocks) the verifier's graphs are keyed by bucket
+(engine.py) and rows_attention reads the bucket; eager forwards read exactly the stored entries
+(model.py). There the mask is not needed at all: the queries are the window's last T positions,
+which is causal attention aligned to the bottom right. A prefill from an empty cache runs SDPA's
+causal kernel (flash) on the new keys themselves; one on top of kept KV passes
 ``causal_lower_right`` (flash / memory-efficient kernels on CUDA, the same mask materialized
-elsewhere); a one-token eager step needs no mask. A 16k-token prefill's attention through the
-mask took 8.6 ms per layer on the H200, against 1.6 ms in transformers' causal call.
+elsewhere); a one-token eager step needs no mask. A 16k-token prefill's attention through the mask
+took 8.6 ms per layer on the H200, against 1.6 ms in transformers' causal call.
 """
 
 from __future__ import annotations
@@ -34,44 +34,29 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from . import kernels
 from .cache import AttentionLayerState
 from .config import GDNConfig
 from .norms import RMSNorm
 from .ops.decode_attention import decode_attention, supported
 
-# One token over a graph's window (every decode step: BF16-only, the FP8 draft, the verifier's
-# exact runs) through ops.decode_attention, which reads only the entries stored so far, instead
-# of SDPA over the whole buffer under a mask. Off CUDA the op is that masked SDPA itself. The
-# op has no backward: a forward that autograd records keeps SDPA.
-DECODE_KERNEL = True
-# Up to this many tokens over a graph's window through the same op (the verifier's blocks of
-# k drafts + 1 up to k = 16, causal among themselves; the short prefill's 16-token bucket)
-# instead of rows_attention or SDPA over the window under a mask. H200, us per attention layer
-# (bench/decode_attention.py --blocks), 9 tokens over
-# 512 / 4096 stored entries: Qwen3.5-4B heads 26.9 / 56.0 with rows_attention, 9.4 / 13.4 with
-# the op; 0.8B heads 23.5 / 38.9 against 8.9 / 10.9; 17 tokens at 4B 27.3 / 69.6 against
-# 9.3 / 15.0 (SDPA under the mask 62-433). 1: one token only.
-DECODE_KERNEL_TOKENS = 17
-
-# A few query rows under a mask (the verifier's block in a graph's KV window) through
-# ``rows_attention`` instead of SDPA, whose masked multi-row case is the slow one. Measured on
-# the H200 (bench/attention.py, 2026-11-30, 8 rows, Qwen3.5 heads): 63.7 us against SDPA's 66.7
-# over a 512-entry window, 259 against 414 over a 4k window in 32k buffers. Up to 9 rows: the
-# default block's verify (8 drafts + 1); longer blocks (and the short prefill's 16-token
-# bucket) keep SDPA until measured.
-ROWS_ATTENTION_MAX = 9
-# On CUDA its two matmuls on the tensor cores (BF16 in, fp32 out): in fp32 they were cuBLAS's
-# FFMA kernels, 33 us per attention layer of a 0.8B verify block on the H200, 197 of its 1838
-# us busy (bench/RESULTS.md, 2026-12-01). Tested on the H200, not yet
-# timed there (bench/attention.py's "rows" beside "rows-fp32"); False gives the fp32 form back.
-ROWS_TENSOR_CORES = True
+# Which forms attend is the kernel configuration's (unimax.kernels): up to its
+# ``decode_attention_tokens`` tokens over a graph's window through ops.decode_attention (every
+# decode step, the verifier's blocks of k drafts + 1, the short prefill's 16-token bucket),
+# which reads only the entries stored so far, instead of SDPA over the whole buffer under a
+# mask; off CUDA the op is that masked SDPA itself, and a forward that autograd records keeps
+# SDPA (the op has no backward). Where the op does not serve, up to ``rows_attention_max``
+# query rows under a mask go through ``rows_attention`` (SDPA's masked multi-row case is the
+# slow one: 8 rows over a 4k window 259 against 414 us on the H200), its two matmuls on the
+# tensor cores on CUDA (in fp32 they were cuBLAS's FFMA kernels, 33 us per attention layer of
+# a 0.8B verify block).
 
 
 def takes_kernel(tokens: int, q: torch.Tensor, state: AttentionLayerState) -> bool:
     """Whether a forward of ``tokens`` tokens over a graph's window attends through
-    ops.decode_attention: the flags on, a head size and caches the kernel takes (the layer's
-    dispatch; autograd recording aside)."""
-    return DECODE_KERNEL and tokens <= DECODE_KERNEL_TOKENS and supported(
+    ops.decode_attention: as many as the kernel configuration lets, a head size and caches the
+    kernel takes (the layer's dispatch; autograd recording aside)."""
+    return tokens <= kernels.active().decode_attention_tokens and supported(
         q, state.key_cache, state.value_cache)
 
 
@@ -95,14 +80,14 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     cores, ``torch.bmm(..., out_dtype=float32)``, CUDA only) give the fp32 form's scores to
     summation order. Output: the probabilities rounded to the activation dtype before the
     product with V, as flash attention and cuDNN's SDPA (the one-token step's) round them;
-    the fp32 form keeps them fp32. ``tensor_cores``: None = ROWS_TENSOR_CORES on CUDA."""
+    the fp32 form keeps them fp32. ``tensor_cores``: None = on CUDA for BF16/FP16 inputs."""
     batch, heads, rows, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     grouped = q.reshape(batch, kv_heads, group * rows, dim)
     mask = mask.repeat(group, 1)
     if tensor_cores is None:
-        tensor_cores = ROWS_TENSOR_CORES and q.is_cuda and q.dtype != torch.float32
+        tensor_cores = q.is_cuda and q.dtype != torch.float32
     if tensor_cores:
         scores = _bmm_fp32(grouped, k.transpose(-1, -2)) * scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
@@ -203,7 +188,7 @@ class GatedAttention(nn.Module):
                     keys = torch.arange(length, device=projected.device)
                     mask = keys[None, :] <= positions[:, None]  # (T, L)
                 if mask is not None and not state.window_exact and \
-                        1 < seq_len <= ROWS_ATTENTION_MAX:
+                        1 < seq_len <= kernels.active().rows_attention_max:
                     out = rows_attention(q, cached_k, cached_v, mask, scale)
                 else:
                     out = F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask,

@@ -9,19 +9,16 @@ from .exact import ExactSide
 from .fast_step import fast_step_unavailable, gemv_view
 from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
+from .kernels import KernelConfig, active, using
 from .modes import DRAFTS
-
-# The gated delta rule kernel of the compiled step: fla's fused recurrent kernel where it runs
-# ("auto"), measured faster inside the compiled step than inductor's fusion of the torch loop
-# (bench/RESULTS.md, profile_step).
-FAST_STEP_BACKEND = "auto"
 
 
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
                  use_graphs: bool | None = None, fp8_mode: str | None = None,
                  compile_step: bool | str = False,
                  prefill_chunk: int = PREFILL_CHUNK,
-                 exact: ExactSide | None = None) -> UniMaxEngine:
+                 exact: ExactSide | None = None,
+                 kernels: KernelConfig | None = None) -> UniMaxEngine:
     """decode='bf16': the decoder runs the exact model itself. decode='fp8': it runs a view with
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only), or
@@ -42,7 +39,22 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     prefill_chunk: prompt tokens per prefill forward (UniMaxEngine.prefill_exact).
 
     exact: the exact side (unimax.exact) shared with the other modes' engines of ``model``: its
-    cache and KV buffers, prefill graphs and quantized linears; by default one of its own."""
+    cache and KV buffers, prefill graphs and quantized linears; by default one of its own.
+
+    kernels: which kernel form each fast path takes (unimax.kernels; default: the one in force,
+    which outside every engine is the measured winners'). The engine keeps it, in force while it
+    is built and while its calls run."""
+    config = kernels or active()
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"kernels must be a unimax.kernels.KernelConfig, got "
+                        f"{type(kernels).__name__}")
+    with using(config):
+        return _build(model, decode, block_size, draft, use_graphs, fp8_mode, compile_step,
+                      prefill_chunk, exact, config)
+
+
+def _build(model, decode, block_size, draft, use_graphs, fp8_mode, compile_step, prefill_chunk,
+           exact, config) -> UniMaxEngine:
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if not hasattr(model, "make_recurrent_cache"):
@@ -62,16 +74,18 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
         raise ValueError(f"compile_step must be True, False or 'auto', got {compile_step!r}")
     reason = fast_step_unavailable(model.device) if compile_step else None
     if reason and compile_step is True:
-        warnings.warn(reason, stacklevel=2)
+        warnings.warn(reason, stacklevel=3)  # (the caller of build_engine)
     compile_step = bool(compile_step) and reason is None
     if compile_step:
         decode_model = gemv_view(decode_model)
-        decode_model.set_backend(FAST_STEP_BACKEND)
+        # fla's fused recurrent kernel where it runs ("auto"), measured faster inside the
+        # compiled step than inductor's fusion of the torch loop
+        decode_model.set_backend("auto")
     graph = MaxTurboGraphDecoder(decode_model, block_size=block_size, use_graphs=use_graphs,
                                  compile=compile_step)
     # The verifier's k-token forward of the exact model is compiled like the step: one weight
     # read per block is its floor, and uncompiled it pays the elementwise launches too.
     engine = UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
-                          compile_verifier=compile_step, exact=exact)
+                          compile_verifier=compile_step, exact=exact, kernels=config)
     engine.prefill_chunk = prefill_chunk
     return engine

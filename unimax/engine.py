@@ -14,6 +14,7 @@ block checked against the grammar's masks (``_held_verified_loop``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from .draft_length import DraftLength
 from .exact import ExactSide
 from .graph import MaxTurboGraphDecoder
 from .held import HostTurns
+from .kernels import KernelConfig, active, using
 from .penalties import PenaltySettings
 from .sampling import SamplingParams, sample_from_logits
 from .token_mask import NoGrammar, TokenMask
@@ -86,15 +88,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def in_force(method):
+    """The engine's kernel configuration (``self.kernels``) in force on this thread while
+    ``method`` runs: what its graphs capture, its views fold and its ops launch."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with using(self.kernels):
+            return method(self, *args, **kwargs)
+    return call
+
+
 class UniMaxEngine:
     """Phase-specialized recurrent inference. ``exact_model`` always prefills and verifies;
     ``decode_model`` is the same model (BF16 only) or a quantized view sharing its weights."""
 
     def __init__(self, exact_model, decode_model, decode_graph: MaxTurboGraphDecoder,
                  state_safe_draft: bool = True, compile_verifier: bool = False,
-                 exact: ExactSide | None = None):
+                 exact: ExactSide | None = None, kernels: KernelConfig | None = None):
         """``exact``: the exact side this engine shares with other modes' engines (its cache,
-        KV buffers and prefill graphs: unimax.exact); by default one of its own."""
+        KV buffers and prefill graphs: unimax.exact); by default one of its own. ``kernels``:
+        the kernel configuration in force while any of this engine's calls runs
+        (unimax.kernels; build_engine passes the one it built with; default: the one in force
+        now)."""
+        self.kernels = kernels or active()
         if exact is None:
             exact = ExactSide(exact_model, use_graphs=decode_graph.use_graphs)
         elif exact.model is not exact_model:
@@ -142,6 +158,7 @@ class UniMaxEngine:
         self.short_prefill = exact.short_prefill if decode_graph.use_graphs else None
 
     @property
+    @in_force
     def verifier(self) -> Verifier:
         """Verified mode's checker of this engine's drafts (unimax.verifier), built at first
         use: its snapshot cache, tape and compiled forwards cost memory and start-up time that
@@ -155,6 +172,7 @@ class UniMaxEngine:
     def block_size(self) -> int:
         return self.decode_graph.block_size
 
+    @in_force
     @torch.inference_mode()
     def reset(self) -> None:
         self.exact_cache.reset()
@@ -176,6 +194,7 @@ class UniMaxEngine:
         self.last_bridge = report
         return report
 
+    @in_force
     @torch.inference_mode()
     def prefill_exact(self, input_ids: torch.Tensor, keep_state: bool = False,
                       on_progress: Callable[[int, int], bool] | None = None):
@@ -216,10 +235,12 @@ class UniMaxEngine:
         self.decode_graph.static_token.copy_(first)
         return first, out, bridge
 
+    @in_force
     @torch.inference_mode()
     def decode_fast(self, first_token: torch.Tensor, recurrent_forwards: int) -> torch.Tensor:
         return self.decode_graph.decode_forwards(first_token, int(recurrent_forwards))
 
+    @in_force
     @torch.inference_mode()
     def generate_fast(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Exact first token, then graph tokens. (1, max_new_tokens)."""
@@ -231,6 +252,7 @@ class UniMaxEngine:
             return first
         return torch.cat([first, self.decode_graph.decode_tokens(first, n - 1)], dim=1)
 
+    @in_force
     @torch.inference_mode()
     def decode_verified(self, first_token: torch.Tensor, recurrent_forwards: int, *,
                         draft_block: int | None = None) -> tuple[torch.Tensor, VerifyReport]:
@@ -253,6 +275,7 @@ class UniMaxEngine:
         out = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return out, _report(len(tokens), counts)
 
+    @in_force
     @torch.inference_mode()
     def generate_verified(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                           draft_block: int | None = None) -> tuple[torch.Tensor, VerifyReport]:
@@ -272,6 +295,7 @@ class UniMaxEngine:
                                   report.accepted_draft_tokens, report.rejected_blocks,
                                   report.verifier_blocks)
 
+    @in_force
     @torch.inference_mode()
     def capture_graphs(self, verified: bool = True, sampled: bool = False) -> None:
         """Capture every graph a reply can meet (decode blocks of each size; for verified
@@ -370,6 +394,7 @@ class UniMaxEngine:
 
     # --- chat-facing generation: streaming, stop ids, state kept for the next turn ----------
 
+    @in_force
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "fast",
                  stop_ids: Iterable[int] = (), sampling: SamplingParams | None = None,

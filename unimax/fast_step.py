@@ -15,7 +15,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from . import fused_draft
+from . import fused_draft, kernels
 from .fp8 import shallow_view
 from .gemv_linear import GemvLinear
 from .layers import GatedDeltaNetMixer, SwiGLUMLP
@@ -26,10 +26,10 @@ from .ops.gemv import GEMV_ROWS, PROGRAM_ROWS
 class GemvSwiGLUMLP(SwiGLUMLP):
     """A view's MLP (the same two linears) whose gate-up product and SwiGLU run as one op
     (ops.gemv_swiglu: the activation in the tensor-core kernel's epilogue, or cuBLAS and one
-    activation kernel, timed per shape) for the verifier's blocks: more than PROGRAM_ROWS and
-    at most GEMV_ROWS rows, on CUDA, with ``gemv_swiglu.SWIGLU_EPILOGUE`` (read per call: an
-    A/B builds a second engine with it off). One-token steps take unimax.fused_draft's folded
-    forms; everything else the plain MLP."""
+    activation kernel, timed per shape) for the verifier's blocks: more than PROGRAM_ROWS and at
+    most GEMV_ROWS rows, on CUDA, with the kernel configuration's ``swiglu_epilogue`` (read per
+    call: an A/B builds a second engine with it off). One-token steps take unimax.fused_draft's
+    folded forms; everything else the plain MLP."""
 
     def __init__(self, mlp: SwiGLUMLP):
         nn.Module.__init__(self)
@@ -38,7 +38,7 @@ class GemvSwiGLUMLP(SwiGLUMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (gemv_swiglu.SWIGLU_EPILOGUE and x2.is_cuda
+        if (kernels.active().swiglu_epilogue and x2.is_cuda
                 and PROGRAM_ROWS < x2.shape[0] <= GEMV_ROWS):
             act = gemv_swiglu.small_m_swiglu(x2, self.gate_up_proj.weight)
             return self.down_proj(act.reshape(*x.shape[:-1], self.intermediate_size))
@@ -74,9 +74,10 @@ def gemv_view(model, fuse: bool | None = None):
     """``model`` (exact, or an FP8 view) with every plain ``nn.Linear`` swapped for a GemvLinear
     on the same weight, each MLP whose gate-up became one for a GemvSwiGLUMLP and each GDN
     mixer whose in-projection did for a GemvRecordingMixer; FP8 linears
-    already run their own GEMV, and with ``fuse`` (default ``fused_draft.FUSE``) the blocks
-    holding them fold their small kernels into those GEMVs (unimax.fused_draft; the BF16 GEMVs'
-    blocks too with ``fused_draft.FUSE_BF16``; the exact model itself never)."""
+    already run their own GEMV, and with ``fuse`` (default: the kernel configuration's
+    ``fuse_fp8``) the blocks holding them fold their small kernels into those GEMVs
+    (unimax.fused_draft; the BF16 GEMVs' blocks too with its ``fuse_bf16``; the exact model
+    itself never)."""
     view = shallow_view(model)
     names = [name for name, m in view.named_modules() if type(m) is nn.Linear]
     for name in names:
@@ -89,8 +90,9 @@ def gemv_view(model, fuse: bool | None = None):
         if type(block.mixer) is GatedDeltaNetMixer and isinstance(block.mixer.in_proj,
                                                                   GemvLinear):
             block.mixer = GemvRecordingMixer(block.mixer)  # (its tape in the in-projection)
-    if fused_draft.FUSE if fuse is None else fuse:
-        fused_draft.fuse_blocks(view, bf16=fused_draft.FUSE_BF16)
+    config = kernels.active()
+    if config.fuse_fp8 if fuse is None else fuse:
+        fused_draft.fuse_blocks(view, bf16=config.fuse_bf16)
     return view
 
 

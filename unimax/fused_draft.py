@@ -14,25 +14,25 @@ not shrink (bench/RESULTS.md). Here a block's FP8 decode step is
     h = h + down(silu(gate) * up)                one fused GEMV (prologue "swiglu", residual)
 
 (five launches per GDN layer: four GEMVs and fla's recurrence; ~12 before, six before the
-convolution was folded (``in_proj_conv.FOLD``, on); a
+convolution was folded (the kernel configuration's ``fold_conv``, on); a
 gated-attention block folds its norm, its output gate and both residual adds the same way). The
 GEMVs are ops.fused_gemv, whose twin, the torch forms, is what runs off CUDA. Where the linears
 are FP8 (a draft view, or the FP8 tail's last MLP), never the exact model: a draft's tokens are
 checked by the exact model whatever it computes, so a fused form that rounds a little
-differently from the unfused one costs at most acceptance. With ``FUSE_BF16`` (on) the BF16
+differently from the unfused one costs at most acceptance. With ``fuse_bf16`` (on) the BF16
 fast step's blocks fold the same way: like the unfused fast step, that step decodes the exact
 model's greedy tokens up to BF16 near-ties (its GEMVs sum in another order, its norms' factors
 come from another reduction, and sigmoid(b) stays unrounded inside the recurrence's kernel).
 The verifier's view folds its one-token forwards too (unimax.verifier.exact_view), with
 sigmoid(b) rounded as the exact model rounds it, in the in-projection's epilogue
-(``in_proj_conv.BETA``; the torch forms without it); its blocks of k + 1 rows take the plain
+(``fold_beta``; the torch forms without it); its blocks of k + 1 rows take the plain
 forms (a tensor-core form of these folds was exact but slower than the plain GEMMs). The exact
 model itself is never folded. Everything else (long prompts, forwards of more than one row,
 default grad mode) takes the block's own forward.
 
-``FUSE``: whether unimax.fast_step's view fuses its FP8 linears (bench/profile_step.py's
-"draft-nofuse" times the unfused draft beside it); ``FUSE_BF16``: its BF16 ones too (on;
-"fla+gemv-nofuse" times the BF16 step unfused). H200, 4B: draft step 2008 -> 1840 us, BF16
+The configuration's ``fuse_fp8``: whether unimax.fast_step's view fuses its FP8 linears
+(bench/profile_step.py's "draft-nofuse" times the unfused draft beside it); ``fuse_bf16``: its BF16
+ones too ("fla+gemv-nofuse" times the BF16 step unfused). H200, 4B: draft step 2008 -> 1840 us, BF16
 step 2916 -> 2684 us; 0.8B BF16 step 1116 -> 988 us (bench/RESULTS.md).
 """
 
@@ -40,40 +40,24 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .fp8 import FP8Linear
 from .gemv_linear import GemvLinear
 from .int4 import Int4Linear
 from .layers import GDNBlock
-from .ops import in_proj_conv
 from .ops.fused_gemv import fused_small_m_linear
 from .ops.in_proj_conv import fused_in_proj_conv
 from .ops.int4_fused import int4_fused_linear, int4_in_proj_conv
-
-FUSE = True
-FUSE_BF16 = True  # the BF16 fast step's blocks too (fuse_blocks)
-# the int4 draft's blocks too (ops.int4_fused): on. Its two-launch form (the prologue a launch
-# of its own, then the GEMV with its epilogue) took the 4B body's linears 1269 us a step at their
-# best tiles against 1470 for the fused FP8 forms (bench/int4_gemv.py --fused), and verified
-# with it ran 1.48x / 1.25x BF16-only at forced acceptance 1.0 / 0.95 against 1.33x / 1.12x
-# unfused (bench/verified.py --draft int4, now --ab-int4-unfused; same
-# run). Under PDL (the GEMV reads its first W tile while the prologue
-# runs) the body took 1099 us and verified 1.58x / 1.34x. Its first form (the prologue inside
-# every GEMV program) measured slower than unfused and is gone.
-FUSE_INT4 = True
-# Blocks fold forwards of this many rows: one, the steps and the verifier's one-token forwards;
-# the verifier's blocks take the plain forms, whose GEMMs choose per shape between the
-# tensor-core kernels and cuBLAS.
-FOLD_ROWS = 1
 
 
 def fusable(linear) -> bool:
     """A linear whose decode GEMV the fused kernel replaces: an FP8 linear in the Triton GEMV's
     mode on a GPU with FP8 (the same kernel family), or the CPU's emulation (where the op runs
     the twin, the emulation's own arithmetic); or a BF16 GemvLinear marked ``fused``
-    (``fuse_blocks(bf16=True)``); an Int4Linear with ``FUSE_INT4`` (ops.int4_fused: the
-    kernel on CUDA, its twin elsewhere)."""
+    (``fuse_blocks(bf16=True)``); an Int4Linear with the kernel configuration's ``fuse_int4``
+    (ops.int4_fused: the kernel on CUDA, its twin elsewhere)."""
     if isinstance(linear, Int4Linear):
-        return FUSE_INT4
+        return kernels.active().fuse_int4
     if isinstance(linear, FP8Linear):
         return linear.mode == "fp8_gemv" or (linear.mode == "emulated"
                                              and not linear.weight.is_cuda)
@@ -132,9 +116,11 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     """GDNBlock.forward with its fusable parts fused (module docstring); x (B, T, hidden)."""
     batch, tokens, hidden = x.shape
     rows = batch * tokens
-    # (the fused op has no backward: a caller in default grad mode gets the plain forms)
-    if rows > FOLD_ROWS or torch.is_grad_enabled() or \
-            not x.is_contiguous():
+    # Blocks fold one-token forwards (the steps, the verifier's exact runs); the verifier's
+    # blocks of k + 1 rows take the plain forms, whose GEMMs choose per shape between the
+    # tensor-core kernels and cuBLAS. (The fused op has no backward: a caller in default grad
+    # mode gets the plain forms.)
+    if rows > 1 or torch.is_grad_enabled() or not x.is_contiguous():
         return block.mlp_part(block.mixer_part(x, state))
     x2 = x.reshape(rows, hidden)
     mixer = block.mixer
@@ -142,9 +128,10 @@ def fused_block_forward(block, x: torch.Tensor, state) -> torch.Tensor:
     if (head and not head & (head - 1)  # (the gated prologue takes power-of-2 heads)
             and fusable(mixer.in_proj) and fusable(mixer.out_proj)):
         if mixer._one_op_step(state, tokens):
-            conv_done = in_proj_conv.FOLD  # (the convolution in the in-projection's GEMV)
+            config = kernels.active()
+            conv_done = config.fold_conv  # (the convolution in the in-projection's GEMV)
             # (and beta, where it is rounded outside the recurrence: the verifier's view)
-            beta_done = conv_done and in_proj_conv.BETA and not block.beta_in_kernel
+            beta_done = conv_done and config.fold_beta and not block.beta_in_kernel
             projected = (fused_in_proj_conv_linear(mixer, x2, block.mixer_norm, state,
                                                    beta_done)
                          if conv_done else fused_linear(mixer.in_proj, x2, "rms",
@@ -176,11 +163,11 @@ def fuse_blocks(view, bf16: bool = False, beta_in_kernel: bool = True) -> int:
     """Mark the blocks of ``view`` (a view: its blocks and linears are its own shallow copies)
     that hold a fusable linear for the fused forward; returns how many. ``bf16``: its BF16
     GemvLinears too (the BF16 fast step: it already rounds as inductor's fusions do, not as the
-    eager model; verified mode stays exact either way): ``FUSE_BF16``, on.
+    eager model; verified mode stays exact either way): the configuration's ``fuse_bf16``.
     ``beta_in_kernel``: a one-token step takes sigmoid(b) inside the recurrence's kernel,
     unrounded; the verifier's view (unimax.verifier.exact_view) says no, so that its one-token
-    forwards round beta as its blocks do. A fused block folds one-token forwards
-    (``FOLD_ROWS``); larger ones take the block's own forward."""
+    forwards round beta as its blocks do. A fused block folds one-token forwards; larger ones
+    take the block's own forward."""
     count = 0
     for block in view.layers:
         for module in block.modules() if bf16 else ():

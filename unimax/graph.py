@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import torch
 
+from . import kernels
 from .cache import RecurrentCache, copy_cache_
 from .held import TokenToHost, choose, logits_buffer
-from .ops import choices, fused_gemv
+from .ops import choices, pdl
 from .ops.choices import ChoiceTable
 from .ops.gated_delta import fla_ops
 from .ops.timing import gc_paused, median_replay_ms
@@ -153,9 +154,9 @@ def pdl_candidate(model) -> bool | str:
 
 def pdl_timable(candidate: bool | str, runner: GraphRunner) -> bool:
     """Whether PDL "auto" has a choice to time: a candidate setting, graphs (a timed runner)
-    and a GPU with programmatic dependent launch; ops.fused_gemv.PDL left "auto"."""
+    and a GPU with programmatic dependent launch; the kernel configuration's pdl left "auto"."""
     return bool(candidate) and runner.use_graphs and runner.timed and \
-        fused_gemv.PDL == "auto" and fused_gemv.pdl_possible(runner.device)
+        kernels.active().pdl == "auto" and pdl.pdl_possible(runner.device)
 
 
 # PDL "auto"'s choices by (owner, pdl_signature), remembered as the kernel choices are
@@ -176,13 +177,13 @@ def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
                      remember_as: tuple | None = None) -> tuple[bool | str, str, dict]:
     """PDL "auto"'s choice for one owner of graphs (a decoder, the verifier): ``capture(s,
     t)`` captures ``key`` into ``runner`` with its blocks in setting s, signalled at trigger t;
-    captured plain and then in ``candidate`` at each of ``fused_gemv.auto_triggers()``, the
+    captured plain and then in ``candidate`` at each of ``pdl.auto_triggers()``, the
     fastest graph stays under ``key`` with its time (a tie, or a time that could not be
     taken, keeps the earlier: plain launches first). Returns (the setting kept, its trigger,
-    each timed setting's ms by ``fused_gemv.pdl_label``). ``remember_as``: the choice's key in
+    each timed setting's ms by ``pdl.pdl_label``). ``remember_as``: the choice's key in
     the remembered choices (ops.choices): one known there is captured alone, untimed; one timed
     while choices are deferred (the app) is written to the disk cache for the next start."""
-    settings = [(False, "start")] + [(candidate, t) for t in fused_gemv.auto_triggers()]
+    settings = [(False, "start")] + [(candidate, t) for t in pdl.auto_triggers()]
     if remember_as is not None:
         known = choices.remembered(PDL_CHOICES, remember_as, settings)
         if known is not None:
@@ -202,7 +203,7 @@ def timed_pdl_choice(runner: GraphRunner, key, candidate: bool | str,
         runner.replay_ms[key] = times[kept]
     if remember_as is not None and choices.deferred():
         choices.remember([(PDL_CHOICES, remember_as, kept)])
-    return *kept, {fused_gemv.pdl_label(*choice): ms for choice, ms in times.items()}
+    return *kept, {pdl.pdl_label(*choice): ms for choice, ms in times.items()}
 
 
 class MaxTurboGraphDecoder:
@@ -251,8 +252,8 @@ class MaxTurboGraphDecoder:
         # the block's draft_probs row by ``keep_draft``
         self.held_probs = torch.zeros(1, model.config.vocab_size, device=self.device)
         self.runner = GraphRunner(self.device, use_graphs, timed=True)
-        # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where
-        # ops.fused_gemv.PDL is "auto": chosen by timing (choose_pdl), None until then; the
+        # Programmatic dependent launch of the fused GEMVs in this decoder's blocks, where the
+        # kernel configuration's pdl is "auto": chosen by timing (choose_pdl), None until then; the
         # choice's replay times by setting ({} where nothing was timed)
         self.pdl: bool | str | None = None
         self.pdl_trigger = "start"  # (where its launches signal the next: the choice's too)
@@ -293,7 +294,7 @@ class MaxTurboGraphDecoder:
         return self.model.forward_unchecked(token, self.cache, logits_to_keep=1)[:, -1]
 
     def _block(self, n: int, sampled: bool, record: bool = False) -> None:
-        with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
+        with pdl.auto_pdl(self.pdl or False, self.pdl_trigger):
             self._block_steps(n, sampled, record)
 
     def _block_steps(self, n: int, sampled: bool, record: bool) -> None:
@@ -323,13 +324,13 @@ class MaxTurboGraphDecoder:
 
     @torch.inference_mode()
     def choose_pdl(self) -> None:
-        """Where ops.fused_gemv.PDL is "auto", graphs are on and the GPU has programmatic
-        dependent launch (compute capability 9+; not an L4): capture the greedy block of
-        block_size steps with plain launches and with PDL on this model's fused GEMVs
-        (``pdl_candidate``), signalled at each program's start and at its end, keep the
-        fastest graph and use its setting (``pdl``, ``pdl_trigger``) for every block captured
-        after (``timed_pdl_choice``). Once per decoder (``pdl`` None until then);
-        elsewhere plain launches.
+        """Where the kernel configuration's pdl is "auto", graphs are on and the GPU has
+        programmatic dependent launch (compute capability 9+; not an L4): capture the greedy block
+        of block_size steps with plain launches and with PDL on this model's fused GEMVs
+        (``pdl_candidate``), signalled at each program's start and at its end, keep the fastest
+        graph and use its setting (``pdl``, ``pdl_trigger``) for every block captured after
+        (``timed_pdl_choice``). Once per decoder (``pdl`` None until then); elsewhere plain
+        launches.
 
         Why timed: PDL's sign depends on the shape and the run. On the H200 it made the 0.8B
         draft step 5-7% faster and the 4B one 4% slower, where an earlier
@@ -383,7 +384,7 @@ class MaxTurboGraphDecoder:
     # --- a reply held to a grammar (unimax.held): forward and choice, two graphs ------------
 
     def _held_forward(self) -> None:
-        with fused_gemv.auto_pdl(self.pdl or False, self.pdl_trigger):
+        with pdl.auto_pdl(self.pdl or False, self.pdl_trigger):
             logits = self._step(self.static_token)
         self.held_logits = logits_buffer(logits, self.held_logits)
         self.held_logits.copy_(logits)

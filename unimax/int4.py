@@ -2,22 +2,20 @@
 group of columns, the LM head at FP8 (``quantize_view(model, "int4")``; build_engine's
 ``draft="int4"``), for verified mode only.
 
-Why a second draft format beside the full-FP8 one: at 4B on the H200 the FP8 draft step costs
-0.64 of a BF16 step, about half of it the weights' bytes, and the block model wants <= 0.6 for
-verified mode to gain at acceptance 0.95. Four bits halve those bytes: the body's four linears
-take ~1050 us a step in int4 against ~1470 in the fused FP8 forms (bench/int4_gemv.py,
-H200). Built unfused (these modules in inductor's compiled step), the whole
-4B draft step took 0.69 BF16 steps against the fused FP8 draft's ~0.64, its small kernels and
-launches spending the saving. So the compiled draft folds them into its int4 linears as the FP8
-draft does (unimax.fused_draft, ops.int4_fused; fused_draft.FUSE_INT4, on), the second launch
-of each linear under programmatic dependent launch where the card has it: 0.550 BF16 steps
-against full FP8's 0.643, verified 1.58x / 1.34x BF16-only at forced acceptance 1.0 / 0.95
-against 1.40x / 1.18x (gdn-4b, same run; 0.605 and 1.48x / 1.25x
-without PDL). At the launch-bound 0.8B shapes it only draws level with full FP8 (0.828
-against 0.829). What it costs: acceptance (the demo model
-kept 0.94 of its drafts with int4/128 and an FP8 head against FP8's 0.963,
-bench/draft_bits.py). The verified output is the exact model's greedy tokens whatever the draft
-computes.
+Why a second draft format beside the full-FP8 one: at 4B on the H200 the FP8 draft step costs 0.64
+of a BF16 step, about half of it the weights' bytes, and the block model wants <= 0.6 for verified
+mode to gain at acceptance 0.95. Four bits halve those bytes: the body's four linears take ~1050 us
+a step in int4 against ~1470 in the fused FP8 forms (bench/int4_gemv.py, H200). Built unfused (these
+modules in inductor's compiled step), the whole 4B draft step took 0.69 BF16 steps against the fused
+FP8 draft's ~0.64, its small kernels and launches spending the saving. So the compiled draft folds
+them into its int4 linears as the FP8 draft does (unimax.fused_draft, ops.int4_fused; the kernel
+configuration's fuse_int4, on), the second launch of each linear under programmatic dependent launch
+where the card has it: 0.550 BF16 steps against full FP8's 0.643, verified 1.58x / 1.34x BF16-only
+at forced acceptance 1.0 / 0.95 against 1.40x / 1.18x (gdn-4b, same run; 0.605 and 1.48x / 1.25x
+without PDL). At the launch-bound 0.8B shapes it only draws level with full FP8 (0.828 against
+0.829). What it costs: acceptance (the demo model kept 0.94 of its drafts with int4/128 and an FP8
+head against FP8's 0.963, bench/draft_bits.py). The verified output is the exact model's greedy
+tokens whatever the draft computes.
 
 The format is bench/draft_bits.py's ``int4/G``: symmetric, q = round(w / s) in -7..7, s = the
 group's absmax / 7, stored as q + 8, column 2j in byte j's low nibble and 2j + 1 in its high

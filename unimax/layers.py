@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import GatedAttention
 from .cache import RecurrentLayerState
 from .config import GDNConfig
@@ -27,10 +28,6 @@ class GatedDeltaNetMixer(nn.Module):
     # Plain decode steps as one op (ops.decode_step); bench/profile_step.py's "-unfused"
     # variants turn it off on a view to time the torch forms beside it.
     decode_op = True
-    # The verifier's recording forwards write the tape in one op on CUDA (ops.block_mixer);
-    # bench/verified.py --no-block-op turns it off to time the torch forms beside it.
-    block_op = True
-
     def __init__(self, config: GDNConfig):
         super().__init__()
         self.config = config
@@ -177,8 +174,9 @@ class GatedDeltaNetMixer(nn.Module):
     def _block_record(self, mixed: torch.Tensor, state: RecurrentLayerState | None) -> bool:
         """Whether this forward is the verifier's recording block of one sequence, its tape
         written by one op (ops.block_mixer): on CUDA with fla's kernels, 2 to SHORT_MAX
-        tokens, not padded, outside autograd, with the default kernels."""
-        return (self.block_op and state is not None and state.tape is not None
+        tokens, not padded, outside autograd, with the default kernels, and the kernel
+        configuration's ``block_op`` on."""
+        return (kernels.active().block_op and state is not None and state.tape is not None
                 and state.valid is None and mixed.shape[0] == 1
                 and 1 < mixed.shape[1] <= SHORT_MAX
                 and not torch.is_grad_enabled() and self.backend in ("auto", "fla")

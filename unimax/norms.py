@@ -3,16 +3,16 @@ and the MLP's SwiGLU.
 
 Each is a handful of fp32 elementwise kernels in eager mode; over a long prompt (16k tokens of a
 0.8B model) they stream gigabytes of fp32 intermediates. For prompts (more than ``LONG`` tokens,
-CUDA, fla installed) fla's fused Triton kernels compute the same formulas in one pass each (the
-ones transformers' Qwen3.5 uses): ``FLA_PROMPT_KERNELS``, on since the prefill runs in one chunk
-of 16k and short prompts in captured graphs, where their Python no longer costs: on the H200
-(0.8B hybrid shape, bench/RESULTS.md) they cut 16k tokens 100.0 ->
-94.0 ms, 4096 32.3 -> 23.9, 1000 10.3 -> 8.3, 512 7.5 -> 6.1, 128 on a kept 4096 8.7 -> 7.3,
-with the same error against transformers in FP32 as the torch forms (they match those on the
-H200: tests/gpu/test_gpu.py). (Earlier, with 8k chunks and eager short prompts, they gave nothing
-at 512 and were slower at 16k.) bench/ttft.py --variants torch-norms and
-bench/profile_prefill.py --torch-norms time the torch forms beside them. Decode steps and
-verify blocks (<= LONG tokens) keep the torch forms, which inductor fuses in the compiled step.
+CUDA, fla installed) fla's fused Triton kernels compute the same formulas in one pass each (the ones
+transformers' Qwen3.5 uses): the kernel configuration's ``fla_prompt_kernels``, on since the prefill
+runs in one chunk of 16k and short prompts in captured graphs, where their Python no longer costs:
+on the H200 (0.8B hybrid shape, bench/RESULTS.md) they cut 16k tokens 100.0 -> 94.0 ms, 4096 32.3 ->
+23.9, 1000 10.3 -> 8.3, 512 7.5 -> 6.1, 128 on a kept 4096 8.7 -> 7.3, with the same error against
+transformers in FP32 as the torch forms (they match those on the H200: tests/gpu/test_gpu.py).
+(Earlier, with 8k chunks and eager short prompts, they gave nothing at 512 and were slower at 16k.)
+bench/ttft.py --variants torch-norms and bench/profile_prefill.py --torch-norms time the torch forms
+beside them. Decode steps and verify blocks (<= LONG tokens) keep the torch forms, which inductor
+fuses in the compiled step.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .ops.conv import LONG  # more tokens than this: a prompt
-
-FLA_PROMPT_KERNELS = True
 
 
 @functools.cache
@@ -42,7 +41,7 @@ def fla_norm_ops():
 
 def prompt_kernels(x: torch.Tensor, tokens: int):
     """fla's ops for a prompt of ``tokens`` on x's device, or None (the torch forms)."""
-    if not FLA_PROMPT_KERNELS or not x.is_cuda or tokens <= LONG:
+    if not kernels.active().fla_prompt_kernels or not x.is_cuda or tokens <= LONG:
         return None
     return fla_norm_ops()
 

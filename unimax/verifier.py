@@ -7,25 +7,25 @@ and count the agreeing prefix m on the device. The block emits draft[:m] and the
 prediction at m: k + 1 tokens when every draft is accepted (the last one a bonus the exact model
 computed anyway), and always at least one exact token, so a block of k = 0 is an exact step.
 
-The exact cache went k + 1 tokens ahead, but only m + 1 are kept: in the same graph, with m on
-the device (no host round trip between the check and the rollback), it is rewound from the tape
-its forward recorded (unimax.tape: the convolution window and the recurrence over the first
-m + 1 recorded steps, later ones masked out; no weight read; a full block rewinds to where it
-is), the draft's cache is resynced from it (the draft never fed its last token, and a full-FP8
-draft's states drift) and the next block's first token is set. The rewind moves the recurrent
-states in one pass (``ONE_PASS_REWIND``): it keeps the state before the block in the snapshot
-and writes the state after it to both caches. One CUDA graph per k (and per KV
-bucket on hybrid models); with ``compile=True`` the forwards of the span blocks (the full
-block, and up to 8 drafts where block_size > 8: ``span_blocks``) and of k = 0 run the small-M
-linears and are compiled by inductor first, like the decode step. A block of k drafts runs the
-forward of the smallest span block that holds it, padded (``span``): its rows past k + 1 are
-computed and ignored, and the rewind masks their steps out as it does a rejection's. (An eager
-forward of k + 1 rows cost more than the compiled full block on the H200: 7.0-7.5 against 4.45
-ms at 4B, which left the draft-length policy only k = 0 or the full block.) Which k a block
-drafts is the engine's choice (unimax.draft_length). With sampling on, the block keeps drafts
-by the speculative rule instead of by agreement (unimax.speculative): same forward, same
-rewind. Where the policy falls back to k = 0, several exact steps run as one
-block ("exact run", ``_exact_steps``): one graph and one host sync for up to block_size tokens.
+The exact cache went k + 1 tokens ahead, but only m + 1 are kept: in the same graph, with m on the
+device (no host round trip between the check and the rollback), it is rewound from the tape its
+forward recorded (unimax.tape: the convolution window and the recurrence over the first m + 1
+recorded steps, later ones masked out; no weight read; a full block rewinds to where it is), the
+draft's cache is resynced from it (the draft never fed its last token, and a full-FP8 draft's states
+drift) and the next block's first token is set. The rewind moves the recurrent states in one pass
+(the kernel configuration's ``one_pass_rewind``): it keeps the state before the block in the
+snapshot and writes the state after it to both caches. One CUDA graph per k (and per KV bucket on
+hybrid models); with ``compile=True`` the forwards of the span blocks (the full block, and up to 8
+drafts where block_size > 8: ``span_blocks``) and of k = 0 run the small-M linears and are compiled
+by inductor first, like the decode step. A block of k drafts runs the forward of the smallest span
+block that holds it, padded (``span``): its rows past k + 1 are computed and ignored, and the rewind
+masks their steps out as it does a rejection's. (An eager forward of k + 1 rows cost more than the
+compiled full block on the H200: 7.0-7.5 against 4.45 ms at 4B, which left the draft-length policy
+only k = 0 or the full block.) Which k a block drafts is the engine's choice (unimax.draft_length).
+With sampling on, the block keeps drafts by the speculative rule instead of by agreement
+(unimax.speculative): same forward, same rewind. Where the policy falls back to k = 0, several exact
+steps run as one block ("exact run", ``_exact_steps``): one graph and one host sync for up to
+block_size tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .attention import kernel_attends
 from .cache import CacheCopier, RecurrentCache
 from .graph import (
@@ -46,38 +47,26 @@ from .graph import (
     timed_pdl_choice,
 )
 from .held import TokenToHost, choose, logits_buffer
-from .ops import fused_gemv
+from .ops import pdl
 from .ops.gated_delta import fla_ops
 from .ops.short_recurrence import choose_for_blocks
 from .sampling import sample_from_logits, warped_probs
 from .speculative import speculative_step
 
-# A greedy or sampled block's rewind moves the exact model's GDN states in one pass: it reads
-# them from the exact cache (the recording forward left them as they were) and writes the
-# snapshot, the cache and the draft's cache (GDNForCausalLM.rewind_unchecked's ``copy_to``), so
-# the block's snapshot and resync copy only the conv states and the position: the states are
-# read once and written three times. False: the full snapshot, the rewind into a new tensor,
-# its copy into the cache and the full resync: read four times and written four (4B: 67 MB
-# each time). Read when a Verifier is built (the A/B in bench/verified.py builds one of each).
-ONE_PASS_REWIND = True
 
-# A block of k drafts runs a compiled forward of b + 1 rows, b the smallest span block >= k:
-# block_size itself and the powers of two from SHORTEST_SPAN_BLOCK up to it. A forward costs
-# about its rows' count whatever k it checks (4B on the H200: every block of 1..16 drafts padded
-# to 17 rows cost 4.16-4.24 ms, of 1..8 padded to 9 rows 3.51-3.61), so with one padded forward
-# a longer block_size taxes every short block; each span block is one more whole-model
-# compilation at warm-up (tens of seconds at 4B), hence none below 8, where the draft-length
-# policy's simulation gained nothing (bench/RESULTS.md). Measured at 4
-# (Qwen3.5-4B shape, H100, forced 0.95): 0.96x BF16-only against 1.23x
-# at 8, its 5-row forward rounding apart from the 9-row one (the forced drafts resynced 8-32
-# times a seed; its cleanest seed 356 tok/s against 376).
-SHORTEST_SPAN_BLOCK = 8
-
-
-def span_blocks(block_size: int) -> tuple[int, ...]:
+def span_blocks(block_size: int, shortest: int = 8) -> tuple[int, ...]:
     """The draft counts whose blocks get a compiled forward of their own (count + 1 rows),
-    ascending: the powers of two from SHORTEST_SPAN_BLOCK below block_size, and block_size."""
-    blocks, b = [block_size], SHORTEST_SPAN_BLOCK
+    ascending: the powers of two from ``shortest`` (the kernel configuration's
+    ``shortest_span_block``) below block_size, and block_size.
+
+    Why: a forward costs about its rows' count whatever k it checks (4B on the H200: every
+    block of 1..16 drafts padded to 17 rows cost 4.16-4.24 ms, of 1..8 padded to 9 rows
+    3.51-3.61), so with one padded forward a longer block_size taxes every short block; each
+    span block is one more whole-model compilation at warm-up (tens of seconds at 4B), hence
+    none below 8, where the draft-length policy's simulation gained nothing. At 4 (Qwen3.5-4B
+    shape, H100, forced 0.95): 0.96x BF16-only against 1.23x at 8, its 5-row forward rounding
+    apart from the 9-row one."""
+    blocks, b = [block_size], shortest
     while b < block_size:
         blocks.insert(-1, b)
         b *= 2
@@ -105,16 +94,17 @@ def allow_recompiles(limit: int = 512) -> None:
 
 def exact_view(exact_model):
     """The view the verifier compiles: the exact model's linears through the small-M GEMVs,
-    its one-token forwards (k = 0, exact runs) folded as BF16-only's step is
-    (``fused_draft.FUSE_BF16``), its blocks of k + 1 rows in the plain forms but for the MLPs'
-    gate-up GEMM, which takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b)
-    is rounded as the block's torch forms round it, not inside the one-token recurrence
+    its one-token forwards (k = 0, exact runs) folded as BF16-only's step is (the kernel
+    configuration's ``fuse_bf16``), its blocks of k + 1 rows in the plain forms but for the MLPs'
+    gate-up GEMM, which takes SwiGLU into its epilogue (ops.gemv_swiglu). sigmoid(b) is rounded as
+    the block's torch forms round it, not inside the one-token recurrence
     kernel, so that the exact runs and the blocks round the gates alike."""
     from . import fused_draft
     from .fast_step import gemv_view
 
     view = gemv_view(exact_model, fuse=False)
-    if fused_draft.FUSE and fused_draft.FUSE_BF16:
+    config = kernels.active()
+    if config.fuse_fp8 and config.fuse_bf16:
         fused_draft.fuse_blocks(view, bf16=True, beta_in_kernel=False)
     return view
 
@@ -130,7 +120,9 @@ class Verifier:
         # draft's last token, which the draft has not (and a full-FP8 draft's states drift)
         self.resync_draft = resync_draft
         self.block_size = decoder.block_size
-        self.span_blocks = span_blocks(self.block_size)  # (the compiled forwards' lengths - 1)
+        config = kernels.active()
+        # (the compiled forwards' lengths - 1)
+        self.span_blocks = span_blocks(self.block_size, config.shortest_span_block)
         # Hybrid models on CUDA: where every attention call of the verifier's forwards (its
         # blocks, the one-token exact runs) goes through ops.decode_attention, which reads only
         # the entries stored, the KV window changes nothing a graph computes: one window (the
@@ -141,8 +133,13 @@ class Verifier:
             exact_model.dtype)
         self.snapshot = exact_cache.empty_like(share_kv=True)  # preallocated, reused
         self.take_snapshot = CacheCopier(self.snapshot, exact_cache)
-        # a block of k > 0 drafts: the rewind moves the recurrent states (ONE_PASS_REWIND)
-        self.one_pass = ONE_PASS_REWIND
+        # A block of k > 0 drafts: the rewind moves the exact model's GDN states in one pass:
+        # it reads them from the exact cache (the recording forward left them as they were)
+        # and writes the snapshot, the cache and the draft's cache (rewind_unchecked's
+        # ``copy_to``), so the snapshot and resync copy only the conv states and the position.
+        # Off: the full snapshot, the rewind into a new tensor, its copy and the full resync
+        # (4B: 67 MB read and written four times instead of once and three).
+        self.one_pass = config.one_pass_rewind
         self.draft_cache = resync_draft.dst
         self.take_snapshot_conv = CacheCopier(self.snapshot, exact_cache, recurrent=False)
         self.resync_draft_conv = CacheCopier(self.draft_cache, exact_cache, recurrent=False)
@@ -177,7 +174,7 @@ class Verifier:
         self.held_token = TokenToHost(exact_cache.device)
         self.runner = GraphRunner(exact_cache.device, decoder.use_graphs, timed=True)
         # Programmatic dependent launch of the compiled forwards' Triton GEMMs and GEMVs
-        # (ops.fused_gemv.PDL "auto"), chosen by timing as each decoder chooses its own
+        # (the kernel configuration's pdl "auto"), chosen by timing as each decoder chooses its own
         # (``choose_pdl``): None until then, the setting kept for blocks with drafts (``pdl``)
         # and for one-token forwards (``pdl_run``: exact runs, k = 0 blocks), each setting's
         # ms a block
@@ -232,13 +229,13 @@ class Verifier:
         one exact step: the one-token forwards' setting)."""
         setting, trigger = (self.pdl_run, self.pdl_run_trigger) if k == 0 else (
             self.pdl, self.pdl_trigger)
-        with fused_gemv.auto_pdl(setting or False, trigger):
+        with pdl.auto_pdl(setting or False, trigger):
             self._check(k, sampled, span, masked)
 
     def _exact_steps(self, n: int, sampled: bool = False) -> None:
         """An exact run of n steps (``_exact_run``), its launches in the PDL setting chosen
         for one-token forwards."""
-        with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
+        with pdl.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
             self._exact_run(n, sampled)
 
     def _check(self, k: int, sampled: bool, span: int | None, masked: bool = False) -> None:
@@ -317,7 +314,7 @@ class Verifier:
     # 300 GB/s against a ~28 ms step.)
 
     def _held_forward(self) -> None:
-        with fused_gemv.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
+        with pdl.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
             self.inputs[:, :1].copy_(self.current)
             forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
             logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)[:, 0]
@@ -418,15 +415,15 @@ class Verifier:
 
     @torch.inference_mode()
     def choose_pdl(self) -> None:
-        """Where ops.fused_gemv.PDL is "auto", graphs are on, the forwards are compiled (their
-        linears Triton kernels: ops.gemv's tensor-core GEMMs, the fused GEMVs of the one-token
-        forward) and the GPU has programmatic dependent launch: capture the greedy block of
-        block_size drafts, and the exact run of block_size steps, each plain and with PDL on
-        every one of those kernels, signalled at each program's start and at its end (the first
-        KV bucket), keep the fastest of each (graph.timed_pdl_choice) and capture every later
-        graph in its kind's setting: blocks with drafts in ``pdl`` (``pdl_trigger``), one-token
-        forwards (exact runs, k = 0 blocks) in ``pdl_run`` (``pdl_run_trigger``).
-        Once per verifier (``pdl`` None until then).
+        """Where the kernel configuration's pdl is "auto", graphs are on, the forwards are
+        compiled (their linears Triton kernels: ops.gemv's tensor-core GEMMs, the fused GEMVs of the
+        one-token forward) and the GPU has programmatic dependent launch: capture the greedy block
+        of block_size drafts, and the exact run of block_size steps, each plain and with PDL on
+        every one of those kernels, signalled at each program's start and at its end (the first KV
+        bucket), keep the fastest of each (graph.timed_pdl_choice) and capture every later graph in
+        its kind's setting: blocks with drafts in ``pdl`` (``pdl_trigger``), one-token forwards
+        (exact runs, k = 0 blocks) in ``pdl_run`` (``pdl_run_trigger``). Once per verifier (``pdl``
+        None until then).
 
         Why: the verify block is what keeps 0.8B verified mode under BF16-only, 1.55-1.78 BF16
         steps for 9 rows on the H200 (4B: 1.30), its time per layer, not per byte; PDL made the

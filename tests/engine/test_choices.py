@@ -128,7 +128,7 @@ def test_a_pdl_choice_is_remembered_and_then_captured_alone(timing, monkeypatch)
     remembered setting is the only one captured."""
     from unimax import graph
 
-    monkeypatch.setattr(graph.fused_gemv, "auto_triggers", lambda: ("start", "end"))
+    monkeypatch.setattr(graph.pdl, "auto_triggers", lambda: ("start", "end"))
     ms = {(False, "start"): 5.0, ("fp8", "start"): 4.0, ("fp8", "end"): 4.5}
 
     class Runner:

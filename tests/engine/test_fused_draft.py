@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import unimax.fused_draft as fused_draft
-from helpers import run_with_triton, spied, verifier_recordings
+from helpers import kernels_for_test, run_with_triton, spied, verifier_recordings
+from unimax import kernels
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.ops.fused_gemv import PROLOGUES, fused_small_m_linear
@@ -38,7 +39,7 @@ def cases(dtype, m, n, k, head):
                                  offset), ref
 """
 
-# One child a dtype, and the rest (tiles, TMA, conv, RMS loop) in a third: all of it in one
+# One child a dtype, and the rest (tiles, TMA, conv) in a third: all of it in one
 # child took 466 s of the 600 s that run_with_triton gives a child (a CI run, 2
 # cores), 23% of the suite.
 LOOP_CHILD = CASES + """
@@ -105,43 +106,6 @@ for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(got_state[..., :3], state[..., 1:]), kernel  # (the window rolled)
         assert rel(got_state[..., 3], want_state[..., 3]) < (1e-5 if exact else 2e-2)
 print("conv fine")
-# the RMS prologue without its pre-pass (RMS_IN_LOOP) in the forms that take it (rows, tma:
-# all of K a program, fp32 products): the twin's outputs (fp32: 1e-5); in BF16 not what the
-# pre-pass form gives bit for bit (the norm's factor applied after the sums rounds elsewhere:
-# the path was taken), and the FP16 and split-K forms bit for bit as before (not taken)
-import unimax.ops.fused_gemv as fg
-for dtype in (torch.float32, torch.bfloat16):
-    for m, n, k in ((1, 100, 128), (2, 70, 320)):
-        for prologue, args, ref in cases(dtype, m, n, k, 64):
-            if prologue != "rms":
-                continue
-            fp8 = args[2] is not None
-            for kernel in ("rows", "tma@16x256x4x4") + (("rows16", "split") if fp8 else ()):
-                fg.RMS_IN_LOOP = False
-                before = fused_gemv(*args, kernel=kernel)
-                fg.RMS_IN_LOOP = True
-                y = fused_gemv(*args, kernel=kernel)
-                fg.RMS_IN_LOOP = False
-                taken = kernel in ("rows", "tma@16x256x4x4")  # (fp32 products, all of K)
-                exact = dtype == torch.float32 and "16" not in kernel
-                assert rel(y, ref) < (1e-5 if exact else 2e-2), (dtype, m, kernel, rel(y, ref))
-                if dtype == torch.bfloat16:
-                    assert torch.equal(y, before) != taken, (m, kernel, taken)
-# and with the convolution folded in (the norm's factor applied before the epilogue's conv)
-fg.RMS_IN_LOOP = True
-w = torch.randn(105, 272)
-q, s = quantize_rows(w)
-x, norm, conv_w = 3 * torch.randn(1, 256), 1 + 0.1 * torch.randn(256), torch.randn(64, 4)
-for kernel, weight, scale in (("rows", q, s), ("tma@16x256x4x4", w, None)):
-    state = torch.randn(1, 64, 4)
-    got_state, want_state = state.clone(), state.clone()
-    got = fused_gemv(x, weight, scale, 100, 256, "rms", norm, eps=1e-6, offset=1.0,
-                     kernel=kernel, conv_state=got_state, conv_weight=conv_w)
-    want = fused_in_proj_conv_ref(x, weight, scale, 100, 256, norm, 1e-6, 1.0, want_state,
-                                  conv_w)
-    assert rel(got, want) < 1e-5 and rel(got_state, want_state) < 1e-5, (kernel, rel(got, want))
-fg.RMS_IN_LOOP = False
-print("rms loop fine")
 from unimax.ops.fused_gemv import _counters
 print("counters left", int(_counters(torch.device("cpu")).abs().sum()))  # all set back to 0
 # RMS over a row longer than 8192: the norm's pre-pass loops over slices there
@@ -170,7 +134,7 @@ def test_fused_gemv_tiles_tma_and_conv_match_the_twin_in_the_interpreter():
     out = run_with_triton(CHILD)
     assert out.count("ok") == 1 and "compiled 0.0" in out and "counters left 0" in out, out
     assert "tiles fine" in out and "tma fine" in out and "conv fine" in out, out
-    assert "rms loop fine" in out and "ok long row" in out, out
+    assert "ok long row" in out, out
 
 
 def test_tma_forms_are_offered_where_they_fit():
@@ -229,8 +193,9 @@ from unimax.ops.fused_gemv import fused_gemv, tma_offered, tma_problem
 x, w = torch.randn(1, 64), torch.randn(40, 72)
 print("aligned", tma_problem(w, x))
 print("offered", tma_offered(w, x), tma_offered(w[:, 1:65], x))
-f.TMA = False
-print("off", tma_offered(w, x))
+from unimax import kernels
+with kernels.using(kernels.DEFAULT.but(tma=False)):
+    print("off", tma_offered(w, x))
 print("offset", tma_problem(w[:, 1:65], x))
 print("stride", tma_problem(torch.randn(40, 67)[:, :64], x))
 try:
@@ -242,11 +207,12 @@ except ValueError as e:
 
 def test_tma_problem_names_a_misaligned_weight():
     """tma_problem names a misaligned W (base or rows); the choice is offered the TMA forms only
-    where there is no problem and fused_gemv.TMA is on; fused_gemv refuses them elsewhere."""
+    where there is no problem and the kernel configuration's ``tma`` is on; fused_gemv refuses
+    them elsewhere."""
     out = run_with_triton(TMA_ALIGN_CHILD)
     lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
     assert lines["aligned"] == "None", out
-    assert lines["offered"] == "True False" and lines["off"] == "False", out  # (TMA: the switch)
+    assert lines["offered"] == "True False" and lines["off"] == "False", out
     assert "16-byte aligned" in lines["offset"] and "16-byte aligned" in lines["stride"], out
     assert "take a rows form" in lines["refused"], out
 
@@ -302,8 +268,9 @@ def test_fused_draft_steps_equal_the_unfused_draft(pure_or_hybrid, dtype, monkey
 
 
 def test_bf16_step_fused_by_default(pure_or_hybrid, monkeypatch):
-    """The BF16 fast step's view (FUSE_BF16, on) marks its GEMVs and blocks, on the view only;
-    its steps compute the unfused view's logits. With FUSE_BF16 off it marks nothing."""
+    """The BF16 fast step's view (the kernel configuration's fuse_bf16, on) marks its GEMVs and
+    blocks, on the view only; its steps compute the unfused view's logits. With fuse_bf16 off
+    it marks nothing."""
     model = pure_or_hybrid
     fused = gemv_view(model)
     assert all(b.fused for b in fused.layers)
@@ -317,19 +284,19 @@ def test_bf16_step_fused_by_default(pure_or_hybrid, monkeypatch):
     for a, b in zip(steps(fused, tokens), steps(plain, tokens), strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
     assert len(calls) == 6 * 4 * model.config.num_hidden_layers
-    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
+    kernels_for_test(monkeypatch, fuse_bf16=False)
     assert not any(getattr(m, "fused", False) for m in gemv_view(model).modules())
 
 
 def test_only_fp8_blocks_are_fused_and_grad_mode_takes_the_plain_forms(pure_or_hybrid,
                                                                       monkeypatch):
-    """Without FUSE_BF16, fuse_blocks marks only blocks with FP8 linears: none of the BF16
+    """Without fuse_bf16, fuse_blocks marks only blocks with FP8 linears: none of the BF16
     step's, the FP8 tail's last block only; the model itself is untouched by a draft view. In
     default grad mode (the op has no backward) a fused view takes the plain forms, with the
     same numbers."""
     model = pure_or_hybrid
     last = model.config.num_hidden_layers - 1
-    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
+    kernels_for_test(monkeypatch, fuse_bf16=False)
     assert fused_draft.fuse_blocks(gemv_view(model)) == 0  # (bf16=False: FP8 linears only)
     tail = gemv_view(quantize_view(model, "tail"))
     assert [b.fused for b in tail.layers] == [i == last for i in range(last + 1)]
@@ -396,12 +363,10 @@ sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*fp8e4nv
        "HEAD": "constexpr", "KP": "constexpr", "HAS_SCALE": "constexpr", "HAS_RES": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "F16": "constexpr", "PDL": "constexpr",
        "SPLIT": "constexpr", "PDL_LATE": "constexpr", "CONV_W": "constexpr",
-       "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr",
-       "RMS_LOOP": "constexpr", "BETA": "constexpr"}
+       "CONV_WP": "constexpr", "TMA": "constexpr", "STAGES": "constexpr", "BETA": "constexpr"}
 
 def compiled(consts, arch=90, signature=sig):
-    consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, "RMS_LOOP": False,
-              "BETA": 0, **consts}
+    consts = {"CONV_W": 0, "CONV_WP": 1, "TMA": False, "STAGES": 1, "BETA": 0, **consts}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32)).asm
 
@@ -439,17 +404,6 @@ for stages, split in ((1, 1), (4, 1), (4, 4)):
                     "PDL_LATE": False, "TMA": True, "STAGES": stages}, 90, tma_sig)
     print("tma", stages * split, asm["ttgir"].count("async_tma_copy"),
           asm["ptx"].count("cp.async.bulk.tensor"), asm["ptx"].count("atom.global"))
-# the RMS prologue without its pre-pass (RMS_LOOP), fp32 products: the rows form on both
-# archs, the TMA form at 4 stages on sm_90; x's global loads and the TMA copies counted
-for arch, tma in ((90, False), (89, False), (90, True)):
-    counts = []
-    for loop in (False, True):
-        asm = compiled({"PRO": 1, "HEAD": 1, "KP": 4096, "HAS_SCALE": True, "HAS_RES": False,
-                        "BLOCK_N": 32, "BLOCK_K": 256, "F16": False, "PDL": False, "SPLIT": 1,
-                        "PDL_LATE": False, "TMA": tma, "STAGES": 4 if tma else 1,
-                        "RMS_LOOP": loop}, arch, tma_sig if tma else sig)
-        counts += [asm["ptx"].count("ld.global"), asm["ttgir"].count("async_tma_copy")]
-    print("rmsloop", arch, int(tma), *counts)
 """
 
 
@@ -457,20 +411,12 @@ def test_fused_gemv_compiles_for_hopper_and_ada():
     """Every prologue compiles to PTX for the H200 (sm_90) and the L4 (sm_89) without a GPU
     (the interpreter does not compile), converting FP8 pairwise, with packed FP16 products
     in the rows16 form, and the split-K form (atomics) where asked; and the form with the
-    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined;
-    the RMS prologue without its pre-pass (RMS_LOOP) with fewer loads of x, as pipelined."""
+    convolution folded in, storing the rolled windows; and the TMA form's loop pipelined."""
     out = run_with_triton(PTX_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
     conv = [row for row in rows if row[0] == "conv"]
     tma = {int(row[1]): tuple(int(v) for v in row[2:]) for row in rows if row[0] == "tma"}
-    loop = [[int(v) for v in row[1:]] for row in rows if row[0] == "rmsloop"]
-    rows = [row for row in rows if row[0] not in ("conv", "tma", "rmsloop")]
-    # (arch, tma, pre-pass: loads, TMA copies, in-loop: loads, TMA copies): the pre-pass's
-    # loads of x gone, the TMA copies as many (the pipelining kept)
-    assert [row[:2] for row in loop] == [[90, 0], [89, 0], [90, 1]], out
-    for arch, is_tma, loads, copies, loop_loads, loop_copies in loop:
-        assert loop_loads < loads and loop_copies == copies, (arch, is_tma, out)
-    assert loop[2][3] > 0, out  # (the TMA form: its copies there)
+    rows = [row for row in rows if row[0] not in ("conv", "tma")]
     # one TMA load before the loop and one in it unpipelined; 3 more in flight at 4 stages
     assert tma[1][0] >= 1 and tma[4][0] >= tma[1][0] + 2 and tma[4][1] > tma[1][1], out
     assert tma[16][0] == tma[4][0] and tma[16][2] > 0 == tma[4][2], out  # (split-K: atomics)
@@ -505,11 +451,11 @@ for pro in (1, 4):  # rms (reads x before the loop), swiglu
 
 
 def test_fused_gemv_pdl_form_compiles_for_hopper():
-    """The fused GEMV's programmatic-dependent-launch form (ops.fused_gemv.PDL), compiled for
-    sm_90 without a GPU: it lets its dependents launch first thing, loads (its first weight
-    tile) before it waits for the kernel before, and waits once; with the signal at the end
-    (PDL_TRIGGER "end"), the load, the wait, then the signal, before it stores; without PDL,
-    neither instruction. (Its sums equal the PDL-free form's on the GPU:
+    """The fused GEMV's programmatic-dependent-launch form (the kernel configuration's pdl),
+    compiled for sm_90 without a GPU: it lets its dependents launch first thing, loads (its first
+    weight tile) before it waits for the kernel before, and waits once; with the signal at the end
+    (pdl_trigger "end"), the load, the wait, then the signal, before it stores; without PDL, neither
+    instruction. (Its sums equal the PDL-free form's on the GPU:
     tests/gpu/test_gpu_engine.py.)"""
     out = run_with_triton(PDL_CHILD, interpret=False)
     rows = [line.split() for line in out.strip().splitlines()]
@@ -520,26 +466,24 @@ def test_fused_gemv_pdl_form_compiles_for_hopper():
 
 
 def test_pdl_is_asked_for_by_weight_dtype(monkeypatch):
-    """ops.fused_gemv.PDL: True asks for programmatic launch of every fused GEMV, "fp8" of the
-    FP8 weights' only (the draft's: BF16-only's step and the verifier keep plain launches),
-    False of none; anything else, or an unknown trigger, is refused by name. (On a CPU no
-    launch takes it: pdl_launch stays empty.)"""
-    import unimax.ops.fused_gemv as fused_gemv
+    """The kernel configuration's pdl: True asks for programmatic launch of every fused GEMV,
+    "fp8" of the FP8 weights' only (the draft's: BF16-only's step and the verifier keep plain
+    launches), False of none; anything else, or an unknown trigger, is refused by name when
+    the configuration is made. (On a CPU no launch takes it: pdl_launch stays empty.)"""
+    from unimax.kernels import KernelConfig
+    from unimax.ops import pdl
 
     fp8 = torch.zeros(4, 8).to(torch.float8_e4m3fn)
     bf16 = torch.zeros(4, 8, dtype=torch.bfloat16)
     for setting, wanted in ((False, (False, False)), (True, (True, True)),
                             ("fp8", (True, False))):
-        monkeypatch.setattr(fused_gemv, "PDL", setting)
-        assert (fused_gemv.pdl_wanted(fp8), fused_gemv.pdl_wanted(bf16)) == wanted, setting
-        assert fused_gemv.pdl_launch(bf16, fp8) == {}  # (a CPU tensor: never launched so)
-    monkeypatch.setattr(fused_gemv, "PDL", "bf16")
-    with pytest.raises(ValueError, match="PDL must be False, True, 'fp8' or 'auto', got 'bf16'"):
-        fused_gemv.pdl_wanted(fp8)
-    monkeypatch.setattr(fused_gemv, "PDL", "fp8")
-    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "middle")
-    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start', 'end' or 'auto'"):
-        fused_gemv.pdl_wanted(fp8)
+        kernels_for_test(monkeypatch, pdl=setting)
+        assert (pdl.pdl_wanted(fp8), pdl.pdl_wanted(bf16)) == wanted, setting
+        assert pdl.pdl_launch(bf16, fp8) == {}  # (a CPU tensor: never launched so)
+    with pytest.raises(ValueError, match="pdl must be False, True, 'fp8' or 'auto', got 'bf16'"):
+        KernelConfig(pdl="bf16")
+    with pytest.raises(ValueError, match="pdl_trigger must be 'start', 'end' or 'auto'"):
+        KernelConfig(pdl="fp8", pdl_trigger="middle")
 
 
 @pytest.mark.parametrize("block", [1, 4])
@@ -659,13 +603,13 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     does for its one-token forwards, with sigmoid(b) outside the recurrence's kernel (in the
     in-projection's epilogue), and leaves its prompt and its recorded 9-token blocks to the
     plain forms; its logits and, after the rewind, its states are the unfolded view's (fp32,
-    the twin); with FUSE_BF16 off it folds nothing."""
+    the twin); with fuse_bf16 off it folds nothing."""
     import unimax
     from helpers import cache_states
     from unimax.verifier import exact_view
 
     model = pure_or_hybrid
-    assert fused_draft.FUSE_BF16
+    assert kernels.active().fuse_bf16
     view, plain = exact_view(model), gemv_view(model, fuse=False)
     assert all(b.fused and not b.beta_in_kernel for b in view.layers)
     assert not any(getattr(m, "fused", False) for m in model.modules())
@@ -716,7 +660,7 @@ def test_the_verifier_view_folds_its_one_token_forwards(pure_or_hybrid, monkeypa
     assert rows == [1] * 4 * blocks, rows
     gdn = sum(not model.config.is_attention(i) for i in range(blocks))
     # (the one-token steps of both views: the folded one with beta from its in-projection's
-    # epilogue, ops.in_proj_conv.BETA; the plain one rounds it from b)
+    # epilogue, the configuration's fold_beta; the plain one rounds it from b)
     assert betas == [(False, True)] * gdn + [(False, False)] * gdn, betas
-    monkeypatch.setattr(fused_draft, "FUSE_BF16", False)
+    kernels_for_test(monkeypatch, fuse_bf16=False)
     assert not any(getattr(m, "fused", False) for m in exact_view(model).modules())

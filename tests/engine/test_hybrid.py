@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, verifier_launches, write_qwen_checkpoint
+from helpers import kernels_for_test, rel_err, verifier_launches, write_qwen_checkpoint
+from unimax import kernels
 
 HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -329,16 +330,17 @@ def test_verifier_keeps_one_window_where_the_kernel_attends(hybrid_model, monkey
     assert seen and windows == {256} and {n for _, n in seen} == {256}
 
     # the rule: the flags on, CUDA, a head size the kernel takes, caches in the activations'
-    # dtype; blocks up to DECODE_KERNEL_TOKENS tokens
+    # dtype; blocks up to decode_attention_tokens tokens
     cache = engine.exact_cache
     cuda = types.SimpleNamespace(layers=cache.layers, device=torch.device("cuda"))
     dim, dtype = hybrid_model.config.attn_head_dim, hybrid_model.dtype
     assert attention.kernel_attends(cuda, 9, dim, dtype)
     assert not attention.kernel_attends(cache, 9, dim, dtype)
-    assert not attention.kernel_attends(cuda, attention.DECODE_KERNEL_TOKENS + 1, dim, dtype)
+    longest = kernels.active().decode_attention_tokens
+    assert not attention.kernel_attends(cuda, longest + 1, dim, dtype)
     assert not attention.kernel_attends(cuda, 9, 24, dtype)
     assert not attention.kernel_attends(cuda, 9, dim, torch.bfloat16)
-    monkeypatch.setattr(attention, "DECODE_KERNEL_TOKENS", 1)
+    kernels_for_test(monkeypatch, decode_attention_tokens=1)
     assert not attention.kernel_attends(cuda, 9, dim, dtype)
 
 
@@ -399,7 +401,8 @@ def test_eager_forwards_attend_causally_without_a_mask(hybrid_model, monkeypatch
             parts.append(hybrid_model.forward_unchecked(x[:, start:end], masked))
     # (the 9-row block goes through rows_attention instead of SDPA where that is on)
     assert [c[:3] for c in calls] == [(30, 64, "Tensor")] + (
-        [] if attention.ROWS_ATTENTION_MAX >= 9 else [(9, 64, "Tensor")]) + [(1, 64, "Tensor")]
+        [] if kernels.active().rows_attention_max >= 9 else [(9, 64, "Tensor")]) + [
+        (1, 64, "Tensor")]
     for got, want in zip(eager, parts, strict=True):
         assert torch.allclose(got, want, atol=1e-5)
 
@@ -452,9 +455,8 @@ def test_rows_attention_tensor_core_form(monkeypatch):
 def test_verified_with_rows_attention_is_exact(hybrid_model, monkeypatch):
     """With the verifier's blocks through rows_attention, verified decoding on a hybrid model
     is still exact greedy decoding."""
-    import unimax.attention as attention
 
-    monkeypatch.setattr(attention, "ROWS_ATTENTION_MAX", 16)
+    kernels_for_test(monkeypatch, rows_attention_max=16)
     engine = unimax.build_engine(hybrid_model, decode="fp8", draft="full", block_size=8)
     x = ids(30, seed=8)
     got, _ = engine.generate_verified(x, 24)

@@ -10,6 +10,7 @@ import unimax
 from helpers import (
     assert_same_turns,
     cache_states,
+    kernels_for_test,
     spied,
     stop_case,
     two_turns,
@@ -69,9 +70,9 @@ def test_rewind_equals_a_forward_over_the_prefix(model, backend):
 @torch.inference_mode()
 @pytest.mark.parametrize("length", [1, 3, 6])
 def test_one_pass_rewind_keeps_the_state_before_and_fills_both_caches(model, length):
-    """The verifier's rewind with ``copy_to`` (unimax.verifier.ONE_PASS_REWIND): from a snapshot
-    of the conv states and position alone, taken before the recording forward, it leaves the
-    snapshot holding the whole state before the block (recurrent states too: Engine._finish
+    """The verifier's rewind with ``copy_to`` (the kernel configuration's one_pass_rewind): from a
+    snapshot of the conv states and position alone, taken before the recording forward, it leaves
+    the snapshot holding the whole state before the block (recurrent states too: Engine._finish
     restores it after a stop), and the cache and the draft's cache both holding what the plain
     rewind from a full snapshot gives (bit for bit: the same recurrence, the same inputs)."""
     gen = torch.Generator().manual_seed(6)
@@ -104,7 +105,7 @@ def test_one_pass_rewind_keeps_the_state_before_and_fills_both_caches(model, len
 
 @torch.inference_mode()
 def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypatch):
-    """Verified replies with ONE_PASS_REWIND on and off: the same tokens through rejections, a
+    """Verified replies with one_pass_rewind on and off: the same tokens through rejections, a
     stop id inside a block (Engine._finish restores the block's snapshot, which the one-pass
     rewind filled) and a second turn on the kept state, and the same drafts accepted (the
     draft's cache resynced alike); pure and hybrid."""
@@ -112,7 +113,7 @@ def test_one_pass_rewind_changes_no_reply_or_kept_state(pure_or_hybrid, monkeypa
     x, y, free, stop = stop_case(model, 18, 6, seed=7, cut=11)
     runs = []
     for one_pass in (False, True):
-        monkeypatch.setattr(unimax.verifier, "ONE_PASS_REWIND", one_pass)
+        kernels_for_test(monkeypatch, one_pass_rewind=one_pass)
         engine = erring_engine(model, block_size=5, period=3)
         assert engine.verifier.one_pass is one_pass
         runs.append(two_turns(engine, x, y, 30, stop, draft_block=5))
@@ -231,11 +232,13 @@ def test_drafts_queued_ahead_change_nothing(pure_or_hybrid):
 
 def test_span_blocks_are_the_compiled_lengths():
     """The draft counts that get a compiled forward of their own: block_size, and the powers
-    of two from SHORTEST_SPAN_BLOCK below it."""
-    from unimax.verifier import SHORTEST_SPAN_BLOCK, span_blocks
+    of two from the kernel configuration's shortest_span_block (8) below it."""
+    from unimax.kernels import DEFAULT
+    from unimax.verifier import span_blocks
 
-    assert SHORTEST_SPAN_BLOCK == 8
+    assert DEFAULT.shortest_span_block == 8
     assert span_blocks(1) == (1,) and span_blocks(8) == (8,)
+    assert span_blocks(16, 4) == (4, 8, 16)
     assert span_blocks(12) == (8, 12) and span_blocks(16) == (8, 16)
     assert span_blocks(32) == (8, 16, 32) and span_blocks(33) == (8, 16, 32, 33)
 

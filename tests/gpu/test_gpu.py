@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import unimax
-from helpers import rel_err, require_fla, spied, write_qwen_checkpoint
+from helpers import kernels_for_test, rel_err, require_fla, spied, write_qwen_checkpoint
 from unimax import GDNConfig, GDNForCausalLM
 from unimax.ops.gated_delta import gated_delta_rule
 
@@ -39,7 +39,7 @@ def test_fla_conv_matches_the_torch_forms(seq_len):
 
 def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
     """fla's fused RMSNorm (with Qwen3.5's 1 + w), gated RMSNorm (silu and sigmoid) and SwiGLU,
-    which a prompt of more than LONG tokens takes with FLA_PROMPT_KERNELS on, against the torch
+    which a prompt of more than LONG tokens takes with fla_prompt_kernels on, against the torch
     forms they replace (strided inputs, as the layers hand them); then a hybrid model's prefill
     logits with them on and off. Also checks they were called, and not for a 1-token step."""
     import unimax.norms as norms
@@ -58,9 +58,9 @@ def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
         norm.weight.normal_(0, 0.1, generator=gen)
         for g in gated.values():
             g.weight.normal_(1, 0.1, generator=gen)
-    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", False)  # (on by default)
+    kernels_for_test(monkeypatch, fla_prompt_kernels=False)  # (on by default)
     off = [norm(x), *(g(o, z) for g in gated.values()), swiglu(*gate_up.split(256, -1))]
-    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", True)
+    kernels_for_test(monkeypatch, fla_prompt_kernels=True)
     calls = []
     real = norms.fla_norm_ops()
     names = ("rms_norm", "rms_norm_gated", "swiglu")
@@ -78,7 +78,7 @@ def test_fla_prompt_kernels_match_the_torch_forms(monkeypatch, tmp_path):
     model = unimax.load_model(tmp_path, device="cuda", dtype="bfloat16", max_context=512)
     ids = torch.randint(0, model.config.vocab_size, (1, 300), device="cuda", generator=gen)
     with_fla = model(ids).logits
-    monkeypatch.setattr(norms, "FLA_PROMPT_KERNELS", False)
+    kernels_for_test(monkeypatch, fla_prompt_kernels=False)
     assert rel_err(with_fla, model(ids).logits) < 3e-2
 
 

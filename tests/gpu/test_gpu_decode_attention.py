@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import kernels_for_test, rel_err
 from unimax.ops import decode_attention as attn
 
 pytestmark = pytest.mark.gpu
@@ -85,7 +85,7 @@ def test_hybrid_one_token_forward_agrees_with_sdpa_on_gpu(monkeypatch):
     """A Qwen3.5-shaped hybrid (tiny widths, real head sizes) in BF16: the one-token forward
     over the static buffer through the op, against the same forward through SDPA, from the
     same prefilled state."""
-    from unimax import GDNForCausalLM, attention
+    from unimax import GDNForCausalLM
     from unimax.tiny import TINY_CONFIG
 
     config = dataclasses.replace(
@@ -96,16 +96,16 @@ def test_hybrid_one_token_forward_agrees_with_sdpa_on_gpu(monkeypatch):
     ids = torch.randint(0, config.vocab_size, (1, 300), device="cuda")
     outs = []
     for kernel in (True, False):
-        monkeypatch.setattr(attention, "DECODE_KERNEL", kernel)
+        kernels_for_test(monkeypatch, decode_attention_tokens=17 if kernel else 0)
         cache = model.make_recurrent_cache()
         model(input_ids=ids[:, :299], past_key_values=cache)
         outs.append(model.forward_unchecked(ids[:, 299:], cache).float())
     assert rel_err(outs[0], outs[1]) < 1e-2
     # a verifier's block of 9 (the op's block form against rows_attention over the buffer)
-    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    kernels_for_test(monkeypatch, decode_attention_tokens=17)
     blocks = []
     for tokens_limit in (17, 1):
-        monkeypatch.setattr(attention, "DECODE_KERNEL_TOKENS", tokens_limit)
+        kernels_for_test(monkeypatch, decode_attention_tokens=tokens_limit)
         cache = model.make_recurrent_cache()
         model(input_ids=ids[:, :291], past_key_values=cache)
         blocks.append(model.forward_unchecked(ids[:, 291:], cache).float())

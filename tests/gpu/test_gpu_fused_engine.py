@@ -7,21 +7,20 @@ import pytest
 import torch
 
 import unimax
-import unimax.fused_draft as fused_draft
 from helpers import gpu_model
 from helpers import gpu_prompt as prompt
-from unimax import build_engine
+from unimax import build_engine, kernels
 from unimax.reference import first_divergence, is_near_tie
 
 pytestmark = pytest.mark.gpu
 
 
 def test_fused_engines_on_gpu():
-    """The compiled fused draft in captured graphs decodes what it decodes eagerly; the fused
-    BF16 fast step (FUSE_BF16) decodes the exact model's tokens up to BF16 near-ties, as the
-    unfused compiled step does."""
+    """The compiled fused draft in captured graphs decodes what it decodes eagerly; the fused BF16
+    fast step (the kernel configuration's fuse_bf16) decodes the exact model's tokens up to BF16
+    near-ties, as the unfused compiled step does."""
     model = gpu_model()
-    assert fused_draft.FUSE  # the default: build_engine's compiled draft is the fused one
+    assert kernels.active().fuse_fp8  # the default: build_engine's compiled draft is the fused one
     x = prompt(60, seed=6)
     graphs = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
     assert all(block.fused for block in graphs.decode_model.layers)
@@ -29,7 +28,7 @@ def test_fused_engines_on_gpu():
                          use_graphs=False)
     assert torch.equal(graphs.generate_fast(x, 32), eager.generate_fast(x, 32))
     print("fused draft graphs checked; now the fused BF16 step")  # (the log's time marks)
-    assert fused_draft.FUSE_BF16
+    assert kernels.active().fuse_bf16
     bf16 = build_engine(model, decode="bf16", block_size=8, compile_step=True)
     assert all(block.fused for block in bf16.decode_model.layers)
     assert not any(getattr(block, "fused", False) for block in model.layers)

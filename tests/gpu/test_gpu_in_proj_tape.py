@@ -1,13 +1,13 @@
 """GPU (run on the lent H200 with fla installed: UNIMAX_ALLOW_FLA=1 pytest -m gpu): the verify
 block's in-projection with the tape in its epilogue (unimax.ops.in_proj_tape) at a 4B layer's
 shape against the plain GEMM and the tape's kernel, bit for bit; and the compiled verifier with
-it on (in_proj_tape.TAPE_EPILOGUE) decoding exact greedy. A file of its own so that
+it on (the kernel configuration's tape_epilogue) decoding exact greedy. A file of its own so that
 tests/gpu.sh runs it in a process of its own."""
 
 import pytest
 import torch
 
-from helpers import assert_verified_exact_on_gpu, gpu_model, require_fla
+from helpers import assert_verified_exact_on_gpu, gpu_model, kernels_for_test, require_fla
 
 pytestmark = pytest.mark.gpu
 
@@ -69,14 +69,14 @@ def middle_layer_tape(tokens, conv_dim, heads, value_heads, dk, dv) -> tuple:
 
 
 def test_verifier_with_the_tape_epilogue_is_exact_on_gpu(monkeypatch):
-    """The compiled verifier with TAPE_EPILOGUE on (the default; set here so that the test
+    """The compiled verifier with tape_epilogue on (the default; set here so that the test
     keeps checking it): its blocks' in-projections go through the op (its timed choice made per
     block length), and verified replies (full and tail drafts) are exact greedy up to BF16
     near-ties against the one-token eager reference."""
     from unimax.ops import in_proj_tape
 
     require_fla()
-    monkeypatch.setattr(in_proj_tape, "TAPE_EPILOGUE", True)
+    kernels_for_test(monkeypatch, tape_epilogue=True)
     known = set(in_proj_tape.CHOICES)
     assert_verified_exact_on_gpu(gpu_model(), seed=23)
     chosen = {key: in_proj_tape.CHOICES[key] for key in set(in_proj_tape.CHOICES) - known}

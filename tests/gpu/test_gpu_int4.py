@@ -9,14 +9,13 @@ import pytest
 import torch
 
 import unimax
-import unimax.fused_draft as fused_draft
-from helpers import gpu_model
+from helpers import gpu_model, kernels_for_test
 from helpers import gpu_prompt as prompt
 from unimax import build_engine
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.int4 import Int4Linear, pack_nibbles, quantize_int4
-from unimax.ops import int4_gemv
+from unimax.ops import int4_gemv, pdl
 from unimax.reference import first_divergence, is_near_tie
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +53,6 @@ def test_int4_fused_kernel_is_its_twin(monkeypatch):
     launch (signalled at the start or the end; two tiles a linear), the same values bit for
     bit."""
     from unimax.int4 import quantize_packed
-    from unimax.ops import fused_gemv
     from unimax.ops.int4_fused import int4_fused, int4_fused_ref
 
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -90,9 +88,9 @@ def test_int4_fused_kernel_is_its_twin(monkeypatch):
                 assert torch.equal(got_state[..., :3], state[..., 1:])
                 assert rel(got_state[..., 3], want_state[..., 3]) < 1e-2
             if tile in int4_gemv.tiles_for(k, 128)[:2]:  # (PDL: each a compile of its own)
-                for trigger in fused_gemv.PDL_TRIGGERS:
-                    monkeypatch.setattr(fused_gemv, "PDL", True)
-                    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+                for trigger in pdl.PDL_TRIGGERS:
+                    kernels_for_test(monkeypatch, pdl=True)
+                    kernels_for_test(monkeypatch, pdl_trigger=trigger)
                     pdl_state = None if state is None else state.clone()
                     got = int4_fused(x, packed, scale, prologue, norm, z, residual, 1e-6, 0.0,
                                      pdl_state, conv_w, beta, tile=tile)
@@ -102,13 +100,13 @@ def test_int4_fused_kernel_is_its_twin(monkeypatch):
 
 
 def test_int4_draft_engine_on_gpu(monkeypatch):
-    """The int4 draft compiled, unfused (fused_draft.FUSE_INT4 off) and fused (ops.int4_fused,
+    """The int4 draft compiled, unfused (kernels.active().fuse_int4 off) and fused (ops.int4_fused,
     the default): graphs decode what they decode eagerly; the fused view's one-token steps
     the unfused view's logits up to rounding; verified mode with either (its graphs captured as
     blocks need them) gives the one-token exact reference up to near-ties."""
     model = gpu_model()
     x = prompt(60, seed=6)
-    monkeypatch.setattr(fused_draft, "FUSE_INT4", False)
+    kernels_for_test(monkeypatch, fuse_int4=False)
     graphs = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True)
     assert sum(isinstance(m, Int4Linear) for m in graphs.decode_model.modules()) == 16
     eager = build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
@@ -120,7 +118,7 @@ def test_int4_draft_engine_on_gpu(monkeypatch):
     # on this random model (the FP8 fused draft's ~2% on average, single steps more:
     # tests/gpu/test_gpu_fused.py; an earlier run saw a 2.7% step), so the
     # BF16 bound is on the mean, as there.
-    monkeypatch.setattr(fused_draft, "FUSE_INT4", True)
+    kernels_for_test(monkeypatch, fuse_int4=True)
     drafts = [quantize_view(m, "int4") for m in (model, copy.deepcopy(model).float())]
     views = [gemv_view(d, fuse=f) for d in drafts for f in (True, False)]
     assert all(block.fused for block in views[0].layers)
@@ -144,7 +142,7 @@ def test_int4_draft_engine_on_gpu(monkeypatch):
     assert is_near_tie(divergence), divergence
     assert report.drafted_tokens > 0
     print("int4 draft: acceptance", report.acceptance_rate, "rejected", report.rejected_blocks)
-    # the fused form compiled and captured (FUSE_INT4 on, the default, set above): graphs ==
+    # the fused form compiled and captured (fuse_int4 on, the default, set above): graphs ==
     # eager, and verified with it the exact reference up to near-ties
     fused = {g: build_engine(model, decode="fp8", draft="int4", block_size=8, compile_step=True,
                              use_graphs=g) for g in (True, False)}

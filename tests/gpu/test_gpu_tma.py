@@ -7,9 +7,16 @@ tests/gpu/test_gpu_engine.py, was cut there at 560 s)."""
 import pytest
 import torch
 
-from helpers import assert_in_proj_conv_matches_twin, assert_replays_match_eager, gpu_model, rel_err
+from helpers import (
+    assert_in_proj_conv_matches_twin,
+    assert_replays_match_eager,
+    gpu_model,
+    kernels_for_test,
+    rel_err,
+)
 from helpers import gpu_prompt as prompt
-from unimax import build_engine
+from unimax import build_engine, kernels
+from unimax.ops import pdl
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +31,7 @@ def test_tma_gemv_on_gpu():
     import unimax.ops.fused_gemv as fused_gemv
     from unimax.fp8 import quantize_rows
 
-    assert fused_gemv.TMA and torch.cuda.get_device_capability()[0] >= 9
+    assert kernels.active().tma and torch.cuda.get_device_capability()[0] >= 9
     gen = torch.Generator(device="cuda").manual_seed(7)
     for prologue, n, k, residual in (("rms", 12352, 2560, False), ("gated_silu", 2560, 4096, True),
                                      ("rms", 18432, 2560, False), ("swiglu", 2560, 9216, True)):
@@ -40,11 +47,11 @@ def test_tma_gemv_on_gpu():
         split = (("tmasplit16@32x256x4x4", "tmasplit", "tmasplit@16x256x4x4")
                  if n <= fused_gemv.SPLIT_MAX_N else ())
         fp8 = ("tma@32x256x4x4", "tma16", "tma16@64x128x4x4") + split
-        for (weight, scale), kernels in ((quantize_rows(w), fp8),
-                                         ((w.to(torch.bfloat16), None), ("tma",))):
+        for (weight, scale), forms in ((quantize_rows(w), fp8),
+                                       ((w.to(torch.bfloat16), None), ("tma",))):
             ref = fused_gemv.fused_small_m_linear_ref(x, weight, scale, n, k, prologue, norm, z,
                                                       r, 1e-6, 1.0)
-            for kernel in kernels:
+            for kernel in forms:
                 got = fused_gemv.fused_gemv(x, weight, scale, n, k, prologue, norm, z, r, 1e-6,
                                             1.0, kernel=kernel)
                 assert rel_err(got.float(), ref.float()) < 1e-2, (prologue, n, kernel)
@@ -90,16 +97,15 @@ def assert_pdl_graph_matches_plain(monkeypatch, body, a, weight, label) -> None:
     captured in a graph with PDL on, then ``a`` changed: the replay equals the PDL-free
     kernels' outputs bit for bit (a kernel that read its input before the one writing it had
     finished would show the old values)."""
-    import unimax.ops.fused_gemv as fused_gemv
 
-    monkeypatch.setattr(fused_gemv, "PDL", True)
-    assert fused_gemv.pdl_launch(a, weight)["launch_pdl"]  # (the PDL form really launches)
+    kernels_for_test(monkeypatch, pdl=True)
+    assert pdl.pdl_launch(a, weight)["launch_pdl"]  # (the PDL form really launches)
     body()  # (warm-up: compile and autotune outside the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = body()
     a.mul_(-1.5)
-    monkeypatch.setattr(fused_gemv, "PDL", False)
+    kernels_for_test(monkeypatch, pdl=False)
     want = body()
     graph.replay()
     for g, w in zip(got, want, strict=True):
@@ -107,7 +113,7 @@ def assert_pdl_graph_matches_plain(monkeypatch, body, a, weight, label) -> None:
 
 
 def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
-    """The fused GEMVs with programmatic dependent launch (ops.fused_gemv.PDL set on):
+    """The fused GEMVs with programmatic dependent launch (the kernel configuration's pdl set on):
     in a captured graph, a GEMM writes x, a PDL GEMV (RMS prologue) waits for it, and a second
     PDL GEMV (residual add), launched early by the first, waits for that one: both outputs
     equal the PDL-free kernels' bit for bit (the same tiles and sums) after the inputs change,
@@ -127,7 +133,7 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
                                      (bf16, "rows", "start"), (fp8, "rows16", "end"),
                                      (bf16, "rows", "end")):
         (q1, s1), (q2, s2) = weights
-        monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+        kernels_for_test(monkeypatch, pdl_trigger=trigger)
 
         def body(q1=q1, s1=s1, q2=q2, s2=s2, kernel=kernel):
             x = a @ b  # the GEMM the first GEMV must wait for
@@ -137,21 +143,21 @@ def test_fused_gemv_pdl_on_gpu(model, monkeypatch):
                                             kernel=kernel)
 
         assert_pdl_graph_matches_plain(monkeypatch, body, a, q1, (kernel, trigger))
-    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "start")
-    monkeypatch.setattr(fused_gemv, "PDL", False)  # (not "auto", the default: timed)
+    kernels_for_test(monkeypatch, pdl_trigger="start")
+    kernels_for_test(monkeypatch, pdl=False)  # (not "auto", the default: timed)
     x = prompt(60, seed=3)
     plain = build_engine(model, decode="bf16", block_size=8, compile_step=True)
     expected = plain.generate_fast(x, 24)
-    monkeypatch.setattr(fused_gemv, "PDL", True)
-    pdl = build_engine(model, decode="bf16", block_size=8, compile_step=True)
-    assert torch.equal(pdl.generate_fast(x, 24), expected)
+    kernels_for_test(monkeypatch, pdl=True)
+    early = build_engine(model, decode="bf16", block_size=8, compile_step=True)
+    assert torch.equal(early.generate_fast(x, 24), expected)
     # PDL "fp8": the full-FP8 draft step's GEMVs launched early, its tokens unchanged
-    monkeypatch.setattr(fused_gemv, "PDL", False)
+    kernels_for_test(monkeypatch, pdl=False)
     expected = build_engine(model, decode="fp8", draft="full", block_size=8,
                             compile_step=True).generate_fast(x, 24)
-    monkeypatch.setattr(fused_gemv, "PDL", "fp8")
-    pdl = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
-    assert torch.equal(pdl.generate_fast(x, 24), expected)
+    kernels_for_test(monkeypatch, pdl="fp8")
+    early = build_engine(model, decode="fp8", draft="full", block_size=8, compile_step=True)
+    assert torch.equal(early.generate_fast(x, 24), expected)
 
 
 def test_dot_gemm_pdl_on_gpu(monkeypatch):
@@ -160,7 +166,6 @@ def test_dot_gemm_pdl_on_gpu(monkeypatch):
     waits for it, a second PDL GEMM, launched early by the first, waits for that one: the
     outputs equal the plain launches' bit for bit after the inputs change, the signal at the
     start or the end."""
-    import unimax.ops.fused_gemv as fused_gemv
     import unimax.ops.gemv as gemv_ops
 
     gen, k, n, a, b = pdl_problem(rows=9, seed=7)
@@ -168,7 +173,7 @@ def test_dot_gemm_pdl_on_gpu(monkeypatch):
     w2 = (torch.randn(k, n, device="cuda", generator=gen) / 100).to(torch.bfloat16)
     for first, second, trigger in (("dot", "dot", "start"), ("dot", "dotsplit", "start"),
                                    ("swiglu", "dotsplit", "end"), ("dot", "dot", "end")):
-        monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", trigger)
+        kernels_for_test(monkeypatch, pdl_trigger=trigger)
 
         def body(first=first, second=second):
             x = a @ b  # the GEMM the first PDL GEMM must wait for
@@ -188,7 +193,6 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
     and with PDL on its Triton GEMMs and GEMVs, and a verified reply with both choices equals
     the all-plain engine's, bit for bit, and exact greedy up to a near tie. (The choices'
     logic: tests/ops/test_pdl_auto.py.)"""
-    import unimax.ops.fused_gemv as fused_gemv
     from unimax import exact_greedy_tokens
     from unimax.graph import pdl_candidate
     from unimax.reference import first_divergence, is_near_tie
@@ -197,11 +201,11 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     x = prompt(60, seed=4)
     for decode, draft, candidate in (("bf16", "tail", True), ("fp8", "full", "fp8")):
-        monkeypatch.setattr(fused_gemv, "PDL", False)
+        kernels_for_test(monkeypatch, pdl=False)
         plain = build_engine(model, decode=decode, draft=draft, block_size=8, compile_step=True)
         expected = plain.generate_fast(x, 24)
         assert plain.decode_graph.pdl is False and plain.decode_graph.pdl_ms == {}
-        monkeypatch.setattr(fused_gemv, "PDL", "auto")
+        kernels_for_test(monkeypatch, pdl="auto")
         auto = build_engine(model, decode=decode, draft=draft, block_size=8, compile_step=True)
         assert pdl_candidate(auto.decode_model) == candidate
         got = auto.generate_fast(x, 24)
@@ -209,7 +213,7 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
         print(decode, draft, "PDL timed (ms a block of 8):", graph.pdl_ms, "kept", graph.pdl)
         assert set(graph.pdl_ms) == {"False", str(candidate), f"{candidate}@end"}
         assert graph.pdl in (False, candidate)
-        kept = fused_gemv.pdl_label(graph.pdl, graph.pdl_trigger)
+        kept = pdl.pdl_label(graph.pdl, graph.pdl_trigger)
         assert graph.runner.replay_ms[(8, False)] == graph.pdl_ms[kept] == min(
             graph.pdl_ms.values())
         assert torch.equal(got, expected), (decode, graph.pdl)
@@ -227,9 +231,9 @@ def test_pdl_auto_is_timed_per_decoder_on_gpu(model, monkeypatch):
             (verifier.run_key(8, None, False), verifier.pdl_run_ms, verifier.pdl_run,
              verifier.pdl_run_trigger)):
         assert set(ms) == {"False", "True", "True@end"} and kept in (False, True)
-        assert verifier.runner.replay_ms[key] == ms[fused_gemv.pdl_label(kept, trigger)] == min(
+        assert verifier.runner.replay_ms[key] == ms[pdl.pdl_label(kept, trigger)] == min(
             ms.values())
-    monkeypatch.setattr(fused_gemv, "PDL", False)
+    kernels_for_test(monkeypatch, pdl=False)
     assert torch.equal(tokens, plain.generate_verified(x, 24)[0])
     assert plain.verifier.pdl is False
     reference = exact_greedy_tokens(model, x, 24)[0].tolist()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import unimax.fused_draft as fused_draft
-from helpers import run_with_triton
-from unimax.ops import in_proj_conv
+from helpers import kernels_for_test, run_with_triton
+from unimax import kernels
 from unimax.ops.decode_step import write_strength
 from unimax.ops.in_proj_conv import fused_in_proj_conv
 
@@ -123,10 +123,10 @@ def test_the_op_traces_without_a_graph_break():
 
 def test_only_the_verifiers_view_takes_beta_in_the_epilogue(monkeypatch):
     """The verifier's view (unimax.verifier.exact_view) asks the in-projection for beta (its
-    b channels at conv_dim + value_dim, the value heads' count) and hands it on to the
-    recurrence as it is (``beta_done``), with in_proj_conv.BETA; BF16-only's fast step never
-    (it takes sigmoid(b) inside the recurrence's kernel). Without BETA no view asks, and the
-    verifier view's one-token logits and states are the same bit for bit (BF16, on the CPU:
+    b channels at conv_dim + value_dim, the value heads' count) and hands it on to the recurrence as
+    it is (``beta_done``), with the kernel configuration's fold_beta; BF16-only's fast step never
+    (it takes sigmoid(b) inside the recurrence's kernel). Without it no view asks, and the verifier
+    view's one-token logits and states are the same bit for bit (BF16, on the CPU:
     the twin)."""
     from helpers import cache_states
     from unimax import GDNForCausalLM
@@ -157,11 +157,11 @@ def test_only_the_verifiers_view_takes_beta_in_the_epilogue(monkeypatch):
 
     start, heads = cfg.conv_dim + cfg.value_dim, cfg.num_v_heads
     gdn = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
-    assert gdn and in_proj_conv.BETA
+    assert gdn and kernels.active().fold_beta
     logits, states, view_calls = one_step(exact_view(model))
     assert view_calls == [(start, heads, cfg.allow_neg_eigval)] * gdn
     assert one_step(gemv_view(model, fuse=True))[2] == [(start, 0, cfg.allow_neg_eigval)] * gdn
-    monkeypatch.setattr(in_proj_conv, "BETA", False)
+    kernels_for_test(monkeypatch, fold_beta=False)
     plain_logits, plain_states, plain_calls = one_step(exact_view(model))
     assert plain_calls == [(start, 0, cfg.allow_neg_eigval)] * gdn
     assert torch.equal(logits, plain_logits)

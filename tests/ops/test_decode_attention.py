@@ -6,7 +6,7 @@ arguments' errors and the attention layer's dispatch on the CPU."""
 import pytest
 import torch
 
-from helpers import run_with_triton
+from helpers import kernels_for_test, run_with_triton
 from unimax.ops.decode_attention import (
     check_args,
     decode_attention,
@@ -129,7 +129,6 @@ def test_a_graphs_one_token_step_goes_through_the_op(monkeypatch):
     graphs capture) calls the op with the cache's position and agrees with the eager step,
     which reads exactly the stored entries without it; the eager step and a multi-token
     forward never call it."""
-    from unimax import attention
 
     model, calls = spied_hybrid(monkeypatch, lambda args: int(args[3].reshape(-1)[0]))
     config = model.config
@@ -142,12 +141,12 @@ def test_a_graphs_one_token_step_goes_through_the_op(monkeypatch):
         assert calls == []
         graph = model.forward_unchecked(ids[:, 11:], graph_cache)
         assert calls == [11, 11]  # both attention layers, at 11 stored entries
-        monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+        kernels_for_test(monkeypatch, decode_attention_tokens=0)
         sdpa = model.forward_unchecked(ids[:, 11:], sdpa_cache)
     assert len(calls) == 2
     assert torch.allclose(graph, eager, atol=1e-5) and torch.equal(graph, sdpa)
     # in default grad mode (autograd recording: the op has no backward) it keeps SDPA
-    monkeypatch.setattr(attention, "DECODE_KERNEL", True)
+    kernels_for_test(monkeypatch, decode_attention_tokens=17)
     grad_cache = model.make_recurrent_cache()
     with torch.no_grad():
         model(input_ids=ids[:, :11], past_key_values=grad_cache)
@@ -182,12 +181,11 @@ def test_twin_of_a_block_is_causal_among_its_tokens():
 
 
 def test_a_graphs_block_goes_through_the_op_up_to_its_token_limit(monkeypatch):
-    """With attention.DECODE_KERNEL_TOKENS at 9, a hybrid's 5-token forward over the static
-    buffer (the verifier's block as its graphs capture it) calls the op once per attention
-    layer at the cache's position and equals rows_attention's result under the mask (the path
-    it replaces), eager and compiled by inductor (the fake kernel's layout); at the default,
+    """With the kernel configuration's decode_attention_tokens at 9, a hybrid's 5-token forward
+    over the static buffer (the verifier's block as its graphs capture it) calls the op once per
+    attention layer at the cache's position and equals rows_attention's result under the mask (the
+    path it replaces), eager and compiled by inductor (the fake kernel's layout); at the default,
     one token, it keeps rows_attention."""
-    from unimax import attention
 
     model, calls = spied_hybrid(
         monkeypatch, lambda args: (int(args[3].reshape(-1)[0]), args[0].shape[2]))
@@ -195,7 +193,7 @@ def test_a_graphs_block_goes_through_the_op_up_to_its_token_limit(monkeypatch):
     ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))
 
     def block(tokens_limit: int, compiled: bool = False) -> torch.Tensor:
-        monkeypatch.setattr(attention, "DECODE_KERNEL_TOKENS", tokens_limit)
+        kernels_for_test(monkeypatch, decode_attention_tokens=tokens_limit)
         cache = model.make_recurrent_cache()
         with torch.no_grad():
             model(input_ids=ids[:, :11], past_key_values=cache)

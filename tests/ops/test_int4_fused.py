@@ -7,7 +7,8 @@ import torch
 from test_fused_draft import steps
 
 import unimax.fused_draft as fused_draft
-from helpers import run_with_triton, spied
+from helpers import kernels_for_test, run_with_triton, spied
+from unimax import kernels
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.int4 import Int4Linear
@@ -107,10 +108,10 @@ def test_int4_kernels_match_their_twins_in_the_interpreter():
 def test_fused_int4_draft_steps_equal_the_unfused_one(pure_or_hybrid, monkeypatch):
     """The fused view of the int4 draft computes the unfused view's logits step after step
     (the ops run their twins here), with the fused ops really taken: four a block, the GDN
-    in-projections with the convolution folded in (FUSE_INT4 on, the default); and FUSE_INT4
+    in-projections with the convolution folded in (fuse_int4 on, the default); and fuse_int4
     off leaves its blocks plain."""
     model = pure_or_hybrid
-    assert fused_draft.FUSE_INT4  # the default (measured faster: fused_draft's comment)
+    assert kernels.active().fuse_int4  # the default (measured faster: fused_draft's comment)
     draft = quantize_view(model, "int4")
     assert any(isinstance(m, Int4Linear) for m in draft.modules())
     fused, plain = gemv_view(draft, fuse=True), gemv_view(draft, fuse=False)
@@ -128,13 +129,13 @@ def test_fused_int4_draft_steps_equal_the_unfused_one(pure_or_hybrid, monkeypatc
     assert calls.count("conv") == tokens.shape[1] * gdn
     for a, b in zip(got, expected, strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
-    monkeypatch.setattr(fused_draft, "FUSE_INT4", False)
+    kernels_for_test(monkeypatch, fuse_int4=False)
     assert not any(block.fused for block in gemv_view(draft).layers)
 
 
 # The int4 draft's kernels compiled to PTX in a child process, no GPU needed: sm_90 (H200)
 # with and without programmatic dependent launch, sm_89 (the L4, which the product demos on
-# and this project has no card of) without it, as ops.fused_gemv.pdl_launch asks there.
+# and this project has no card of) without it, as ops.pdl.pdl_launch asks there.
 PTX_CHILD = """
 import triton
 from triton.backends.compiler import GPUTarget

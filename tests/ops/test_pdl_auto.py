@@ -1,21 +1,21 @@
-"""PDL "auto" (ops.fused_gemv.PDL, the default): each graph decoder times its largest block with
-plain launches and with programmatic dependent launch of its fused GEMVs, signalled at each
-program's start and at its end (ops.fused_gemv.PDL_TRIGGER "auto"), keeps the fastest
-graph, and captures every later block in that setting (unimax.graph.MaxTurboGraphDecoder.
-choose_pdl); the verifier does the same with its full verify block (unimax.verifier.Verifier.
-choose_pdl). On the CPU there are no graphs and no PDL: a runner that really runs each body
-once (through GraphRunner's own prepare and forget) stands in for capture, and "times" a body
-by the PDL setting its launches asked for. The real thing on the GPU:
-tests/gpu/test_gpu_tma.py::test_pdl_auto_is_timed_per_decoder_on_gpu."""
+"""PDL "auto" (the kernel configuration's pdl, the default): each graph decoder times its largest
+block with plain launches and with programmatic dependent launch of its fused GEMVs, signalled at
+each program's start and at its end (its pdl_trigger "auto"), keeps the fastest graph, and captures
+every later block in that setting (unimax.graph.MaxTurboGraphDecoder.choose_pdl); the verifier does
+the same with its full verify block (unimax.verifier.Verifier.choose_pdl). On the CPU there are no
+graphs and no PDL: a runner that really runs each body once (through GraphRunner's own prepare and
+forget) stands in for capture, and "times" a body by the PDL setting its launches asked for. The
+real thing on the GPU: tests/gpu/test_gpu_tma.py::test_pdl_auto_is_timed_per_decoder_on_gpu."""
 
 import pytest
 import torch
 
-import unimax.ops.fused_gemv as fused_gemv
+from helpers import kernels_for_test
 from unimax import GDNConfig, GDNForCausalLM
 from unimax.fast_step import gemv_view
 from unimax.fp8 import quantize_view
 from unimax.graph import GraphRunner, MaxTurboGraphDecoder, pdl_candidate, trial_run
+from unimax.ops import pdl
 
 CONFIG = GDNConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_k_heads=2,
                    num_v_heads=4, head_k_dim=16, head_v_dim=16, intermediate_size=128)
@@ -27,10 +27,10 @@ BLOCK = 4
 def asked_now() -> bool | str:
     """The PDL setting a fused GEMV launched here now would take (from what it asks for an FP8
     and a BF16 weight), with "@end" where it would signal the next kernel at its end."""
-    fp8, bf16 = fused_gemv.pdl_wanted(FP8_WEIGHT), fused_gemv.pdl_wanted(BF16_WEIGHT)
+    fp8, bf16 = pdl.pdl_wanted(FP8_WEIGHT), pdl.pdl_wanted(BF16_WEIGHT)
     setting = {(False, False): False, (True, False): "fp8", (True, True): True}[(fp8, bf16)]
-    if setting and fused_gemv.pdl_trigger() == "end":
-        return fused_gemv.pdl_label(setting, "end")
+    if setting and pdl.pdl_trigger() == "end":
+        return pdl.pdl_label(setting, "end")
     return setting
 
 
@@ -40,7 +40,7 @@ def timed(faster, *settings) -> dict:
 
 
 def labels(times: dict) -> dict:
-    """``times`` as the owners' tables name their settings (fused_gemv.pdl_label)."""
+    """``times`` as the owners' tables name their settings (pdl.pdl_label)."""
     return {str(setting): ms for setting, ms in times.items()}
 
 
@@ -92,7 +92,7 @@ def decoder_with(monkeypatch, times: dict, full: bool = True, possible: bool = T
     view = gemv_view(quantize_view(model, "full") if full else model)
     decoder = MaxTurboGraphDecoder(view, block_size=BLOCK, use_graphs=False)
     decoder.runner = StandInRunner(times, decoder)
-    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: possible)
+    monkeypatch.setattr(pdl, "pdl_possible", lambda device: possible)
     return decoder, decoder.runner
 
 
@@ -102,7 +102,7 @@ def test_auto_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faste
     signalled at the start, then at the end; the fastest graph kept (with its time), the
     others dropped; the smaller blocks captured once each, in the kept setting."""
     times = timed(faster, False, "fp8", "fp8@end")
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     decoder, runner = decoder_with(monkeypatch, times)
     decoder.capture_blocks()
     largest = (BLOCK, False)
@@ -124,7 +124,7 @@ def test_auto_keeps_the_faster_block_and_captures_the_rest_so(monkeypatch, faste
 def test_auto_times_the_bf16_step_with_pdl_on_every_gemv(monkeypatch):
     """A BF16 fast step (its blocks' GEMVs BF16): "auto" times True (every fused GEMV) against
     plain launches; the first block a reply runs chooses, before its own capture."""
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     times = {False: 1.0, True: 0.9, "True@end": 0.95}
     decoder, runner = decoder_with(monkeypatch, times, full=False)
     decoder.run_block(2)
@@ -135,10 +135,9 @@ def test_auto_times_the_bf16_step_with_pdl_on_every_gemv(monkeypatch):
 
 
 def test_a_set_trigger_is_the_only_one_timed(monkeypatch):
-    """PDL_TRIGGER set (a bench's A/B): "auto" times plain launches against PDL signalled
+    """pdl_trigger set (a bench's A/B): "auto" times plain launches against PDL signalled
     there only."""
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "end")
+    kernels_for_test(monkeypatch, pdl="auto", pdl_trigger="end")
     times = timed("fp8@end", False, "fp8@end")
     decoder, runner = decoder_with(monkeypatch, times)
     decoder.capture_blocks()
@@ -150,13 +149,13 @@ def test_a_set_trigger_is_the_only_one_timed(monkeypatch):
 def test_a_set_pdl_or_no_pdl_on_the_device_times_nothing(monkeypatch, setting):
     """PDL set (False, True or "fp8": a bench's A/B) is used as set, untimed; so is "auto"
     where the device has no programmatic launch (an L4, a CPU): plain launches."""
-    monkeypatch.setattr(fused_gemv, "PDL", setting)
+    kernels_for_test(monkeypatch, pdl=setting)
     decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5, "fp8@end": 0.5})
     decoder.capture_blocks()
     assert decoder.pdl is False and decoder.pdl_ms == {}
     assert runner.captures == [((n, False), setting) for n in range(1, BLOCK + 1)]
 
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     decoder, runner = decoder_with(monkeypatch, {False: 1.0, "fp8": 0.5, "fp8@end": 0.5},
                                    possible=False)
     decoder.capture_blocks()
@@ -178,47 +177,46 @@ def test_the_candidate_follows_the_fused_gemvs():
 
 def test_auto_pdl_names_a_bad_setting(monkeypatch):
     with pytest.raises(ValueError, match="setting must be False, True or 'fp8', got 'auto'"):
-        with fused_gemv.auto_pdl("auto"):
+        with pdl.auto_pdl("auto"):
             pass
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    with fused_gemv.auto_pdl("fp8"):
+    kernels_for_test(monkeypatch, pdl="auto")
+    with pdl.auto_pdl("fp8"):
         assert asked_now() == "fp8"
-        with fused_gemv.auto_pdl(True):
+        with pdl.auto_pdl(True):
             assert asked_now() is True
         assert asked_now() == "fp8"
     assert asked_now() is False
     with pytest.raises(ValueError, match="trigger must be 'start' or 'end', got 'auto'"):
-        with fused_gemv.auto_pdl("fp8", "auto"):
+        with pdl.auto_pdl("fp8", "auto"):
             pass
-    with fused_gemv.auto_pdl("fp8", "end"):
-        assert fused_gemv.pdl_trigger() == "end" and asked_now() == "fp8@end"
-        with fused_gemv.auto_pdl(True):
+    with pdl.auto_pdl("fp8", "end"):
+        assert pdl.pdl_trigger() == "end" and asked_now() == "fp8@end"
+        with pdl.auto_pdl(True):
             assert asked_now() is True
         assert asked_now() == "fp8@end"
-    assert fused_gemv.pdl_trigger() == "start" and asked_now() is False
+    assert pdl.pdl_trigger() == "start" and asked_now() is False
     # PDL set: the trigger set, or the start under "auto"; a bad one is named
-    monkeypatch.setattr(fused_gemv, "PDL", True)
-    with fused_gemv.auto_pdl("fp8", "end"):
-        assert fused_gemv.pdl_trigger() == "start" and asked_now() is True
-    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "end")
-    assert fused_gemv.pdl_trigger() == "end" and asked_now() == "True@end"
-    monkeypatch.setattr(fused_gemv, "PDL_TRIGGER", "late")
-    with pytest.raises(ValueError, match="PDL_TRIGGER must be 'start', 'end' or 'auto', got"):
-        asked_now()
+    kernels_for_test(monkeypatch, pdl=True)
+    with pdl.auto_pdl("fp8", "end"):
+        assert pdl.pdl_trigger() == "start" and asked_now() is True
+    kernels_for_test(monkeypatch, pdl_trigger="end")
+    assert pdl.pdl_trigger() == "end" and asked_now() == "True@end"
+    with pytest.raises(ValueError, match="pdl_trigger must be 'start', 'end' or 'auto', got"):
+        kernels_for_test(monkeypatch, pdl_trigger="late")
 
 
 def test_a_launch_signals_where_its_block_says(monkeypatch):
-    """What a kernel is launched with (fused_gemv.pdl_launch, which ops.gemv's tensor-core
+    """What a kernel is launched with (pdl.pdl_launch, which ops.gemv's tensor-core
     GEMMs take too) on a device with programmatic launch: nothing outside a chosen block, PDL
     signalled at the block's trigger inside one, nothing for a weight its setting leaves out."""
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
-    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: True)
-    assert fused_gemv.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {}
-    for trigger in fused_gemv.PDL_TRIGGERS:
-        with fused_gemv.auto_pdl("fp8", trigger):
-            assert fused_gemv.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {
+    kernels_for_test(monkeypatch, pdl="auto")
+    monkeypatch.setattr(pdl, "pdl_possible", lambda device: True)
+    assert pdl.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {}
+    for trigger in pdl.PDL_TRIGGERS:
+        with pdl.auto_pdl("fp8", trigger):
+            assert pdl.pdl_launch(BF16_WEIGHT, FP8_WEIGHT) == {
                 "PDL": True, "PDL_LATE": trigger == "end", "launch_pdl": True}
-            assert fused_gemv.pdl_launch(BF16_WEIGHT, BF16_WEIGHT) == {}
+            assert pdl.pdl_launch(BF16_WEIGHT, BF16_WEIGHT) == {}
 
 
 def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: bool = True):
@@ -232,7 +230,7 @@ def verifier_with(monkeypatch, times: dict, compiled: bool = True, possible: boo
     if compiled:
         verifier.compiled = verifier.forward
     verifier.runner = StandInRunner(times, verifier, "compiled" if compiled else "forward")
-    monkeypatch.setattr(fused_gemv, "pdl_possible", lambda device: possible)
+    monkeypatch.setattr(pdl, "pdl_possible", lambda device: possible)
     return verifier, verifier.runner
 
 
@@ -243,7 +241,7 @@ def test_the_verifier_keeps_the_faster_block_and_captures_the_rest_so(monkeypatc
     the same way; the fastest graph of each kept with its time (the draft-length policy's
     costs), and every other graph captured once in its kind's setting."""
     times = timed(faster, False, True, "True@end")
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     verifier, runner = verifier_with(monkeypatch, times)
     verifier.capture()
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
@@ -269,7 +267,7 @@ def test_the_verifiers_blocks_and_one_token_forwards_choose_apart(monkeypatch):
     """Blocks with drafts (tensor-core GEMMs) faster with PDL signalled at the end, exact runs
     (fused GEMVs) faster plain: each kind keeps its own, and a k = 0 block, one exact step,
     goes with the exact runs."""
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     verifier, runner = verifier_with(monkeypatch, lambda key: timed(
         "True@end" if key[0] == "verify" else False, False, True, "True@end"))
     verifier.capture()
@@ -283,7 +281,7 @@ def test_the_verifiers_blocks_and_one_token_forwards_choose_apart(monkeypatch):
 
 def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
     """Without a capture at start-up, the first block a reply launches chooses first."""
-    monkeypatch.setattr(fused_gemv, "PDL", "auto")
+    kernels_for_test(monkeypatch, pdl="auto")
     verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.9, "True@end": 0.95})
     verifier.launch(2)
     full = verifier.graph_key(BLOCK, verifier.span(BLOCK, 0), None, False)
@@ -298,7 +296,7 @@ def test_the_verifier_chooses_at_its_first_launch(monkeypatch):
 def test_the_verifier_times_nothing_without_a_choice(monkeypatch, case):
     """Eager forwards (cuBLAS: no kernel of ours to launch early), PDL set, or a device without
     programmatic launch: nothing timed, every graph captured once, plain ("auto") or as set."""
-    monkeypatch.setattr(fused_gemv, "PDL", True if case == "set" else "auto")
+    kernels_for_test(monkeypatch, pdl=True if case == "set" else "auto")
     verifier, runner = verifier_with(monkeypatch, {False: 1.0, True: 0.5, "True@end": 0.5},
                                      compiled=case != "eager", possible=case != "no pdl")
     verifier.capture()

@@ -14,24 +14,22 @@ reads it through a prologue instead:
 - ``swiglu``: silu(gate) * up from the gate/up projection's output (x holds both);
 - ``sigmoid_gate``: x * sigmoid(z), gated attention's output before its out-projection;
 
-and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft, and
-(fused_draft.FUSE_BF16, on) the BF16 fast step and the verifier's one-token forwards; the exact
-model itself keeps its own kernels. Up to PROGRAM_ROWS rows, a program per row. The prologues
-round where the torch forms round
-(``fused_small_m_linear_ref``, the twin, is those forms: unimax.norms).
+and ``residual`` adds r to the output as it is stored (x + linear(...)). For the draft, and (the
+kernel configuration's fuse_bf16, on) the BF16 fast step and the verifier's one-token forwards; the
+exact model itself keeps its own kernels. Up to PROGRAM_ROWS rows, a program per row. The prologues
+round where the torch forms round (``fused_small_m_linear_ref``, the twin, is those forms:
+unimax.norms).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..norms import gated_rms_norm_ref, rms_norm_ref
 from .choices import ChoiceTable
 from .gemv import (
@@ -46,48 +44,13 @@ from .gemv import (
     tiled_names,
     timed_choice,
 )
+from .pdl import pdl_launch
 
 PROLOGUES = ("none", "rms", "gated_silu", "gated_sigmoid", "swiglu", "sigmoid_gate")
-# Programmatic dependent launch (compute capability 9+; read when a kernel launches, so when a
-# graph is captured): each fused GEMV lets the next start early and reads its first weight
-# tile before waiting for the kernel before. Its first form (2026-11-30, the plain GEMVs) lost
-# 4% on the H200, but there no kernel signalled its dependents early (they launched only at
-# its end) and every GEMV followed a norm or gate kernel; folded, three of a layer's four
-# GEMVs follow a GEMV. Measured (bench/RESULTS.md) with the signal at each
-# program's start: 0.8B steps 4.5-7% faster, 4B steps 5-8% slower; off. PDL_TRIGGER "end":
-# the signal after a program's K loop instead, so the next kernel's programs arrive for the
-# last one's tail only, not for its whole run: measured no faster anywhere.
-# The same run had the start signal 3.8% faster on the 4B draft step (FP8 weights) and 5%
-# slower on the BF16 step, where an earlier run had the draft 8% slower: PDL = "fp8",
-# programmatic launch for the FP8 weights' GEMVs only (the draft's), is the form to A/B end to
-# end (bench/verified.py --ab-pdl-fp8). Measured so: the 0.8B draft step
-# 5-7% faster and verified 4-6% faster end to end, the 4B draft step 4% slower. So the sign
-# depends on the shape and the run: PDL "auto" (the default) leaves the choice to each graph
-# decoder, which times its largest block with and without at capture and keeps the faster
-# (unimax.graph.MaxTurboGraphDecoder.choose_pdl), and so does the compiled verifier with its
-# full verify block and, apart, its exact run; there the setting also covers ops.gemv's
-# tensor-core GEMMs (at 0.8B BF16-only kept PDL, 6-8% faster, and the
-# verify block, untouched by it, is what keeps verified mode under BF16-only;
-# unimax.verifier.Verifier.choose_pdl). "auto" asks for nothing outside those blocks
-# (prompts). False, True and "fp8" set it for every launch.
-PDL: bool | str = "auto"  # or False, True (every fused GEMV and tensor-core GEMM), or "fp8"
-# (FP8 weights only)
-TMA = True  # the TMA forms offered to the timed choice where they fit (see TMA_FORMS)
-# Where each program lets the next kernel launch: "start" (before its K loop), "end" (after
-# it), or "auto": a launch under PDL "auto" takes what its block's timed choice says (each
-# owner of graphs times plain launches, PDL signalled at the start and at the end, and keeps
-# the fastest: unimax.graph.timed_pdl_choice); PDL set (True, "fp8") signals at the start.
-# Why both are timed: the chain of the draft's fused FP8 GEMVs alone (bench/pdl_chain.py,
-# H200) ran 11% slower at 4B with the start signal and 3% faster with the
-# end one, 14% / 11% faster at 0.8B; in the engine the 4B draft block kept PDL with the end
-# signal (-2.2%) where it had refused the start one (+4.3%), and the 0.8B BF16 step the start
-# one (-9%; end -4%).
-PDL_TRIGGER = "auto"  # or "start", "end"
-PDL_TRIGGERS = ("start", "end")
-# The RMS prologue without its pre-pass (the kernel's RMS_LOOP: x's squares summed in the K
-# loop, the sums scaled by the row's 1 / rms after it) where a program runs all of K with fp32
-# products (rows, tma; not split-K, not the FP16 forms). Off: the pre-pass first, as before.
-RMS_IN_LOOP = False
+# Programmatic dependent launch (compute capability 9+): each fused GEMV lets the next start
+# early and reads its first weight tile before waiting for the kernel before; whether it is
+# asked for, and where the signal goes, is the engine's kernel configuration (unimax.kernels:
+# ``pdl``, ``pdl_trigger``), read when a kernel launches, so when a graph is captured.
 
 
 def prologue_ref(x: torch.Tensor, prologue: str, in_features: int,
@@ -266,7 +229,6 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
                  HAS_RES=residual is not None,
                  KP=triton.next_power_of_2(in_features) if prologue == "rms" else 1,
                  SPLIT=split, CONV_W=width, CONV_WP=triton.next_power_of_2(max(width, 1)),
-                 RMS_LOOP=rms_in_loop(prologue, split, kernel),
                  BETA=0 if beta is None else 1 + bool(beta[2]), **fixed)
     grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), m, split)  # noqa: E731
     channels = (0, 0) if beta is None else beta[:2]
@@ -277,11 +239,6 @@ def fused_gemv(x, weight, scale, out_features: int, in_features: int, prologue: 
 
 
 CONV_TILE = (16, 256, 4)  # the conv form's tile where none is named (one of GEMV_TILES)
-
-
-def rms_in_loop(prologue: str, split: int, kernel: str) -> bool:
-    """Whether the kernel sums the RMS norm's squares in its K loop (see RMS_IN_LOOP)."""
-    return RMS_IN_LOOP and prologue == "rms" and split == 1 and not kernel.endswith("16")
 
 
 def check_conv(x, out_features: int, conv_state, conv_weight) -> None:
@@ -365,81 +322,9 @@ def tma_problem(weight: torch.Tensor, x: torch.Tensor) -> str | None:
 
 
 def tma_offered(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the timed choice is offered the TMA forms for this weight (``TMA`` on, read at
-    the choice, and nothing in ``tma_problem``)."""
-    return TMA and tma_problem(weight, x) is None
-
-
-PDL_SETTINGS = (False, True, "fp8")
-_AUTO = threading.local()  # what PDL "auto" means on this thread now (auto_pdl; else False)
-
-
-@contextlib.contextmanager
-def auto_pdl(setting: bool | str, trigger: str = "start") -> Iterator[None]:
-    """Within the block, PDL "auto" means ``setting`` (one of PDL_SETTINGS) on this thread,
-    signalled at ``trigger`` (one of PDL_TRIGGERS; where PDL_TRIGGER is "auto"): a graph
-    decoder runs (and so captures) its blocks in its own choice."""
-    if setting not in PDL_SETTINGS:
-        raise ValueError(f"auto_pdl: setting must be False, True or 'fp8', got {setting!r}")
-    if trigger not in PDL_TRIGGERS:
-        raise ValueError(f"auto_pdl: trigger must be 'start' or 'end', got {trigger!r}")
-    saved = getattr(_AUTO, "setting", False), getattr(_AUTO, "trigger", "start")
-    _AUTO.setting, _AUTO.trigger = setting, trigger
-    try:
-        yield
-    finally:
-        _AUTO.setting, _AUTO.trigger = saved
-
-
-def pdl_wanted(weight: torch.Tensor) -> bool:
-    """Whether ``PDL`` asks for programmatic launch of a GEMV over ``weight`` ("auto": what
-    the ``auto_pdl`` block around the launch says, else no)."""
-    if PDL not in (*PDL_SETTINGS, "auto"):
-        raise ValueError(f"fused_gemv.PDL must be False, True, 'fp8' or 'auto', got {PDL!r}")
-    pdl_trigger()  # (a bad PDL_TRIGGER is named at any launch, not only a programmatic one)
-    setting = getattr(_AUTO, "setting", False) if PDL == "auto" else PDL
-    if setting == "fp8":
-        return weight.element_size() == 1
-    return bool(setting)
-
-
-def pdl_trigger() -> str:
-    """Where a programmatic launch now signals the next kernel: PDL_TRIGGER where it is set;
-    "auto": the ``auto_pdl`` block's trigger under PDL "auto", else the start."""
-    if PDL_TRIGGER not in (*PDL_TRIGGERS, "auto"):
-        raise ValueError("fused_gemv.PDL_TRIGGER must be 'start', 'end' or 'auto', got "
-                         f"{PDL_TRIGGER!r}")
-    if PDL_TRIGGER != "auto":
-        return PDL_TRIGGER
-    return getattr(_AUTO, "trigger", "start") if PDL == "auto" else "start"
-
-
-def auto_triggers() -> tuple[str, ...]:
-    """The triggers PDL "auto" times a candidate setting with: both, or PDL_TRIGGER's where
-    it is set (a bench's A/B)."""
-    return PDL_TRIGGERS if PDL_TRIGGER == "auto" else (pdl_trigger(),)
-
-
-def pdl_label(setting: bool | str, trigger: str = "start") -> str:
-    """A setting's name in the timed choices' tables: "False" (plain), "True" or "fp8"
-    signalled at the start, "True@end" or "fp8@end" at the end."""
-    return str(setting) if not setting or trigger == "start" else f"{setting}@{trigger}"
-
-
-def pdl_possible(device: torch.device) -> bool:
-    """Whether a launch on ``device`` can be programmatic (``pdl_launch``'s condition)."""
-    return device.type == "cuda" and not _interpreted() and \
-        torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
-    """The launch's PDL arguments: on (``pdl_wanted``) only on CUDA devices of compute
-    capability 9+ (an L4, 8.9, has no programmatic dependent launch), never in the
-    interpreter (no PTX)."""
-    on = pdl_wanted(weight) and pdl_possible(x.device)
-    if not on:
-        return {}
-    return {"PDL": True, "PDL_LATE": pdl_trigger() == "end", "launch_pdl": True}
+    """Whether the timed choice is offered the TMA forms for this weight (the kernel
+    configuration's ``tma`` on, read at the choice, and nothing in ``tma_problem``)."""
+    return kernels.active().tma and tma_problem(weight, x) is None
 
 
 CHOICES = ChoiceTable("fused_gemv")  # (prologue, residual?, M, N, K, weight dtype) -> kernel
@@ -456,7 +341,7 @@ def fused_small_m_linear(x: torch.Tensor, weight: torch.Tensor,
                          eps: float, offset: float) -> torch.Tensor:
     """prologue(x) (M <= PROGRAM_ROWS rows) @ W^T (* scale) (+ residual): on CUDA the fused
     Triton kernel, a program per row, its kernel chosen per shape; the twin elsewhere. (Folded
-    blocks fold one-token forwards only: unimax.fused_draft's FOLD_ROWS.)"""
+    blocks fold one-token forwards only: unimax.fused_draft.)"""
     if not x.is_cuda:
         check(x, weight, out_features, in_features, prologue, norm_weight, z, residual)
         return fused_small_m_linear_ref(x, weight, scale, out_features, in_features, prologue,

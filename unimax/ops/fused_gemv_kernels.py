@@ -46,8 +46,7 @@ def x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO: tl.cons
             HEAD: tl.constexpr):
     """The loads x_math needs for x[row]'s slice rk: x, and per prologue the norm's weight,
     z, or the up half (the third: the gated norm's weight; x where a prologue needs less).
-    Apart from the math so that the TMA forms can issue the next slice's loads a tile ahead
-    (and RMS_LOOP sum the raw x's squares)."""
+    Apart from the math so that the TMA forms can issue the next slice's loads a tile ahead."""
     mask = rk < K
     x = tl.load(x_ptr + row * stride_xm + rk, mask=mask, other=0.0)
     a = x
@@ -92,23 +91,12 @@ def x_math(x, a, b, rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
 
 
 @triton.jit
-def with_squares(squares, x, RMS_LOOP: tl.constexpr):
-    """``squares`` plus x's squares in fp32 (per lane) with RMS_LOOP; as it is without."""
-    if RMS_LOOP:
-        squares += x.to(tl.float32) * x.to(tl.float32)
-    return squares
-
-
-@triton.jit
-def slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm,
+def slice_products(acc, w, x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm,
                    rstd, eps, offset, PRO: tl.constexpr, HEAD: tl.constexpr,
-                   BLOCK_K: tl.constexpr, F16: tl.constexpr, RMS_LOOP: tl.constexpr):
-    """x[row]'s slice rk loaded, through the prologue, times W's tile w, added to acc; and
-    the raw slice's squares added to squares with RMS_LOOP: (acc, squares)."""
+                   BLOCK_K: tl.constexpr, F16: tl.constexpr):
+    """x[row]'s slice rk loaded, through the prologue, times W's tile w, added to acc."""
     x, a, b = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm, PRO, HEAD)
-    squares = with_squares(squares, x, RMS_LOOP)
-    acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w, F16)
-    return acc, squares
+    return tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w, F16)
 
 
 @triton.jit
@@ -202,8 +190,7 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
                       F16: tl.constexpr, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                       PDL_LATE: tl.constexpr = False, CONV_W: tl.constexpr = 0,
                       CONV_WP: tl.constexpr = 1, TMA: tl.constexpr = False,
-                      STAGES: tl.constexpr = 1, RMS_LOOP: tl.constexpr = False,
-                      BETA: tl.constexpr = 0):
+                      STAGES: tl.constexpr = 1, BETA: tl.constexpr = 0):
     """y[row, rn] = (prologue(x[row]) . W[rn]) * s[rn] (+ r[row, rn]); K is the linear's input
     width (for SWIGLU, x holds 2K: gate then up).
 
@@ -238,13 +225,6 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     num_stages), so each program of the plain forms waits out one DRAM round trip per tile:
     the short GEMVs' fixed cost (bench/RESULTS.md, Nsight Compute).
 
-    ``RMS_LOOP`` (the RMS prologue, one slice of K a program, fp32 products): no pre-pass.
-    The K loop sums x's squares from the slices it loads anyway and multiplies x by the
-    norm's weight only; the row's 1 / rms scales the sums after the loop (a factor common to
-    every product). So no L2 round trip and reduction stand before the first product (in the
-    pre-pass form they cost the 4B in-projection ~1 us of its ~12, bench/gemv_parts.py). Not
-    with FP16 products: x unnormalized, a large activation times 448 overflows FP16's range.
-
     ``CONV_W`` > 0 (a GDN mixer's in-projection in a decode step): outputs rn < C are the
     short convolution's channels. Each is the last input of its causal window, which the
     program that computes it owns: it rolls the window in the conv state cs (M, >= C, CONV_W,
@@ -263,7 +243,6 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
     start = part * span
     end = tl.minimum(start + span, K)
     rstd = 1.0
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # (RMS_LOOP: x's, summed per lane)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16 if F16 else tl.float32)
     if PDL or PRO == 1:  # the first tile of W, loaded before anything that waits
         if PDL and not PDL_LATE:
@@ -272,11 +251,10 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         w = w_tile(w_ptr, rn, start, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
         if PDL:
             wait_for_the_kernel_before()
-        if PRO == 1 and not RMS_LOOP:  # (the norm's pre-pass over x now overlaps that load)
+        if PRO == 1:  # (the norm's pre-pass over x now overlaps that load)
             rstd = row_rstd(x_ptr, row, K, stride_xm, eps, KP, BLOCK_K)
-        acc, squares = slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K,
-                                      stride_xm, stride_zm, rstd, eps, offset, PRO, HEAD,
-                                      BLOCK_K, F16, RMS_LOOP)
+        acc = slice_products(acc, w, x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm, stride_zm,
+                             rstd, eps, offset, PRO, HEAD, BLOCK_K, F16)
         start += BLOCK_K
     if TMA:  # W's tiles pipelined by Triton, x's loads issued here a tile ahead of their use
         rk = start + tl.arange(0, BLOCK_K)
@@ -286,7 +264,6 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
             rk = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
             x_next, a_next, b_next = x_loads(x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm,
                                              stride_zm, PRO, HEAD)
-            squares = with_squares(squares, x, RMS_LOOP)
             acc = tile_products(acc, x_math(x, a, b, rstd, eps, offset, PRO, HEAD, BLOCK_K), w,
                                 F16)
             x, a, b = x_next, a_next, b_next
@@ -294,14 +271,11 @@ def fused_gemv_kernel(x_ptr, z_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, ws_ptr, 
         for k0 in range(start, end, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             w = w_tile(w_ptr, rn, k0, N, K, stride_wn, BLOCK_N, BLOCK_K, TMA)
-            acc, squares = slice_products(acc, squares, w, x_ptr, z_ptr, nw_ptr, row, rk, K,
-                                          stride_xm, stride_zm, rstd, eps, offset, PRO, HEAD,
-                                          BLOCK_K, F16, RMS_LOOP)
+            acc = slice_products(acc, w, x_ptr, z_ptr, nw_ptr, row, rk, K, stride_xm,
+                                 stride_zm, rstd, eps, offset, PRO, HEAD, BLOCK_K, F16)
     if PDL and PDL_LATE:
         launch_dependents()
     y = lane_sums(acc, F16)
-    if RMS_LOOP:  # (the row's 1 / rms, common to every product of the row)
-        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     finish(y, rn, row, part, row * tl.num_programs(0) + tl.program_id(0), N,
            s_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, stride_rm, stride_ym, cs_ptr, cw_ptr, C,
            stride_csm, B0, NB, HAS_SCALE, HAS_RES, SPLIT, CONV_W, CONV_WP, BETA)

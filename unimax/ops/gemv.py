@@ -22,14 +22,15 @@ plain-torch twin.
 
 import functools
 import math
-import os
 import time
 from typing import Optional
 
 import torch
 
 from . import choices
+from .pdl import pdl_launch
 from .timing import graph_us, weight_copies
+from .timing import interpreted as _interpreted
 
 # Rows sent through these kernels (decode steps, verifier blocks); more: cuBLAS. 32 so that a
 # block_size-16 verifier's 17-row forward has the tensor-core kernel among its timed choices too
@@ -46,10 +47,6 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
     if scale is not None:
         y = y * scale[None, :]
     return y.to(x.dtype)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter (tests): no timing
 
 
 # The GEMV's autotuned tiles (BLOCK_N, BLOCK_K, warps); the fused GEMVs (ops/fused_gemv.py)
@@ -225,7 +222,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         launch[grid](x, weight, scale if scaled else x, y, y, y, m, n, k, x.stride(0),
                      weight.stride(0), y.stride(0), HAS_SCALE=scaled, BLOCK_M=dot_rows(m),
-                     SWIGLU=swiglu, **fixed, **_pdl_launch(x, weight), **tile_args(tile))
+                     SWIGLU=swiglu, **fixed, **pdl_launch(x, weight), **tile_args(tile))
     else:  # dotsplit: the workspace and counters for its slices (see DOTSPLIT_TILES)
         *tile, split = tile or DOTSPLIT_TILE
         tiles = -(-n // tile[0])
@@ -236,18 +233,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         launch[(tiles, split)](x, weight, scale if scaled else x, y, work, _counters(x.device),
                                m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                                HAS_SCALE=scaled, BLOCK_M=dot_rows(m), SPLIT=split, **fixed,
-                               **_pdl_launch(x, weight), **tile_args(tuple(tile)))
+                               **pdl_launch(x, weight), **tile_args(tuple(tile)))
     return y
-
-
-def _pdl_launch(x: torch.Tensor, weight: torch.Tensor) -> dict:
-    """The tensor-core forms' PDL launch arguments: the fused GEMVs' setting
-    (ops.fused_gemv.PDL, and in "auto" what the block around the launch chose; none on the CPU,
-    in the interpreter or below compute capability 9). (Imported here: fused_gemv imports this
-    module.)"""
-    from .fused_gemv import pdl_launch
-
-    return pdl_launch(x, weight)
 
 
 # --- the op a compiled step calls, with its per-shape kernel choice -----------------------

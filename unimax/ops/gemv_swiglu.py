@@ -36,7 +36,6 @@ from .gemv import (
     timed_choice,
 )
 
-SWIGLU_EPILOGUE = True  # the verifier view's MLPs run this op (unimax.fast_step)
 CHOICES = ChoiceTable("gemv_swiglu")  # (M, 2N, K, weight dtype) -> "dot@tile" or "cublas"
 ACT_BLOCK = 1024  # swiglu_act's columns per program
 

@@ -45,8 +45,6 @@ from .fused_gemv import (
 )
 from .gemv import tile_text, timed_choice
 
-FOLD = True  # unimax.fused_draft folds the convolution into the in-projection (bench: off)
-BETA = True  # and the verifier's view, beta into it too (bench/verified.py --ab-beta: off)
 # the kernel where none was timed (a key first met in a capture): a named tile, never
 # autotuned (the autotuner would rerun the kernel on the live state)
 DEFAULT = f"rows@{tile_text(CONV_TILE)}"

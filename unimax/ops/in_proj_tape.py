@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from . import block_mixer
 from .choices import ChoiceTable
 from .gemv import (
@@ -43,13 +44,10 @@ from .gemv import (
     timed_choice,
 )
 
-# Whether the verifier view's recording mixers run this op (unimax.fast_step). On since
-# its GPU tests passed (bit-equal to the GEMM + tape kernel at 4B, the
-# compiled verifier exact) and the A/B (bench/verified.py, then --ab-tape-epilogue, now
-# --ab-tape-apart; H200) had the verify 8 block at 1.349 against 1.488 ms at 0.8B (gdn24) and
-# 3.540 against 3.559 at 4B.
-# The per-shape timed choice still keeps "apart" wherever that is faster.
-TAPE_EPILOGUE = True
+# Whether the verifier view's recording mixers run this op (unimax.fast_step) is the kernel
+# configuration's ``tape_epilogue`` (on: bit-equal to the GEMM + tape kernel at 4B, and the
+# verify 8 block at 1.349 against 1.488 ms at 0.8B, 3.540 against 3.559 at 4B, H200). The
+# per-shape timed choice still keeps "apart" wherever that is faster.
 CHOICES = ChoiceTable("in_proj_tape")  # (M, K, N, conv_dim, dtype, neg_eigval) -> a name
 
 
@@ -150,8 +148,9 @@ def run(name: str, x, weight, conv_state, conv_weight, A_log, dt_bias, tape, con
 def wanted(x: torch.Tensor) -> bool:
     """Whether a recording block's in-projection over x (M, K) takes this op: on CUDA with
     fla's kernels (ops.block_mixer.usable), more than PROGRAM_ROWS and at most GEMV_ROWS rows,
-    with ``TAPE_EPILOGUE`` (read per call: an A/B builds a second engine with it on)."""
-    return (TAPE_EPILOGUE and x.is_cuda and PROGRAM_ROWS < x.shape[0] <= GEMV_ROWS
+    with the kernel configuration's ``tape_epilogue`` (read per call: an A/B builds a second
+    engine with it off)."""
+    return (kernels.active().tape_epilogue and x.is_cuda and PROGRAM_ROWS < x.shape[0] <= GEMV_ROWS
             and block_mixer.usable(x))
 
 

@@ -15,7 +15,7 @@ form ran the prologue inside the GEMV, each program over all of x before its til
 (bench/int4_gemv.py --fused) that cost the 4B body 2170 us a step against
 1059 on x made ready, so it was replaced. This form costs ~1.7 us a linear over the ready GEMV,
 1269 us a step against 1470 for the fused FP8 forms, and is the default
-(fused_draft.FUSE_INT4). Under programmatic dependent launch (ops.fused_gemv.pdl_launch: the
+(the kernel configuration's fuse_int4). Under programmatic dependent launch (ops.pdl.pdl_launch: the
 draft's setting, as for its FP8 GEMVs; compute capability 9+, so not on an L4) the ready
 kernel lets the GEMV launch at once, which reads its first tile of W before it waits for x:
 that launch's gap is what the second form added, and PDL hides nearly all of it (1099
@@ -33,10 +33,11 @@ from typing import Optional
 import torch
 
 from .choices import ChoiceTable
-from .fused_gemv import PROLOGUES, _head, check, check_conv, pdl_launch, prologue_ref
+from .fused_gemv import PROLOGUES, _head, check, check_conv, prologue_ref
 from .gemv import _interpreted, tile_text, timed_choice
 from .in_proj_conv import check_beta, conv_and_beta_ref
 from .int4_gemv import _tile, check_storage, int4_linear_ref, tiles_for
+from .pdl import pdl_launch
 
 PRE_BLOCK = 1024  # a prologue program's slice of x (at least one head)
 CHOICES = ChoiceTable("int4_fused")  # (prologue, residual?, conv?, N, K, group) -> tile text

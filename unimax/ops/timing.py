@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -20,6 +21,11 @@ import torch
 
 L2_SAFE_BYTES = 128 << 20  # over twice the L2 of the GPUs we run on (H200 60 MB, L4 48 MB)
 MIN_CALLS = 4  # calls per captured graph: its own launch is spread over them
+
+
+def interpreted() -> bool:
+    """Whether Triton runs in its CPU interpreter (the tests): no timing, no PTX."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def weight_copies(tensors: Sequence[torch.Tensor | None],
