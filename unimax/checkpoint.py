@@ -5,7 +5,8 @@ Layouts (docs/design.md, "Checkpoint layouts"):
   RMSNorms scaled by w;
 - Qwen3.5 text (``qwen3_5_text``, or ``qwen3_5`` VLM checkpoints under
   ``model.language_model.``), every layer ``linear_attention``: fused qkv projection and conv,
-  decoder RMSNorms scaled by (1 + w).
+  decoder RMSNorms scaled by (1 + w); Qwen3.5's ``mtp.*`` module, where its weights are there,
+  as ``model.mtp`` (unimax.mtp).
 Both become one GDNForCausalLM whose mixer reads a merged [q, k, v, z, b, a] projection.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from .demo import DEMO_NAME, check_demo_weights, demo_dir
 from .model import GDNForCausalLM
 from .tiny import TINY_NAME, build_tiny_random
 
+log = logging.getLogger("unimax.checkpoint")
 SUPPORTED_MODEL_TYPES = ("gated_deltanet", "qwen3_5_text", "qwen3_5")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -201,8 +204,15 @@ def qwen3_5_config(raw: dict, tie: bool) -> GDNConfig:
         raise CheckpointError(f"config.json: unknown layer type {unknown[0]!r}; supported: "
                               "linear_attention, full_attention")
     hybrid = "full_attention" in layer_types
+    # the MTP module (unimax.mtp) is a gated-attention layer: its shape too, hybrid or not
+    # (whether its weights are there is the loader's to find)
+    mtp = int(raw.get("mtp_num_hidden_layers") or 0)
+    if mtp > 1:
+        log.warning("config.json: %d MTP layers; UNI MAX drafts with Qwen3.5's one MTP layer, "
+                    "so this checkpoint loads without its MTP module", mtp)
+        mtp = 0
     attention = {}
-    if hybrid:
+    if hybrid or mtp:
         if raw.get("attention_bias", False):
             raise CheckpointError("config.json: attention_bias=true is not supported")
         rope = raw.get("rope_parameters") or {}
@@ -211,7 +221,7 @@ def qwen3_5_config(raw: dict, tie: bool) -> GDNConfig:
                                   "supported (only default)")
         heads = _require(raw, "num_attention_heads", where)
         attention = dict(
-            layer_types=tuple(layer_types), num_attention_heads=heads,
+            layer_types=tuple(layer_types) if hybrid else None, num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             attn_head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
@@ -231,7 +241,7 @@ def qwen3_5_config(raw: dict, tie: bool) -> GDNConfig:
         norm_offset=1.0, tie_word_embeddings=tie,
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         max_position_embeddings=raw.get("max_position_embeddings"), source_layout="qwen3_5",
-        **attention)
+        mtp_layers=mtp, **attention)
 
 
 def parse_config(raw: dict) -> tuple[GDNConfig, str]:
@@ -279,20 +289,7 @@ def _layer_sources(cfg: GDNConfig, prefix: str, i: int) -> dict[str, list[tuple[
         }
     src = f"{prefix}layers.{i}."
     if cfg.is_attention(i):
-        attn = src + "self_attn."
-        heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
-        return {
-            ours + "mixer_norm.weight": [(src + "input_layernorm.weight", (hidden,))],
-            ours + "mixer.in_proj.weight": [
-                (attn + "q_proj.weight", (2 * heads * dim, hidden)),
-                (attn + "k_proj.weight", (kv * dim, hidden)),
-                (attn + "v_proj.weight", (kv * dim, hidden))],
-            ours + "mixer.q_norm.weight": [(attn + "q_norm.weight", (dim,))],
-            ours + "mixer.k_norm.weight": [(attn + "k_norm.weight", (dim,))],
-            ours + "mixer.o_proj.weight": [(attn + "o_proj.weight", (hidden, heads * dim))],
-            ours + "mlp_norm.weight": [(src + "post_attention_layernorm.weight", (hidden,))],
-            **_mlp_sources(cfg, src + "mlp.", ours),
-        }
+        return _attention_sources(cfg, src, ours)
     attn = src + "linear_attn."
     return {
         ours + "mixer_norm.weight": [(src + "input_layernorm.weight", (hidden,))],
@@ -308,6 +305,47 @@ def _layer_sources(cfg: GDNConfig, prefix: str, i: int) -> dict[str, list[tuple[
         ours + "mlp_norm.weight": [(src + "post_attention_layernorm.weight", (hidden,))],
         **_mlp_sources(cfg, src + "mlp.", ours),
     }
+
+
+def _attention_sources(cfg: GDNConfig, src: str, ours: str) -> dict[str, list[tuple[str, tuple]]]:
+    """A Qwen3.5 gated-attention decoder layer (a hybrid's, or the MTP module's)."""
+    hidden = cfg.hidden_size
+    attn = src + "self_attn."
+    heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
+    return {
+        ours + "mixer_norm.weight": [(src + "input_layernorm.weight", (hidden,))],
+        ours + "mixer.in_proj.weight": [
+            (attn + "q_proj.weight", (2 * heads * dim, hidden)),
+            (attn + "k_proj.weight", (kv * dim, hidden)),
+            (attn + "v_proj.weight", (kv * dim, hidden))],
+        ours + "mixer.q_norm.weight": [(attn + "q_norm.weight", (dim,))],
+        ours + "mixer.k_norm.weight": [(attn + "k_norm.weight", (dim,))],
+        ours + "mixer.o_proj.weight": [(attn + "o_proj.weight", (hidden, heads * dim))],
+        ours + "mlp_norm.weight": [(src + "post_attention_layernorm.weight", (hidden,))],
+        **_mlp_sources(cfg, src + "mlp.", ours),
+    }
+
+
+def mtp_sources(cfg: GDNConfig, src: str) -> dict[str, list[tuple[str, tuple]]]:
+    """The MTP module's parameters (unimax.mtp) from Qwen3.5's ``mtp.*`` tensors under the
+    prefix ``src``."""
+    hidden = cfg.hidden_size
+    sources = {f"mtp.{name}.weight": [(f"{src}{name}.weight", (hidden,))]
+               for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    sources["mtp.fc.weight"] = [(src + "fc.weight", (hidden, 2 * hidden))]
+    for i in range(cfg.mtp_layers):
+        sources.update(_attention_sources(cfg, f"{src}layers.{i}.", f"mtp.layers.{i}."))
+    return sources
+
+
+def mtp_prefix(reader: WeightReader, prefix: str) -> str | None:
+    """Where a checkpoint keeps its MTP tensors: top level (``mtp.``, Qwen3.5's releases),
+    or under the text model's prefix; None where it has none (transformers' own saves drop
+    them)."""
+    for src in ("mtp.", f"{prefix}mtp.", "model.mtp."):
+        if f"{src}fc.weight" in reader:
+            return src
+    return None
 
 
 def _mlp_sources(cfg: GDNConfig, src: str, ours: str) -> dict[str, list[tuple[str, tuple]]]:
@@ -363,8 +401,15 @@ def load_model(path_or_id: str | os.PathLike, device: torch.device | str | None 
     if max_context is not None:
         cfg = dataclasses.replace(cfg, max_context=int(max_context))
     reader = WeightReader(model_dir, device)
+    sources = weight_sources(cfg, prefix)
+    if cfg.mtp_layers:
+        src = mtp_prefix(reader, prefix)
+        if src is None:  # (the config says so, the weights are not there: load as before)
+            cfg = dataclasses.replace(cfg, mtp_layers=0)
+        else:
+            sources.update(mtp_sources(cfg, src))
     state = {}
-    for name, pieces in weight_sources(cfg, prefix).items():
+    for name, pieces in sources.items():
         tensors = [reader.get(src, shape) for src, shape in pieces]
         tensor = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
         if name.endswith("conv_weight"):

@@ -34,6 +34,9 @@ class GDNConfig:
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 1.0
     max_context: int = 4096  # length of each attention layer's static KV buffer
+    # Qwen3.5's multi-token-prediction module (unimax.mtp): 0 (none loaded) or 1 layer, gated
+    # attention of the shape above
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_k_heads",
@@ -57,6 +60,9 @@ class GDNConfig:
                                           self.attn_head_dim) < 1:
                 raise ValueError("attention layers need num_attention_heads, "
                                  "num_key_value_heads and attn_head_dim >= 1")
+        if self.mtp_layers not in (0, 1):
+            raise ValueError(f"config mtp_layers must be 0 or 1 (Qwen3.5's one MTP layer), got "
+                             f"{self.mtp_layers!r}")
         if self.gate_activation not in ("silu", "sigmoid"):
             raise ValueError(f"config gate_activation must be 'silu' or 'sigmoid', "
                              f"got {self.gate_activation!r}")

@@ -10,6 +10,7 @@ from torch import nn
 from .cache import AttentionStateSpec, LayerStateSpec, RecurrentCache
 from .config import GDNConfig
 from .layers import GDNBlock
+from .mtp import MTPHead
 from .norms import RMSNorm
 from .ops.conv import conv_window_after
 from .ops.gated_delta import first_steps_only, gated_delta_rule
@@ -21,6 +22,7 @@ from .tape import Tape
 class CausalLMOutput:
     logits: torch.Tensor  # (B, T_kept, vocab)
     past_key_values: RecurrentCache | None = None
+    hidden: torch.Tensor | None = None  # (B, T_kept, hidden) after the final norm, if asked
 
 
 class GDNForCausalLM(nn.Module):
@@ -41,6 +43,8 @@ class GDNForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Qwen3.5's next-next-token predictor, where the checkpoint has one (unimax.mtp)
+        self.mtp = MTPHead(config) if config.mtp_layers else None
 
     # --- the seed's model API -------------------------------------------------------------
 
@@ -66,7 +70,10 @@ class GDNForCausalLM(nn.Module):
         return RecurrentCache(self.layer_state_specs(), batch_size, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, past_key_values: RecurrentCache | None = None,
-                use_cache: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+                use_cache: bool = False, logits_to_keep: int = 0,
+                return_hidden: bool = False) -> CausalLMOutput:
+        """``return_hidden``: the kept positions' hidden states after the final norm too (the
+        LM head's input, which the MTP module reads)."""
         self.check_input_ids(input_ids)
         cache = past_key_values
         if cache is None and use_cache:
@@ -77,12 +84,13 @@ class GDNForCausalLM(nn.Module):
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
         if cache is None:
-            return CausalLMOutput(self.forward_unchecked(input_ids, None, logits_to_keep), None)
+            hidden = self.normed_hidden_unchecked(input_ids, None, logits_to_keep)
+            return CausalLMOutput(self.lm_head(hidden), None, hidden if return_hidden else None)
         # Eager: attention reads exactly the KV entries stored after this call, no more.
         with cache.attending(cache.seen_tokens + input_ids.shape[1], exact=True):
-            logits = self.forward_unchecked(input_ids, cache, logits_to_keep)
+            hidden = self.normed_hidden_unchecked(input_ids, cache, logits_to_keep)
         cache.seen_tokens += input_ids.shape[1]
-        return CausalLMOutput(logits, cache)
+        return CausalLMOutput(self.lm_head(hidden), cache, hidden if return_hidden else None)
 
     def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
                           logits_to_keep: int = 0,
@@ -91,6 +99,14 @@ class GDNForCausalLM(nn.Module):
         caller keeps ``cache.seen_tokens``): for graph capture, compilation and hot loops whose
         inputs are known good (tokens the model itself produced). ``keep_rows`` (a device
         index tensor): logits of those positions only (a padded prompt's last real token)."""
+        return self.lm_head(self.normed_hidden_unchecked(input_ids, cache, logits_to_keep,
+                                                         keep_rows))
+
+    def normed_hidden_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
+                                logits_to_keep: int = 0,
+                                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward_unchecked`` up to the LM head: the kept positions' hidden states after
+        the final norm."""
         hidden = self.embed_tokens(input_ids)
         for index, block in enumerate(self.layers):
             hidden = block(hidden, None if cache is None else cache.layers[index])
@@ -102,7 +118,7 @@ class GDNForCausalLM(nn.Module):
             hidden = hidden.index_select(1, keep_rows)
         elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(self.norm(hidden))
+        return self.norm(hidden)
 
     def make_tape(self, max_tokens: int) -> Tape:
         """The verifier's tape (unimax.tape) for forwards of up to ``max_tokens`` tokens."""
