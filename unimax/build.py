@@ -11,6 +11,7 @@ from .fp8 import quantize_view
 from .graph import MaxTurboGraphDecoder
 from .kernels import KernelConfig, active, using
 from .modes import DRAFTS
+from .mtp_draft import MTPDraft
 
 
 def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = "tail",
@@ -23,7 +24,9 @@ def build_engine(model, decode: str = "bf16", block_size: int = 8, draft: str = 
     FP8 linears sharing every other weight: draft='tail' (final MLP + LM head; state-safe, good
     for fast and verified mode) or draft='full' (every linear; verified mode only), or
     draft='int4' (verified mode only, opt-in: the full draft with its body in 4 bits and its LM
-    head at FP8, unimax.int4: fewer bytes a draft step, some acceptance lost).
+    head at FP8, unimax.int4: fewer bytes a draft step, some acceptance lost), or draft='mtp'
+    (opt-in, a model with Qwen3.5's MTP module: no FP8 view, verified mode's drafts from the
+    MTP module, unimax.mtp_draft; the decoder is the model's own, as BF16-only's).
     Graphs are captured on CUDA by default, lazily at the first block of each size.
 
     compile_step: the fast step (unimax.fast_step), CUDA only: the decoder runs a view of its
@@ -60,8 +63,12 @@ def _build(model, decode, block_size, draft, use_graphs, fp8_mode, compile_step,
     if not hasattr(model, "make_recurrent_cache"):
         raise TypeError(f"{type(model).__name__} has no recurrent cache (make_recurrent_cache); "
                         "UNI MAX runs recurrent GDN models from unimax.load_model")
+    drafter = None
     if decode == "bf16":
         decode_model, state_safe = model, True
+    elif decode == "fp8" and draft == "mtp":  # (verified mode drafts with the MTP module)
+        decode_model, state_safe = model, True
+        drafter = MTPDraft(model, block_size)
     elif decode == "fp8":
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}; use one of {', '.join(DRAFTS)}")
@@ -86,6 +93,7 @@ def _build(model, decode, block_size, draft, use_graphs, fp8_mode, compile_step,
     # The verifier's k-token forward of the exact model is compiled like the step: one weight
     # read per block is its floor, and uncompiled it pays the elementwise launches too.
     engine = UniMaxEngine(model, decode_model, graph, state_safe_draft=state_safe,
-                          compile_verifier=compile_step, exact=exact, kernels=config)
+                          compile_verifier=compile_step, exact=exact, kernels=config,
+                          drafter=drafter)
     engine.prefill_chunk = prefill_chunk
     return engine

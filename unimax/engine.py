@@ -104,13 +104,18 @@ class UniMaxEngine:
 
     def __init__(self, exact_model, decode_model, decode_graph: MaxTurboGraphDecoder,
                  state_safe_draft: bool = True, compile_verifier: bool = False,
-                 exact: ExactSide | None = None, kernels: KernelConfig | None = None):
+                 exact: ExactSide | None = None, kernels: KernelConfig | None = None,
+                 drafter=None):
         """``exact``: the exact side this engine shares with other modes' engines (its cache,
         KV buffers and prefill graphs: unimax.exact); by default one of its own. ``kernels``:
         the kernel configuration in force while any of this engine's calls runs
         (unimax.kernels; build_engine passes the one it built with; default: the one in force
-        now)."""
+        now). ``drafter``: verified mode's MTP drafter (unimax.mtp_draft) in place of the
+        decoder's drafts."""
         self.kernels = kernels or active()
+        self.mtp_draft = drafter
+        # a prompt's last hidden state, waiting for the token after it (the MTP drafter's row)
+        self._mtp_pending: tuple[torch.Tensor, int] | None = None
         if exact is None:
             exact = ExactSide(exact_model, use_graphs=decode_graph.use_graphs)
         elif exact.model is not exact_model:
@@ -151,7 +156,7 @@ class UniMaxEngine:
         self.held_ahead = True
         # Verified mode's replies held to a grammar draft under it and verify each block with
         # the grammar's masks (``_held_verified_loop``); False: exact steps only
-        self.held_drafts = True
+        self.held_drafts = drafter is None  # (MTP drafts are not held to a grammar yet)
         # what such blocks' host turns add to their graphs' time, learned (unimax.held)
         self.held_host = HostTurns()
         # short prompts through the exact side's captured graphs (with graphs only)
@@ -165,7 +170,8 @@ class UniMaxEngine:
         a fast mode never needs."""
         if self._verifier is None:
             self._verifier = Verifier(self.exact_model, self.exact_cache, self.decode_graph,
-                                      self.bridge_copy, compile=self.compile_verifier)
+                                      self.bridge_copy, compile=self.compile_verifier,
+                                      drafter=self.mtp_draft)
         return self._verifier
 
     @property
@@ -212,11 +218,12 @@ class UniMaxEngine:
                              f"(1, T), got {tuple(input_ids.shape)}")
         if not keep_state:
             self.exact_cache.reset()
+            self._mtp_pending = None
         self.decode_graph.set_sampling(None)  # greedy unless generate() samples this reply
         total = int(input_ids.shape[1])
         if total == 0:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
-        short = self.short_prefill
+        short = self.short_prefill if self.mtp_draft is None else None  # (MTP: every h)
         if short is not None and total <= self.prefill_chunk and short.bucket(total):
             # a chat turn: one captured graph instead of hundreds of launches (short_prefill.py)
             self.exact_model.check_input_ids(input_ids)
@@ -224,9 +231,13 @@ class UniMaxEngine:
             out = short(input_ids)
         else:
             for start in range(0, total, self.prefill_chunk):
-                out = self.exact_model(input_ids=input_ids[:, start:start + self.prefill_chunk],
-                                       past_key_values=self.exact_cache, use_cache=True,
-                                       logits_to_keep=1)
+                piece = input_ids[:, start:start + self.prefill_chunk]
+                at = self.exact_cache.seen_tokens
+                out = self.exact_model(input_ids=piece, past_key_values=self.exact_cache,
+                                       use_cache=True, logits_to_keep=1,
+                                       return_hidden=self.mtp_draft is not None)
+                if self.mtp_draft is not None:
+                    self._mtp_rows(out.hidden, piece, at)
                 done = min(start + self.prefill_chunk, total)
                 if on_progress is not None and not on_progress(done, total) and done < total:
                     return None
@@ -234,6 +245,23 @@ class UniMaxEngine:
         bridge = self._bridge()
         self.decode_graph.static_token.copy_(first)
         return first, out, bridge
+
+    def _mtp_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, at: int) -> None:
+        """A prompt chunk's rows (its hidden states, from position ``at``) through the MTP
+        drafter, each with the token after it; the chunk's last waits for its token (the next
+        chunk's first, or the reply's first: ``_mtp_first``)."""
+        if self._mtp_pending is not None:
+            self._mtp_first(tokens[:, :1])
+        if hidden.shape[1] > 1:
+            self.mtp_draft.prefill(hidden[:, :-1], tokens[:, 1:], at)
+        self._mtp_pending = (hidden[:, -1:].clone(), at + hidden.shape[1] - 1)
+
+    def _mtp_first(self, token: torch.Tensor) -> None:
+        """The waiting last row with the token after it: the MTP drafter's first draft."""
+        if self.mtp_draft is not None and self._mtp_pending is not None:
+            hidden, at = self._mtp_pending
+            self.mtp_draft.prefill(hidden, token.reshape(1, 1), at)
+            self._mtp_pending = None
 
     @in_force
     @torch.inference_mode()
@@ -269,6 +297,7 @@ class UniMaxEngine:
         tokens: list[int] = []
         counts = VerifyCounts()
         self.verifier.current.copy_(first_token)
+        self._mtp_first(first_token)
         for emitted in self._verified_blocks(n, _block_arg(draft_block, self.block_size),
                                              counts):
             tokens.extend(emitted)
@@ -349,6 +378,8 @@ class UniMaxEngine:
             at most k + 1: the verifier never writes KV past the context the caller checked),
             the policy's probe state for it, and its exact steps: where the policy falls back
             to k = 0, up to block_size of them in one graph until its next probe."""
+            if sampled and self.mtp_draft is not None:  # (greedy MTP drafts: exact runs)
+                return 0, 0, min(left, self.block_size)
             if k_max is None:
                 k = policy.choose(left)
                 probe = policy.probe
@@ -359,7 +390,9 @@ class UniMaxEngine:
             return min(k_max, left - 1), 0, 1
 
         def draft(k: int) -> None:
-            if k:
+            if k and self.mtp_draft is not None:  # (its first draft: the last block's)
+                self.mtp_draft.run_block(k)
+            elif k:
                 graph.static_token.copy_(self.verifier.current)
                 graph.run_block(k, record=sampled)
 
@@ -451,6 +484,7 @@ class UniMaxEngine:
         _sync(self.device)
         start = time.perf_counter()
         state_before = self.exact_cache.seen_tokens if keep_state else 0
+        self._mtp_pending = None  # (a kept state's last hidden state was never seen)
         prefilled = self._prefill(input_ids, keep_state, on_prefill, checkpoint)
         if prefilled is None:
             result.stopped = "cancelled"
@@ -466,6 +500,8 @@ class UniMaxEngine:
         if constraint is not None or not sampling.is_greedy:  # (else prefill_exact's argmax)
             first = self._first_token(out.logits[:, -1], constraint)
         self.decode_graph.static_token.copy_(first)
+        if mode == "verified":
+            self._mtp_first(first)  # (the MTP drafter's first draft: after the reply's token)
         result.prefill_seconds = time.perf_counter() - start - result.bridge.seconds
         start = time.perf_counter()
         # A grammar behind an open thinking block (``constraint`` not yet active) holds from

@@ -72,8 +72,8 @@ class GDNForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, past_key_values: RecurrentCache | None = None,
                 use_cache: bool = False, logits_to_keep: int = 0,
                 return_hidden: bool = False) -> CausalLMOutput:
-        """``return_hidden``: the kept positions' hidden states after the final norm too (the
-        LM head's input, which the MTP module reads)."""
+        """``return_hidden``: every position's hidden state after the final norm too (the LM
+        head's input, which the MTP module reads), whatever ``logits_to_keep`` keeps."""
         self.check_input_ids(input_ids)
         cache = past_key_values
         if cache is None and use_cache:
@@ -83,14 +83,24 @@ class GDNForCausalLM(nn.Module):
             self.check_room(cache, input_ids.shape[1])
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
+        keep = 0 if return_hidden else logits_to_keep
         if cache is None:
-            hidden = self.normed_hidden_unchecked(input_ids, None, logits_to_keep)
-            return CausalLMOutput(self.lm_head(hidden), None, hidden if return_hidden else None)
-        # Eager: attention reads exactly the KV entries stored after this call, no more.
-        with cache.attending(cache.seen_tokens + input_ids.shape[1], exact=True):
-            hidden = self.normed_hidden_unchecked(input_ids, cache, logits_to_keep)
-        cache.seen_tokens += input_ids.shape[1]
-        return CausalLMOutput(self.lm_head(hidden), cache, hidden if return_hidden else None)
+            hidden = self.normed_hidden_unchecked(input_ids, None, keep)
+        else:
+            # Eager: attention reads exactly the KV entries stored after this call, no more.
+            with cache.attending(cache.seen_tokens + input_ids.shape[1], exact=True):
+                hidden = self.normed_hidden_unchecked(input_ids, cache, keep)
+            cache.seen_tokens += input_ids.shape[1]
+        kept = hidden[:, -logits_to_keep:] if return_hidden and logits_to_keep else hidden
+        return CausalLMOutput(self.lm_head(kept), cache, hidden if return_hidden else None)
+
+    def forward_with_hidden_unchecked(self, input_ids: torch.Tensor,
+                                      cache: RecurrentCache | None,
+                                      logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_unchecked``'s logits and the kept positions' normed hidden states: the
+        verifier's forward where the MTP module drafts (it reads them)."""
+        hidden = self.normed_hidden_unchecked(input_ids, cache, logits_to_keep)
+        return self.lm_head(hidden), hidden
 
     def forward_unchecked(self, input_ids: torch.Tensor, cache: RecurrentCache | None,
                           logits_to_keep: int = 0,

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 # The views decode="fp8" runs (unimax.fp8.quantize_view): "tail" (the final MLP and the LM head
 # at FP8; state-safe, for fast and verified mode), "full" (every linear FP8) and "int4" (the
-# body in 4 bits, the head FP8; opt-in): those two are drafts for verified mode only.
-DRAFTS = ("tail", "full", "int4")
+# body in 4 bits, the head FP8; opt-in): those two are drafts for verified mode only. "mtp":
+# no quantized view; verified mode drafts with the model's own MTP module (unimax.mtp_draft;
+# opt-in, Qwen3.5 checkpoints that ship one: greedy replies only so far).
+DRAFTS = ("tail", "full", "int4", "mtp")
 
 
 @dataclass(frozen=True)

@@ -112,10 +112,16 @@ def exact_view(exact_model):
 class Verifier:
     def __init__(self, exact_model, exact_cache: RecurrentCache,
                  decoder: MaxTurboGraphDecoder, resync_draft: CacheCopier,
-                 compile: bool = False):
+                 compile: bool = False, drafter=None):
+        """``drafter``: the MTP drafter (unimax.mtp_draft) where the model's MTP module drafts:
+        the drafts come from it, each block leaves it the forward's hidden states (its
+        ``catch_up``, inside the block's graph), and there is no draft cache to resync."""
         self.model = exact_model
         self.cache = exact_cache
         self.decoder = decoder
+        self.drafter = drafter
+        # where the drafts are read: the draft decoder's output, or the MTP drafter's
+        self.draft_tokens = decoder.out_tokens if drafter is None else drafter.out_tokens
         # exact cache -> the draft's cache, after every block: the exact cache has fed the
         # draft's last token, which the draft has not (and a full-FP8 draft's states drift)
         self.resync_draft = resync_draft
@@ -139,7 +145,8 @@ class Verifier:
         # ``copy_to``), so the snapshot and resync copy only the conv states and the position.
         # Off: the full snapshot, the rewind into a new tensor, its copy and the full resync
         # (4B: 67 MB read and written four times instead of once and three).
-        self.one_pass = config.one_pass_rewind
+        # (the one-pass form writes the draft's cache too: an MTP drafter has none)
+        self.one_pass = config.one_pass_rewind and drafter is None
         self.draft_cache = resync_draft.dst
         self.take_snapshot_conv = CacheCopier(self.snapshot, exact_cache, recurrent=False)
         self.resync_draft_conv = CacheCopier(self.draft_cache, exact_cache, recurrent=False)
@@ -183,7 +190,9 @@ class Verifier:
         self.pdl_trigger = self.pdl_run_trigger = "start"  # (each kind's signal: its choice's)
         self.pdl_ms: dict[str, float] = {}
         self.pdl_run_ms: dict[str, float] = {}
-        self.forward = exact_model.forward_unchecked
+        # the exact forward: its logits, and (an MTP drafter) its hidden states for the drafter
+        self.forward = (exact_model.forward_unchecked if drafter is None
+                        else exact_model.forward_with_hidden_unchecked)
         self.compiled = None
         if compile:
             # The exact model through the small-M linears (ops/gemv.py: Triton or cuBLAS per
@@ -197,7 +206,9 @@ class Verifier:
             allow_recompiles()
             if cuda:
                 fla_ops()  # (looked up before tracing, so that the compiled forward never imports)
-            self.compiled = torch.compile(exact_view(exact_model).forward_unchecked,
+            view = exact_view(exact_model)
+            self.compiled = torch.compile(view.forward_unchecked if drafter is None
+                                          else view.forward_with_hidden_unchecked,
                                           dynamic=False)
 
     def window_for(self, total: int) -> int | None:
@@ -252,14 +263,17 @@ class Verifier:
         span = k + 1 if span is None else span
         one_pass = self.one_pass and k > 0
         (self.take_snapshot_conv if one_pass else self.take_snapshot)()
-        draft = self.decoder.out_tokens[:, :k]
+        draft = self.draft_tokens[:, :k]
         self.inputs[:, :1].copy_(self.current)
         self.inputs[:, 1:k + 1].copy_(draft)
         compiled = self.compiled and (span == 1 or span - 1 in self.span_blocks)
         forward = self.compiled if compiled else self.forward
+        if self.drafter is not None:
+            self.drafter.start.copy_(self.cache.position)  # (the block's first position)
         # k = 0 keeps its one input: no tape, no rewind, the forward writes the state itself
         with self.cache.recording(self.tape) if k else contextlib.nullcontext():
-            logits = forward(self.inputs[:, :span], self.cache, logits_to_keep=span)
+            logits = self._hidden_kept(forward(self.inputs[:, :span], self.cache,
+                                               logits_to_keep=span), 0, k + 1)
         logits = logits[:, :k + 1]  # (a padded forward's later rows are not this block's)
         if masked:
             logits = self.decoder.token_mask.apply_rows(logits[0])[None]
@@ -279,8 +293,27 @@ class Verifier:
             self.model.rewind_unchecked(self.cache, self.snapshot, self.tape,
                                         self.num_accepted + 1, k + 1,
                                         copy_to=self.draft_cache if one_pass else None)
-        (self.resync_draft_conv if one_pass else self.resync_draft)()
+        if self.drafter is None:
+            (self.resync_draft_conv if one_pass else self.resync_draft)()
+        else:  # the MTP's KV over the block's rows, m + 1 of them kept; its next first draft
+            self._catch_up(k + 1, self.num_accepted + 1)
         self.current.copy_(self.predictions.index_select(1, self.num_accepted[None]))
+
+    def _hidden_kept(self, out, row: int, rows: int) -> torch.Tensor:
+        """A forward's logits; with an MTP drafter (whose forward returns the hidden states
+        too) its first ``rows`` hidden states kept in the drafter's rows from ``row`` on."""
+        if self.drafter is None:
+            return out
+        logits, hidden = out
+        self.drafter.hidden[:, row:row + rows].copy_(hidden[:, :rows])
+        return logits
+
+    def _catch_up(self, rows: int, count) -> None:
+        """The MTP drafter's KV over the ``rows`` rows just run (their tokens the exact
+        model's predictions), ``count`` of them kept."""
+        self.drafter.tokens[:, :rows].copy_(self.predictions[:, :rows])
+        self.drafter.count.copy_(count)
+        self.drafter.catch_up(rows)
 
     def _exact_run(self, n: int, sampled: bool) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
@@ -292,9 +325,12 @@ class Verifier:
         self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
         d = self.decoder
+        if self.drafter is not None:
+            self.drafter.start.copy_(self.cache.position)
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
-            logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
+            logits = self._hidden_kept(forward(self.inputs[:, :1], self.cache, logits_to_keep=1),
+                                       i, 1)
             if sampled:  # no drafts to check: a plain draw from the exact model
                 self.predictions[:, i:i + 1].copy_(sample_from_logits(
                     logits[:, 0], d.temperature, d.top_k, d.top_p, self.u_run[i:i + 1],
@@ -302,7 +338,10 @@ class Verifier:
             else:
                 self.predictions[:, i:i + 1].copy_(logits.argmax(dim=-1))
             self.current.copy_(self.predictions[:, i:i + 1])
-        self.resync_draft()
+        if self.drafter is None:
+            self.resync_draft()
+        else:
+            self._catch_up(n, n)
 
     # --- a reply held to a grammar (unimax.held): the exact model's forward and choice ------
     # (the exact runs of a held reply where drafts do not pay, and every step with the
@@ -317,7 +356,8 @@ class Verifier:
         with pdl.auto_pdl(self.pdl_run or False, self.pdl_run_trigger):
             self.inputs[:, :1].copy_(self.current)
             forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
-            logits = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)[:, 0]
+            out = forward(self.inputs[:, :1], self.cache, logits_to_keep=1)
+            logits = (out if self.drafter is None else out[0])[:, 0]
         self.held_logits = logits_buffer(logits, self.held_logits)
         self.held_logits.copy_(logits)
 
@@ -332,7 +372,7 @@ class Verifier:
         as held steps), and the held step's forward in each KV window, then its greedy choice
         (``sampled``: the sampled blocks and choice too)."""
         self.choose_pdl()
-        writes = [self.cache, self.snapshot, self.decoder.cache]
+        writes = self._writes()
         windows = self.windows()
         for window in windows:
             with self.cache.attending(window):
@@ -378,8 +418,16 @@ class Verifier:
         self.held_token.send(self.current)
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
+        mine = [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
                 self.u_run, self.current]
+        d = self.drafter
+        return mine if d is None else mine + [d.hidden, d.tokens, d.start, d.count, d.last,
+                                              d.out_tokens]
+
+    def _writes(self) -> list[RecurrentCache]:
+        """The caches a verifier graph writes (its warm-ups restore them)."""
+        return [self.cache, self.snapshot, self.decoder.cache] + (
+            [] if self.drafter is None else [self.drafter.cache])
 
     # --- start-up and per block ----------------------------------------------------------
 
@@ -391,7 +439,7 @@ class Verifier:
         verified-sampling graphs too). The caches are left as they were."""
         self.choose_pdl()
         windows = self.windows()
-        writes = [self.cache, self.snapshot, self.decoder.cache]
+        writes = self._writes()
         for window in windows:  # hybrid models: one set per KV bucket
             with self.cache.attending(window):
                 for n, s in itertools.product(range(2, self.block_size + 1),
@@ -440,7 +488,7 @@ class Verifier:
             return
         window, k = self.windows()[0], self.block_size
         span = self.span(k, 0)
-        writes = [self.cache, self.snapshot, self.decoder.cache]
+        writes = self._writes()
 
         def capture(key, body):
             with self.cache.attending(window):
@@ -514,7 +562,7 @@ class Verifier:
         elif sampled:
             self.u_accept[:k].uniform_(generator=self.decoder.generator)
             self.u_final.uniform_(generator=self.decoder.generator)
-        writes = [self.cache, self.snapshot, self.decoder.cache]
+        writes = self._writes()
         if run:
             window = self.window_for(seen + steps)
             with self.cache.attending(window):
@@ -531,7 +579,9 @@ class Verifier:
                 self.runner.run(self.graph_key(k, span, window, sampled, masked),
                                 lambda: self._verify(k, sampled, span, masked),
                                 writes=writes, buffers=self._buffers())
-            parts = [self.num_accepted[None], self.decoder.out_tokens[0, :k],
+            # (the drafts as this block fed them: an MTP drafter's catch-up has already
+            # written the next block's first draft where they were read)
+            parts = [self.num_accepted[None], self.inputs[0, 1:k + 1],
                      self.predictions[0, :k + 1]]
         self.snapshot.seen_tokens = seen  # Python bookkeeping is not part of the graph
         size = sum(int(t.numel()) for t in parts)
