@@ -165,8 +165,9 @@ def quantize_view(model, kind: str = "tail", mode: str | None = None,
     head and last MLP are the full draft's too, stored once)."""
     if kind == "tail":
         names = tail_linear_names(model)
-    elif kind in ("full", "int4"):
-        names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    elif kind in ("full", "int4"):  # (the MTP module, if any, is no part of a decode step)
+        names = [name for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and not name.startswith("mtp.")]
     else:
         raise ValueError(f"unknown quantization kind {kind!r}; use 'tail', 'full' or "
                          "'int4'")

@@ -43,8 +43,10 @@ def plan(model, preset) -> list[Part]:
     cfg = model.config
     # (parameters() lists a tied embedding and LM head once)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    kinds = {"tail", preset.draft}  # the FP8 speed mode's view, and verified mode's draft
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not name.startswith("mtp.")}
+    # the FP8 speed mode's view, and verified mode's draft (the MTP module's: no copy)
+    kinds = {"tail", preset.draft} - {"mtp"}
     stored: dict[tuple, int] = {}
     for kind in kinds:
         names = tail_linear_names(model) if kind == "tail" else list(linears)
@@ -53,6 +55,9 @@ def plan(model, preset) -> list[Part]:
             stored[(name, int4)] = _quantized_bytes(linears[name], int4)
     kv, state = _cache_bytes(model)
     element = torch.finfo(model.dtype).bits // 8
+    if preset.draft == "mtp" and getattr(model, "mtp", None) is not None:  # (its own KV)
+        kv += (cfg.mtp_layers * 2 * cfg.num_key_value_heads * cfg.max_context
+               * cfg.attn_head_dim * element)
     chunk = min(preset.prefill_chunk, preset.max_context)
     # a chunk's widest activations: the MLP's gate-up output and its product, the mixers'
     # projections, a few hidden-size tensors (an estimate, within ~2x of the measured peak)

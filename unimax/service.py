@@ -31,7 +31,7 @@ from .exact import ExactSide
 from .logprobs import EntryText, LogprobsRequest, score_chunk
 from .modes import APP_MODES, MODES
 from .ops import choices
-from .presets import Preset
+from .presets import Preset, PresetError
 from .reasoning import ThinkingEnd, opens_thinking
 from .settings import GenerationSettings
 from .states import StateStore
@@ -175,6 +175,9 @@ class EngineService:
             preset.model, device=device, dtype=preset.dtype, max_context=preset.max_context)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(preset.model)
         self.device = self.model.device
+        if preset.draft == "mtp" and getattr(self.model, "mtp", None) is None:
+            raise PresetError(f"the preset's draft is 'mtp' but {preset.model} has no MTP "
+                              "module (Qwen3.5's mtp.* weights): use draft: full")
         # what the preset's parts take on the GPU (unimax.memory), refused here if it cannot fit
         self.memory_plan = memory.plan(self.model, preset) if self.device.type == "cuda" \
             else []

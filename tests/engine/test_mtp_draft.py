@@ -168,3 +168,34 @@ def test_draft_mtp_needs_the_weights():
     plain = GDNForCausalLM.random(dataclasses.replace(PURE, mtp_layers=0))
     with pytest.raises(ValueError, match="draft 'mtp' needs a checkpoint with Qwen3.5's MTP"):
         build_engine(plain, decode="fp8", draft="mtp")
+
+
+def test_a_service_with_the_mtp_draft_serves_exact_replies():
+    """The app's service with ``draft: mtp``: a verified reply (drafted by the MTP module)
+    is BF16-only's reply token for token; a preset asking for MTP drafts of a model without
+    the module is refused at start, by name."""
+    from unimax.presets import Preset, PresetError
+    from unimax.service import EngineService, GenerationSettings
+
+    base = EngineService(Preset(model="tiny-random"))
+    config = dataclasses.replace(base.model.config, mtp_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, attn_head_dim=16)
+    model = GDNForCausalLM.random(config, seed=2)
+    model.init_random_weights(2, std=0.1)
+    preset = Preset(model="tiny-random", draft="mtp", block_size=4)
+    service = EngineService(preset, model=model, tokenizer=base.tokenizer).start()
+    try:
+        replies = {}
+        for mode in ("bf16", "verified"):
+            handle = service.submit(mode, [{"role": "user", "content": "Hello there"}], mode,
+                                    GenerationSettings(max_new_tokens=24))
+            done = list(handle.events(timeout=120))[-1]
+            assert done.kind == "done", done.text
+            replies[mode] = done.text
+            if mode == "verified":
+                assert done.data["stats"]["drafted_tokens"] > 0, done.data["stats"]
+        assert replies["verified"] == replies["bf16"]
+    finally:
+        service.stop()
+    with pytest.raises(PresetError, match="draft is 'mtp' but tiny-random has no MTP module"):
+        EngineService(preset, model=base.model, tokenizer=base.tokenizer)
