@@ -60,7 +60,9 @@ def test_tokenizer_round_trips_with_chat_template(built):
     assert tok.eos_token == "<|im_end|>"
 
 
-def test_training_reduces_loss_and_exports_a_loadable_model(built):
+@pytest.fixture(scope="module")
+def trained(built):
+    """A micro demo model trained and exported as the real one is (its folder, its record)."""
     root, _ = built
     out = root / "model"
     record = train_main(["--corpus", str(root / "corpus.jsonl"), "--tokenizer",
@@ -69,6 +71,11 @@ def test_training_reduces_loss_and_exports_a_loadable_model(built):
                          "--head-dim", "16", "--mlp", "128", "--lr", "3e-3", "--log-every",
                          "10", "--eval-every", "20", "--max-shard-mb", "0.05",
                          "--device", "cpu"])
+    return out, record
+
+
+def test_training_reduces_loss_and_exports_a_loadable_model(trained):
+    out, record = trained
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] - 0.5
     shards = sorted(out.glob("model-*-of-*.safetensors"))
@@ -94,3 +101,39 @@ def test_size_limit_is_enforced(built, tmp_path):
     with pytest.raises(SystemExit, match="over --max-mb 0.1"):
         train_main(["--corpus", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tok"),
                     "--out", str(tmp_path), "--max-mb", "0.1", "--device", "cpu"])
+
+
+def test_an_mtp_module_trains_and_ships_into_the_model_folder(built, trained, tmp_path):
+    """train.mtp on the micro model: the frozen model's next-next-token loss goes down, the
+    module ships into a copy of the folder as Qwen's checkpoints carry one (the sharded index
+    lists it), loads back as model.mtp with its trained weights, and the folder's record holds
+    the new weights' sha256 and the drafts' measured acceptance."""
+    import shutil
+
+    from train.mtp import main as mtp_main
+    from unimax.export import weights_sha256
+
+    root, _ = built
+    folder, _ = trained
+    model_dir = tmp_path / "model"
+    shutil.copytree(folder, model_dir)
+    before = unimax.load_model(model_dir, device="cpu")
+    assert before.mtp is None
+    record = mtp_main(["--model", str(model_dir), "--corpus", str(root / "corpus.jsonl"),
+                       "--out", str(tmp_path / "mtp"), "--steps", "30", "--batch", "4",
+                       "--seq", "48", "--log-every", "10", "--prompts", "2", "--new", "12",
+                       "--block", "3", "--device", "cpu", "--ship"])
+    log = [json.loads(line) for line in (tmp_path / "mtp" / "mtp_log.jsonl").read_text()
+           .splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5
+    model = unimax.load_model(model_dir, device="cpu")
+    assert model.mtp is not None and model.config.mtp_layers == 1
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["mtp.fc.weight"] == "mtp.safetensors"
+    kept = json.loads((model_dir / "train_record.json").read_text())
+    assert kept["model_sha256"] == weights_sha256(model_dir) == record["shipped_sha256"]
+    assert kept["mtp"]["heldout"]["drafted"] > 0
+    assert 0 <= kept["mtp"]["heldout"]["acceptance"] <= 1
+    # the base model's weights untouched: its logits as before
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(model(input_ids=ids).logits, before(input_ids=ids).logits)
