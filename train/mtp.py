@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chain", type=int, default=1,
+                   help="MTP steps trained per position: 2 also trains the second draft of a "
+                        "chain on the module's own output")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts measured")
@@ -107,14 +110,24 @@ def mtp_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
             for name, t in out.items()}
 
 
-def mtp_loss(model, head: MTPHead, batch: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the MTP's prediction of token t + 2 over a batch of windows."""
+def mtp_loss(model, head: MTPHead, batch: torch.Tensor, chain: int = 1) -> torch.Tensor:
+    """Cross-entropy of the MTP's predictions over a batch of windows (``chain`` + 1 tokens
+    longer than the rows): of token t + 2 from (h_t, token t + 1); with ``chain`` > 1, the
+    steps after it too as a draft chains them, fed the module's own last output and the next
+    true token (teacher-forced: at drafting time the token is its own draft, the true one
+    when it is right), each step's loss weighted alike."""
+    rows = batch.shape[1] - 1 - chain
     with torch.no_grad():
-        hidden = model(input_ids=batch[:, :-1], return_hidden=True).hidden
-        embeds = model.embed_tokens(batch[:, 1:-1])
-    out = head(hidden[:, :-1], embeds)
-    logits = model.lm_head(out)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 2:].flatten())
+        hidden = model(input_ids=batch[:, :rows + 1], return_hidden=True).hidden[:, :rows]
+    losses = []
+    for step in range(chain):  # (step j: rows 0 .. rows - 1 - j)
+        n = rows - step
+        out = head(hidden[:, :n], model.embed_tokens(batch[:, 1 + step:1 + step + n]))
+        logits = model.lm_head(out)
+        target = batch[:, 2 + step:2 + step + n]
+        losses.append(F.cross_entropy(logits.float().flatten(0, 1), target.flatten()))
+        hidden = out[:, :-1]
+    return sum(losses) / chain
 
 
 def acceptance(model, prompts: list[list[int]], new: int, block: int) -> dict:
@@ -182,12 +195,12 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "mtp_log.jsonl").open("w")
-    data = batches(train_docs, args.batch, args.seq + 1, random.Random(args.seed))
+    data = batches(train_docs, args.batch, args.seq + args.chain, random.Random(args.seed))
     start, losses = time.perf_counter(), []
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        loss = mtp_loss(model, head, next(data).to(device))
+        loss = mtp_loss(model, head, next(data).to(device), args.chain)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -104,10 +104,10 @@ def test_size_limit_is_enforced(built, tmp_path):
 
 
 def test_an_mtp_module_trains_and_ships_into_the_model_folder(built, trained, tmp_path):
-    """train.mtp on the micro model: the frozen model's next-next-token loss goes down, the
-    module ships into a copy of the folder as Qwen's checkpoints carry one (the sharded index
-    lists it), loads back as model.mtp with its trained weights, and the folder's record holds
-    the new weights' sha256 and the drafts' measured acceptance."""
+    """train.mtp on the micro model (its chain's second step trained too): the frozen model's
+    next-next-token loss goes down, the module ships into a copy of the folder as Qwen's checkpoints
+    carry one (the sharded index lists it), loads back as model.mtp with its trained weights, and
+    the folder's record holds the new weights' sha256 and the drafts' measured acceptance."""
     import shutil
 
     from train.mtp import main as mtp_main
@@ -122,7 +122,7 @@ def test_an_mtp_module_trains_and_ships_into_the_model_folder(built, trained, tm
     record = mtp_main(["--model", str(model_dir), "--corpus", str(root / "corpus.jsonl"),
                        "--out", str(tmp_path / "mtp"), "--steps", "30", "--batch", "4",
                        "--seq", "48", "--log-every", "10", "--prompts", "2", "--new", "12",
-                       "--block", "3", "--device", "cpu", "--ship"])
+                       "--block", "3", "--device", "cpu", "--chain", "2", "--ship"])
     log = [json.loads(line) for line in (tmp_path / "mtp" / "mtp_log.jsonl").read_text()
            .splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] - 0.5
