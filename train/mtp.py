@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
 import shutil
 import sys
@@ -34,12 +33,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from unimax import GDNForCausalLM, build_engine, load_model, load_tokenizer
-from unimax.checkpoint import parse_config, resolve_model_dir
+from unimax.checkpoint import mtp_sources, parse_config, resolve_model_dir
 from unimax.export import weights_sha256
 from unimax.mtp import MTPHead
 
 from .corpus import read_corpus
-from .train import batches, token_stream
+from .train import add_schedule_args, batches, lr_at, token_stream
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,17 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True)
     p.add_argument("--corpus", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    add_schedule_args(p, steps=600, batch=8, seq=256, lr=3e-3, warmup=50, log_every=25)
     p.add_argument("--chain", type=int, default=1,
                    help="MTP steps trained per position: 2 also trains the second draft of a "
                         "chain on the module's own output")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts measured")
     p.add_argument("--new", type=int, default=48, help="reply tokens per measured prompt")
     p.add_argument("--block", type=int, default=4, help="drafts per measured block")
@@ -87,25 +79,13 @@ def ship(model_dir: Path, out: Path, record: dict) -> str:
 
 
 def mtp_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
-    """The module's weights under Qwen3.5's names (the loader's ``mtp_sources`` inverted)."""
-    cfg = head.config
-    heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attn_head_dim
-    out = {f"mtp.{name}.weight": getattr(head, name).weight
-           for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "fc")}
-    for i, layer in enumerate(head.layers):
-        src, attn = f"mtp.layers.{i}.", f"mtp.layers.{i}.self_attn."
-        q, k, v = layer.mixer.in_proj.weight.split([2 * heads * dim, kv * dim, kv * dim])
-        gate, up = layer.mlp.gate_up_proj.weight.split(cfg.intermediate_size)
-        out.update({
-            src + "input_layernorm.weight": layer.mixer_norm.weight,
-            attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-            attn + "q_norm.weight": layer.mixer.q_norm.weight,
-            attn + "k_norm.weight": layer.mixer.k_norm.weight,
-            attn + "o_proj.weight": layer.mixer.o_proj.weight,
-            src + "post_attention_layernorm.weight": layer.mlp_norm.weight,
-            src + "mlp.gate_proj.weight": gate, src + "mlp.up_proj.weight": up,
-            src + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-        })
+    """The module's weights under Qwen3.5's names: the loader's own table (``mtp_sources``)
+    read backwards, each merged weight split into the checkpoint tensors it came from."""
+    ours = {f"mtp.{name}": t for name, t in head.state_dict().items()}
+    out = {}
+    for name, pieces in mtp_sources(head.config, "mtp.").items():
+        parts = ours[name].split([shape[0] for _, shape in pieces])
+        out.update({src: part for (src, _), part in zip(pieces, parts, strict=True)})
     return {name: t.detach().to("cpu", torch.bfloat16).contiguous().clone()
             for name, t in out.items()}
 
@@ -186,12 +166,6 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "mtp_log.jsonl").open("w")
@@ -199,7 +173,7 @@ def main(argv=None) -> dict:
     start, losses = time.perf_counter(), []
     for step in range(args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, args)
         loss = mtp_loss(model, head, next(data).to(device), args.chain)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -207,7 +181,7 @@ def main(argv=None) -> dict:
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             losses.append(round(float(loss.detach()), 4))
-            record = {"step": step, "loss": losses[-1], "lr": lr_at(step),
+            record = {"step": step, "loss": losses[-1], "lr": lr_at(step, args),
                       "seconds": round(time.perf_counter() - start, 1)}
             log.write(json.dumps(record) + "\n")
             log.flush()

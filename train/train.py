@@ -34,31 +34,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus", required=True)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    add_schedule_args(p, steps=3000, batch=32, seq=512, lr=2e-3, warmup=100, log_every=50)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--mlp", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernel", default="torch", choices=("torch", "fla"),
                    help="gated delta rule for training: 'torch' (our chunked WY form, through "
                         "autograd) or 'fla'. fla 0.6.0's backward refuses Hopper GPUs with "
                         "Triton < 3.7.1 (wrong gradients, fla issue #640); the H200 image has "
                         "Triton 3.6, so the demo model was trained with 'torch'")
     p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint")
-    p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out loss every N steps; the best step's weights are exported "
                         "(early stopping: the corpus is small). 0: export the last step")
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="split the safetensors into shards of at most this size")
     return p.parse_args(argv)
+
+
+def add_schedule_args(p: argparse.ArgumentParser, steps: int, batch: int, seq: int, lr: float,
+                      warmup: int, log_every: int) -> None:
+    """The options every trainer here takes (their defaults its own): the steps, the batches,
+    the learning rate's warm-up and cosine decay (``lr_at``), the seed, the device, the log."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--log-every", type=int, default=log_every)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over ``args.warmup`` steps, then cosine decay to a tenth of ``args.lr``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def token_stream(examples, tokenizer) -> list[list[int]]:
@@ -117,12 +132,6 @@ def main(argv=None) -> dict:
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95))
 
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "train_log.jsonl").open("w")
@@ -134,7 +143,7 @@ def main(argv=None) -> dict:
     for step in range(args.steps):
         batch = next(data).to(device)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, args)
         with autocast:
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
@@ -146,7 +155,7 @@ def main(argv=None) -> dict:
         if step % args.log_every == 0 or step == args.steps - 1 or evaluate:  # host syncs
             value = float(loss.detach())
             first_loss = value if first_loss is None else first_loss
-            record = {"step": step, "loss": round(value, 4), "lr": lr_at(step),
+            record = {"step": step, "loss": round(value, 4), "lr": lr_at(step, args),
                       "seconds": round(time.perf_counter() - start, 1)}
             if evaluate:
                 model.eval()

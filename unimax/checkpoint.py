@@ -342,7 +342,7 @@ def mtp_prefix(reader: WeightReader, prefix: str) -> str | None:
     """Where a checkpoint keeps its MTP tensors: top level (``mtp.``, Qwen3.5's releases),
     or under the text model's prefix; None where it has none (transformers' own saves drop
     them)."""
-    for src in ("mtp.", f"{prefix}mtp.", "model.mtp."):
+    for src in dict.fromkeys(("mtp.", f"{prefix}mtp.", "model.mtp.")):  # (in order, once)
         if f"{src}fc.weight" in reader:
             return src
     return None

@@ -163,15 +163,16 @@ class UniMaxEngine:
         self.short_prefill = exact.short_prefill if decode_graph.use_graphs else None
 
     @property
-    @in_force
     def verifier(self) -> Verifier:
         """Verified mode's checker of this engine's drafts (unimax.verifier), built at first
         use: its snapshot cache, tape and compiled forwards cost memory and start-up time that
         a fast mode never needs."""
-        if self._verifier is None:
-            self._verifier = Verifier(self.exact_model, self.exact_cache, self.decode_graph,
-                                      self.bridge_copy, compile=self.compile_verifier,
-                                      drafter=self.mtp_draft)
+        if self._verifier is None:  # (built under this engine's kernel configuration; the
+            # property is read on every block, so only the build enters it)
+            with using(self.kernels):
+                self._verifier = Verifier(self.exact_model, self.exact_cache, self.decode_graph,
+                                          self.bridge_copy, compile=self.compile_verifier,
+                                          drafter=self.mtp_draft)
         return self._verifier
 
     @property

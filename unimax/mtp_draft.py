@@ -48,7 +48,6 @@ class MTPDraft:
         long = dict(dtype=torch.long, device=device)
         self.hidden = torch.zeros(1, rows, hidden, dtype=dtype, device=device)  # h of each row
         self.tokens = torch.zeros(1, rows, **long)  # the exact model's token after each row
-        self.start = torch.zeros((), **long)  # the position of row 0
         self.count = torch.ones((), **long)  # the rows that count
         self.last = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # the MTP's last h
         self.out_tokens = torch.zeros(1, block_size, **long)
@@ -78,13 +77,13 @@ class MTPDraft:
         self.count.fill_(tokens)
         self._first(out)
 
-    def catch_up(self, rows: int) -> None:
-        """The verifier's block or run just left ``rows`` rows in ``hidden`` and ``tokens``,
-        ``start`` and ``count`` set (device-side, no host sync): the MTP's KV over them, its
-        position past the counted ones, and the next first draft."""
-        self.cache.position.copy_(self.start)
+    def catch_up(self, rows: int, start: torch.Tensor) -> None:
+        """The verifier's block or run just left ``rows`` rows in ``hidden`` and ``tokens``
+        and ``count`` set, from position ``start`` (a device scalar: no host sync): the MTP's
+        KV over them, its position past the counted ones, and the next first draft."""
+        self.cache.position.copy_(start)
         out = self._step(self.hidden[:, :rows], self.tokens[:, :rows])
-        self.cache.position.copy_(self.start + self.count)
+        self.cache.position.copy_(start + self.count)
         self._first(out)
 
     def run_block(self, k: int, record: bool = False) -> None:

@@ -268,8 +268,6 @@ class Verifier:
         self.inputs[:, 1:k + 1].copy_(draft)
         compiled = self.compiled and (span == 1 or span - 1 in self.span_blocks)
         forward = self.compiled if compiled else self.forward
-        if self.drafter is not None:
-            self.drafter.start.copy_(self.cache.position)  # (the block's first position)
         # k = 0 keeps its one input: no tape, no rewind, the forward writes the state itself
         with self.cache.recording(self.tape) if k else contextlib.nullcontext():
             logits = self._hidden_kept(forward(self.inputs[:, :span], self.cache,
@@ -309,11 +307,12 @@ class Verifier:
         return logits
 
     def _catch_up(self, rows: int, count) -> None:
-        """The MTP drafter's KV over the ``rows`` rows just run (their tokens the exact
-        model's predictions), ``count`` of them kept."""
+        """The MTP drafter's KV over the ``rows`` rows just run from the snapshot's position
+        (the block's or run's first; their tokens the exact model's predictions), ``count``
+        of them kept."""
         self.drafter.tokens[:, :rows].copy_(self.predictions[:, :rows])
         self.drafter.count.copy_(count)
-        self.drafter.catch_up(rows)
+        self.drafter.catch_up(rows, self.snapshot.position)
 
     def _exact_run(self, n: int, sampled: bool) -> None:
         """n exact steps back to back, no drafts: a run of k = 0 blocks (drafts too poor to
@@ -325,8 +324,6 @@ class Verifier:
         self.take_snapshot()
         forward = self.compiled or self.forward  # (the compiled one-row forward of k = 0)
         d = self.decoder
-        if self.drafter is not None:
-            self.drafter.start.copy_(self.cache.position)
         for i in range(n):
             self.inputs[:, :1].copy_(self.current)
             logits = self._hidden_kept(forward(self.inputs[:, :1], self.cache, logits_to_keep=1),
@@ -421,7 +418,7 @@ class Verifier:
         mine = [self.inputs, self.predictions, self.num_accepted, self.u_accept, self.u_final,
                 self.u_run, self.current]
         d = self.drafter
-        return mine if d is None else mine + [d.hidden, d.tokens, d.start, d.count, d.last,
+        return mine if d is None else mine + [d.hidden, d.tokens, d.count, d.last,
                                               d.out_tokens]
 
     def _writes(self) -> list[RecurrentCache]:

@@ -63,7 +63,7 @@ def forced(engine, reference: torch.Tensor) -> list:
         oracle(0, 1)
 
     drafter.run_block = run_block
-    drafter.catch_up = lambda rows: first_draft(real_catch_up, rows)
+    drafter.catch_up = lambda *args: first_draft(real_catch_up, *args)
     drafter.prefill = lambda *args: first_draft(real_prefill, *args)
     return seen
 
